@@ -1,0 +1,28 @@
+"""hf_specdec: exact speculative decoding (Leviathan et al., 2023) inside transformers' `model.generate`."""
+
+__version__ = "0.1.0"
+
+from .configuration import SpeculativeGenerationConfig
+from .drafters import DraftContext, DraftProposal, Drafter, ModelDrafter, list_drafters, register_drafter
+from .mixin import SpeculativeGenerationMixin, enable
+from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from .stats import SpeculativeStats
+from .theory import expected_speedup, optimal_gamma
+
+__all__ = [
+    "DraftContext",
+    "DraftProposal",
+    "Drafter",
+    "ModelDrafter",
+    "SpeculativeDecoderOnlyOutput",
+    "SpeculativeEncoderDecoderOutput",
+    "SpeculativeGenerationConfig",
+    "SpeculativeGenerationMixin",
+    "SpeculativeStats",
+    "__version__",
+    "enable",
+    "expected_speedup",
+    "list_drafters",
+    "optimal_gamma",
+    "register_drafter",
+]

@@ -1,0 +1,133 @@
+"""The `Drafter` interface and the open drafter registry.
+
+A drafter proposes up to γ tokens per round. A drafter that samples from a distribution returns the standardized
+probabilities it sampled from (q in the paper), so that sampling stays exact; a deterministic drafter (prompt
+lookup, a greedy table) returns `probs=None` and the sampler treats q as a point mass on each proposed token.
+"No proposal" is always an empty `[batch, 0]` token tensor, never `None`; the loop then decodes one plain step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+
+__all__ = ["DraftContext", "DraftProposal", "Drafter", "get_drafter_class", "list_drafters", "register_drafter"]
+
+
+@dataclasses.dataclass
+class DraftContext:
+    """What a drafter may know about the `generate` call it serves; handed to `Drafter.reset` once per call."""
+
+    target: PreTrainedModel
+    """The target model (read it, never modify it)."""
+    input_ids: torch.LongTensor  # [batch, prompt_len]
+    """The prompt (decoder prompt for encoder-decoder targets)."""
+    logits_processor: LogitsProcessorList
+    """The target's prepared processors: apply them to drafter logits to standardize q exactly like p."""
+    generation_config: GenerationConfig
+    """The call's resolved generation config (read only)."""
+    vocab_size: int
+    """Width of the target's logits; proposed token ids must lie in [0, vocab_size)."""
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The target's prepared model kwargs at the start of decoding (attention mask, encoder outputs...)."""
+    inputs_tensor: torch.Tensor | None = None
+    """The tensor `generate` was called with (encoder input for encoder-decoder targets)."""
+
+    @property
+    def do_sample(self) -> bool:
+        return bool(self.generation_config.do_sample)
+
+
+@dataclasses.dataclass
+class DraftProposal:
+    """The drafter's answer for one round."""
+
+    tokens: torch.LongTensor  # [batch, num_drafted]; num_drafted may be 0
+    probs: torch.FloatTensor | None = None  # [batch, num_drafted, vocab] standardized q, or None (deterministic)
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device | str) -> "DraftProposal":
+        return cls(tokens=torch.empty(batch_size, 0, dtype=torch.long, device=device))
+
+
+class Drafter:
+    """Base class of every drafter.
+
+    Subclasses implement `propose`; `reset` and `on_verified` are optional hooks. A drafter object passed to
+    `generate(drafter=...)` is shallow-copied at the start of each call and `reset` runs on the copy, so per-call
+    state (caches, indices) never lands on the user's object: assign new attributes in `reset`, don't mutate shared
+    ones in place.
+    """
+
+    #: Name under which the class is registered (set by `register_drafter`).
+    name: str | None = None
+
+    def reset(self, context: DraftContext) -> None:
+        """Called once at the start of each `generate` call, before the first `propose`."""
+
+    def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
+        """Proposes up to `num_tokens` tokens to follow `input_ids` (`[batch, seq_len]`, prompt + emitted so far)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `propose(input_ids, num_tokens)`.")
+
+    def on_verified(self, input_ids: torch.LongTensor, num_accepted: torch.LongTensor) -> None:
+        """Called after each verification: `num_accepted` (`[batch]`) of the last proposal were kept, and
+        `input_ids` is the sequence after this round's tokens were appended. Roll back state here."""
+
+    def for_call(self, context: DraftContext) -> "Drafter":
+        """A per-call copy of this drafter, reset for `context` (the user's object stays untouched)."""
+        drafter = copy.copy(self)
+        drafter.reset(context)
+        return drafter
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
+    """Registers `cls` so that `generate(drafter=name)` builds it. A name can be registered once.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> class EchoDrafter(hf_specdec.Drafter):
+    ...     def propose(self, input_ids, num_tokens):
+    ...         return hf_specdec.DraftProposal(tokens=input_ids[:, -1:].repeat(1, num_tokens))
+    >>> _ = hf_specdec.register_drafter("echo-doc-example", EchoDrafter)
+    >>> "echo-doc-example" in hf_specdec.list_drafters()
+    True
+    ```
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
+    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+        raise TypeError(f"`cls` must be a subclass of `hf_specdec.Drafter`, got {cls!r}.")
+    if name in _REGISTRY:
+        raise ValueError(
+            f"A drafter named {name!r} is already registered ({_REGISTRY[name].__module__}.{_REGISTRY[name].__name__}); "
+            f"cannot register {cls.__module__}.{cls.__name__} under the same name. Pick another name."
+        )
+    _REGISTRY[name] = cls
+    if cls.__dict__.get("name") is None:
+        cls.name = name
+    return cls
+
+
+def list_drafters() -> list[str]:
+    """Names of all registered drafters, built-in and user-registered, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_drafter_class(name: str) -> type[Drafter]:
+    """The drafter class registered under `name`; unknown names fail with the list of known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"Unknown drafter {name!r}. Registered drafters: {list_drafters()}. "
+            "Register your own with `hf_specdec.register_drafter(name, cls)`."
+        ) from None

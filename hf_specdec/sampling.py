@@ -1,0 +1,107 @@
+"""The speculative sampling step: Algorithm 1 of Leviathan, Kalman & Matias (ICML 2023), as pure tensor functions.
+
+Nothing here sees a model, a cache or a config: standardized probabilities go in, the number of accepted drafts and
+the next token come out. Variable names follow the paper:
+
+- `gamma` (γ): how many tokens the drafter proposed this round.
+- `draft_tokens` (x_1..x_γ): the **drafted** tokens, sampled from the drafter's standardized distributions q_i
+  (or chosen deterministically, in which case q_i is a point mass on x_i and `draft_probs` is `None`).
+- `target_probs` (p_1..p_{γ+1}): the target's standardized distributions, p_i conditioned on prefix + x_1..x_{i-1}.
+- **accepted**: the leading drafted tokens that pass the ratio test r_i < p_i(x_i) / q_i(x_i); `accepted` is n.
+- **rejected**: the first drafted token that fails the test (position n + 1); everything after it is discarded.
+- **recovered** token: after a rejection, the token resampled from norm(max(0, p_{n+1} - q_{n+1})).
+- **bonus** token: when all γ drafts are accepted, the extra token sampled from p_{γ+1}.
+
+Lenience `l` (Appendix A.5) scales q before the comparison: accept with min(1, p / (l q)) and recover from
+norm(max(0, p - l q)). With l = 1 this is exactly Algorithm 1; with l < 1 no token is emitted with probability above
+p(x) / l. The greedy variant accepts a draft token x when p(x) >= l * max(p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["draft_target_overlap", "verify_greedy", "verify_sampling"]
+
+
+def verify_greedy(
+    draft_tokens: torch.LongTensor,  # [batch, gamma]
+    target_scores: torch.FloatTensor,  # [batch, gamma + 1, vocab], standardized (processed) logits
+    lenience: float = 1.0,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Greedy verification: accept drafts while they equal the target's argmax; the next token is the target's argmax.
+
+    Returns `(accepted, next_tokens)`, both `[batch]`. With `lenience < 1` a draft token x is also accepted when
+    p(x) >= lenience * max(p), where p = softmax(target_scores) (Appendix A.5, argmax variant).
+    """
+    gamma = draft_tokens.shape[1]
+    target_tokens = target_scores.argmax(dim=-1)  # [batch, gamma + 1]
+    matches = draft_tokens == target_tokens[:, :gamma]  # [batch, gamma]
+    if lenience < 1.0 and gamma > 0:
+        target_probs = target_scores[:, :gamma].softmax(dim=-1)  # [batch, gamma, vocab]
+        draft_prob = target_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]
+        matches = matches | (draft_prob >= lenience * target_probs.amax(dim=-1))
+    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    next_tokens = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [batch]
+    return accepted, next_tokens
+
+
+def verify_sampling(
+    draft_tokens: torch.LongTensor,  # [batch, gamma]
+    draft_probs: torch.FloatTensor | None,  # [batch, gamma, vocab], or None for a deterministic (point-mass) drafter
+    target_probs: torch.FloatTensor,  # [batch, gamma + 1, vocab]
+    lenience: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Algorithm 1: the ratio test on each draft, then a recovered token (on rejection) or a bonus token.
+
+    Returns `(accepted, next_tokens)`, both `[batch]`. The emitted tokens of row b are
+    `draft_tokens[b, :accepted[b]]` followed by `next_tokens[b]`; they are distributed exactly as sampling from the
+    target token by token (for `lenience=1`).
+    """
+    batch, gamma = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    if gamma == 0:
+        accepted = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
+        return accepted, torch.multinomial(target_probs[:, 0], 1, generator=generator).squeeze(1)
+
+    p_x = target_probs[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: p_i(x_i)
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: q_i(x_i)
+    r = torch.rand(p_x.shape, device=p_x.device, dtype=p_x.dtype, generator=generator)  # [batch, gamma]
+    # r_i < p_i(x_i) / (l q_i(x_i)), multiplied out so that q_i(x_i) = 0 never divides
+    passed = r * (lenience * q_x) < p_x  # [batch, gamma]
+    accepted = passed.long().cumprod(dim=-1).sum(dim=-1)  # [batch]: n
+
+    p_next = target_probs[rows, accepted]  # [batch, vocab]: p_{n+1}
+    rejected_at = accepted.clamp(max=gamma - 1)  # index of the rejected draft (ignored for fully accepted rows)
+    if draft_probs is None:
+        q_next = torch.zeros_like(p_next)
+        q_next[rows, draft_tokens[rows, rejected_at]] = 1.0
+    else:
+        q_next = draft_probs[rows, rejected_at]  # [batch, vocab]
+    residual = (p_next - lenience * q_next).clamp(min=0.0)  # [batch, vocab]
+    mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    # mass is 0 only when p == q to float precision, where a rejection has probability ~0: fall back to p
+    recovered_dist = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
+    next_dist = torch.where((accepted < gamma)[:, None], recovered_dist, p_next)
+    next_tokens = torch.multinomial(next_dist, 1, generator=generator).squeeze(1)
+    return accepted, next_tokens
+
+
+def draft_target_overlap(
+    draft_tokens: torch.LongTensor,  # [batch, gamma]
+    draft_probs: torch.FloatTensor | None,  # [batch, gamma, vocab] or None (point mass on the drafted token)
+    target_probs: torch.FloatTensor,  # [batch, gamma (+ 1), vocab]
+) -> torch.FloatTensor:
+    """β_i = sum_x min(p_i(x), q_i(x)) per drafted position (the paper's Corollary 3.6): `[batch, gamma]`.
+
+    Its mean over positions estimates α. For a point-mass q it is p_i(x_i).
+    """
+    gamma = draft_tokens.shape[1]
+    p = target_probs[:, :gamma]
+    if draft_probs is None:
+        return p.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    return torch.minimum(p, draft_probs).sum(dim=-1)

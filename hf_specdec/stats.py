@@ -1,0 +1,90 @@
+"""Acceptance statistics of one speculative `generate` call (`output.speculative_stats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["SpeculativeStats"]
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """What happened in one speculative `generate` call.
+
+    One round is one target forward: the drafter proposes up to γ tokens, the target verifies them, and the round
+    emits the accepted drafts plus one token from the target (recovered or bonus).
+    """
+
+    target_calls: int = 0
+    """Target forwards (rounds), including rounds where the drafter proposed nothing."""
+    drafted_tokens: int = 0
+    """Tokens proposed by the drafter and verified by the target."""
+    accepted_tokens: int = 0
+    """Drafted tokens that passed verification."""
+    emitted_tokens: int = 0
+    """Tokens appended to the output (after stopping criteria cut the last round short, if they did)."""
+    beta_sum: float = 0.0
+    """Sum of β = sum_x min(p(x), q(x)) over the positions counted in `beta_count`."""
+    beta_count: int = 0
+    """Verified positions that entered `beta_sum`: the accepted ones and the first rejected one of each round."""
+    accepted_length_histogram: list[int] = dataclasses.field(default_factory=list)
+    """`accepted_length_histogram[n]`: rounds that accepted exactly n drafts."""
+    position_drafted: list[int] = dataclasses.field(default_factory=list)
+    """`position_drafted[i]`: rounds that drafted a token at position i (0-based)."""
+    position_accepted: list[int] = dataclasses.field(default_factory=list)
+    """`position_accepted[i]`: rounds whose draft at position i was accepted."""
+    gamma_history: list[int] = dataclasses.field(default_factory=list)
+    """The number of drafts proposed in each round."""
+    draft_time_s: float = 0.0
+    """Host wall-clock seconds spent in the drafter."""
+    verify_time_s: float = 0.0
+    """Host wall-clock seconds spent in target forwards and verification."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Estimate of α = E[β] (Corollary 3.6): the mean of sum_x min(p(x), q(x)) over verified positions."""
+        return self.beta_sum / self.beta_count if self.beta_count else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens emitted per target call, counting the target's own token (vLLM's "mean acceptance length")."""
+        return (self.accepted_tokens + self.target_calls) / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def position_acceptance_rate(self) -> list[float]:
+        """Acceptance rate at each draft position, given that position was drafted."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    def record_round(self, drafted: int, accepted: int, betas: list[float]) -> None:
+        """Books one verified round (`betas`: β of the positions up to and including the first rejection)."""
+        self.target_calls += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.beta_sum += sum(betas)
+        self.beta_count += len(betas)
+        self.gamma_history.append(drafted)
+        _grow(self.accepted_length_histogram, accepted + 1)
+        self.accepted_length_histogram[accepted] += 1
+        _grow(self.position_drafted, drafted)
+        _grow(self.position_accepted, drafted)
+        for i in range(drafted):
+            self.position_drafted[i] += 1
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields plus the derived rates, as plain Python values (JSON-serializable)."""
+        output = dataclasses.asdict(self)
+        for name in ("acceptance_rate", "alpha", "mean_accepted_length", "position_acceptance_rate"):
+            output[name] = getattr(self, name)
+        return output
+
+
+def _grow(counts: list[int], length: int) -> None:
+    counts.extend([0] * (length - len(counts)))

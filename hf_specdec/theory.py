@@ -1,0 +1,52 @@
+"""The paper's closed forms: expected tokens per round, Theorem 3.8 (speedup) and the best γ (section 3.5)."""
+
+from __future__ import annotations
+
+__all__ = ["expected_speedup", "expected_tokens_per_round", "optimal_gamma"]
+
+
+def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"`alpha` must be in [0, 1], got {alpha!r}.")
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
+        raise ValueError(f"`gamma` must be a non-negative int, got {gamma!r}.")
+    if c is not None and c < 0:
+        raise ValueError(f"`c` (drafter cost / target cost) must be >= 0, got {c!r}.")
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """Equation (1): E[tokens per target call] = (1 - α^(γ+1)) / (1 - α), capped geometric (γ + 1 when α = 1)."""
+    _check(alpha, gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Theorem 3.8: expected wall-time improvement (1 - α^(γ+1)) / ((1 - α)(γ c + 1)).
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> round(hf_specdec.expected_speedup(alpha=0.8, gamma=5, c=0.05), 2)
+    2.95
+    ```
+    """
+    _check(alpha, gamma, c)
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+
+
+def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """The γ in {0, ..., max_gamma} that maximises Theorem 3.8 (γ = 0, plain decoding, when nothing beats it).
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> hf_specdec.optimal_gamma(alpha=0.8, c=0.05)
+    8
+    ```
+    """
+    _check(alpha, None, c)
+    return max(range(max_gamma + 1), key=lambda gamma: (expected_speedup(alpha, gamma, c), -gamma))

@@ -1,0 +1,70 @@
+"""The embedded default pair, built from configs (no download): an 8-layer Llama-style target and its early-exit
+drafter (the target's own embedding, first layer, final norm and head).
+
+The deeper layers' output projections are scaled down so that the drafter agrees with the target often (α around
+0.6-0.7 at the default scale), which is what a well-matched drafter looks like to the sampler. Both models are
+seeded and deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+__all__ = ["build_early_exit_pair", "decode_ids"]
+
+
+def build_early_exit_pair(
+    *,
+    num_layers: int = 8,
+    hidden_size: int = 768,
+    vocab_size: int = 2048,
+    deep_layer_scale: float = 0.05,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """Returns `(target, drafter)`: a `num_layers` Llama target and its 1-layer early-exit drafter."""
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 11 // 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=max(1, hidden_size // 64),
+        num_key_value_heads=max(1, hidden_size // 128),
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.no_grad():
+        # a sharper head gives the peaked next-token distributions of a trained model
+        target.lm_head.weight.mul_(6.0)
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(deep_layer_scale)
+            layer.mlp.down_proj.weight.mul_(deep_layer_scale)
+    drafter_config = copy.deepcopy(config)
+    drafter_config.num_hidden_layers = 1
+    drafter_config.layer_types = None
+    drafter = AutoModelForCausalLM.from_config(drafter_config, dtype=dtype).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or
+             k.startswith("model.layers.0.")}
+    drafter.load_state_dict(state)
+    for model in (target, drafter):
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = None
+        model.generation_config.bos_token_id = None
+    return target, drafter
+
+
+_ALPHABET = "etaoinshrdlucmfwypvbgkqjxz ETAOINSHRDLUCMFWYPVBGKQJXZ.,;:!?'-()0123456789\n"
+
+
+def decode_ids(ids) -> str:
+    """A readable stand-in for a tokenizer: token id -> one character (the toy models have no tokenizer)."""
+    return "".join(_ALPHABET[int(i) % len(_ALPHABET)] for i in ids)

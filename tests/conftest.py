@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny real transformers models built from configs (no Hub), seeded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_specdec
+
+VOCAB = 96
+
+# kwargs that make each architecture tiny; names follow each config class
+TINY = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=None),
+    "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+    "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "gemma": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8),
+}
+ARCHITECTURES = sorted(TINY)
+
+
+def tiny_config(arch: str, **overrides):
+    # no special tokens: EOS would end generations at random points and hide the comparison
+    kwargs = dict(TINY[arch], vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
+    # random-init logits are nearly flat; a larger head makes argmax ties (float noise) irrelevant
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def noisy_copy(model, scale: float, seed: int = 1):
+    """A partly-right drafter: the target's weights plus Gaussian noise."""
+    torch.manual_seed(seed)
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            param.add_(torch.randn_like(param) * scale * param.std().clamp(min=1e-3))
+    return noisy
+
+
+@pytest.fixture
+def llama_pair():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    drafter = tiny_model("llama", seed=1)
+    return target, drafter
+
+
+def prompt(length: int = 8, seed: int = 0, vocab: int = VOCAB) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=generator)
+
+
+class ScriptedDrafter(hf_specdec.Drafter):
+    """Proposes a known continuation, corrupting every `period`-th absolute position: acceptance under control.
+
+    `period=1` is never right, `period=None` always right. Deterministic (q is a point mass).
+    """
+
+    def __init__(self, reference: torch.LongTensor, period: int | None = None, vocab: int = VOCAB):
+        self.reference = reference  # [1, total_len]: the target's own greedy output
+        self.period = period
+        self.vocab = vocab
+
+    def propose(self, input_ids, num_tokens):
+        start = input_ids.shape[1]
+        tokens = self.reference[:, start : start + num_tokens].clone()
+        if self.period is not None:
+            positions = torch.arange(start, start + tokens.shape[1])
+            wrong = positions % self.period == self.period - 1
+            tokens[:, wrong] = (tokens[:, wrong] + 1) % self.vocab
+        return hf_specdec.DraftProposal(tokens=tokens)
+
+
+@pytest.fixture(scope="session")
+def local_tokenizer():
+    """A real BPE tokenizer trained here with `tokenizers`, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "the cat sat on the mat and the dog sat on the log",
+        "speculative decoding drafts tokens with a small model and verifies them with a large one",
+        "def add(a, b):\n    return a + b\n",
+        "a quick brown fox jumps over the lazy dog while the cat watches",
+    ] * 20
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
