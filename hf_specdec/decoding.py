@@ -128,7 +128,8 @@ def speculative_decode(
         num_accepted = int(accepted[0])
         stats.record_round(num_drafted, num_accepted, betas[0, : min(num_accepted + 1, num_drafted)].tolist())
 
-        # 4. append token by token through the stopping criteria
+        # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
+        # middle of an accepted block, and plain generate checks after every token
         new_tokens = torch.cat([draft_tokens[:, :num_accepted], next_tokens[:, None]], dim=-1)  # [batch, n + 1]
         round_ids = torch.cat([input_ids, new_tokens], dim=-1)
         emitted = 0
@@ -231,7 +232,7 @@ def _checked_tokens(
         raise ValueError(f"{name}.propose must return tokens of shape [batch={input_ids.shape[0]}, k], got {shape}.")
     if tokens.shape[1] > gamma:
         raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
-    if tokens.shape[1] and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+    if tokens.shape[1] and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
         raise ValueError(
             f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
             f"{tokens.tolist()}. Build the drafter for the target's tokenizer."

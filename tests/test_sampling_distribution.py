@@ -10,7 +10,7 @@ from transformers import LogitsProcessorList
 import hf_specdec
 from conftest import ScriptedDrafter, prompt, tiny_model
 
-SAMPLES = 1500
+SAMPLES = 2000
 P_THRESHOLD = 1e-3
 
 
