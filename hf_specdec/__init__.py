@@ -3,7 +3,16 @@
 __version__ = "0.1.0"
 
 from .configuration import SpeculativeGenerationConfig
-from .drafters import DraftContext, DraftProposal, Drafter, ModelDrafter, list_drafters, register_drafter
+from .drafters import (
+    DraftContext,
+    DraftProposal,
+    Drafter,
+    ModelDrafter,
+    NGramDrafter,
+    PromptLookupDrafter,
+    list_drafters,
+    register_drafter,
+)
 from .mixin import SpeculativeGenerationMixin, enable
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculativeStats
@@ -14,6 +23,8 @@ __all__ = [
     "DraftProposal",
     "Drafter",
     "ModelDrafter",
+    "NGramDrafter",
+    "PromptLookupDrafter",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeEncoderDecoderOutput",
     "SpeculativeGenerationConfig",

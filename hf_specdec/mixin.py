@@ -156,7 +156,7 @@ def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | N
     if isinstance(drafter, PreTrainedModel):
         return ModelDrafter(drafter)
     if isinstance(drafter, str):
-        return get_drafter_class(drafter)(**(drafter_kwargs or {}))
+        return get_drafter_class(drafter).from_options(**(drafter_kwargs or {}))
     raise TypeError(
         f"`drafter` must be a registered drafter name, a `hf_specdec.Drafter` or a `PreTrainedModel`, got "
         f"{type(drafter).__name__}. Registered names: see `hf_specdec.list_drafters()`."

@@ -2,12 +2,16 @@
 
 from .base import DraftContext, DraftProposal, Drafter, get_drafter_class, list_drafters, register_drafter
 from .model import ModelDrafter
+from .ngram import NGramDrafter
+from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
     "DraftContext",
     "DraftProposal",
     "Drafter",
     "ModelDrafter",
+    "NGramDrafter",
+    "PromptLookupDrafter",
     "get_drafter_class",
     "list_drafters",
     "register_drafter",

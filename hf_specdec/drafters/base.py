@@ -77,6 +77,11 @@ class Drafter:
         """Called after each verification: `num_accepted` (`[batch]`) of the last proposal were kept, and
         `input_ids` is the sequence after this round's tokens were appended. Roll back state here."""
 
+    @classmethod
+    def from_options(cls, **options) -> "Drafter":
+        """Builds the drafter for `generate(drafter=<registered name>, drafter_kwargs=options)`."""
+        return cls(**options)
+
     def for_call(self, context: DraftContext) -> "Drafter":
         """A per-call copy of this drafter, reset for `context` (the user's object stays untouched)."""
         drafter = copy.copy(self)

@@ -1,0 +1,114 @@
+"""Prompt lookup side by side: plain `generate`, transformers' `prompt_lookup_num_tokens`, and hf_specdec's
+`drafter="prompt_lookup"`, in one process, same prompts, greedy, batch 1.
+
+Copy-heavy case: the target is the embedded toy target with its attention output projections zeroed, which makes
+its next token a function of the current token only (same compute per forward). For a prompt S + C + S, where C
+is its greedy continuation of S, its greedy continuation is C again: it repeats the context, like a model asked to
+return a code block with a small change. No-match case: the unmodified toy target on random prompts, where copying
+rarely helps; the goal there is to be no slower than plain `generate`.
+
+    python benchmarks/bench_prompt_lookup.py [--gamma 5] [--max-new-tokens 128] [--prompts 3] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationMixin
+
+import hf_specdec
+from hf_specdec.toy import build_early_exit_pair
+
+
+def copying_target(target):
+    """The same architecture and cost, but attention contributes nothing: a first-order Markov chain."""
+    markov = copy.deepcopy(target)
+    with torch.no_grad():
+        for layer in markov.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return markov
+
+
+def run_case(target, prompts, args, label):
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    methods = {
+        "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
+        "transformers_prompt_lookup": lambda ids: GenerationMixin.generate(
+            target, ids, prompt_lookup_num_tokens=args.gamma, max_matching_ngram_size=args.max_ngram_size, **common
+        ),
+        "hf_specdec_prompt_lookup": lambda ids: target.generate(
+            ids, drafter="prompt_lookup", speculative_gamma=args.gamma,
+            drafter_kwargs={"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}, **common
+        ),
+    }
+    methods["plain"](prompts[0][:, :8])  # warm-up
+    seconds = {name: 0.0 for name in methods}
+    identical = {name: True for name in methods}
+    for _ in range(args.repeats):
+        for ids in prompts:
+            reference = methods["plain"](ids)
+            for name, method in methods.items():
+                start = time.perf_counter()
+                out = method(ids)
+                seconds[name] += time.perf_counter() - start
+                identical[name] &= torch.equal(out, reference)
+    stats = [target.generate(ids, drafter="prompt_lookup", speculative_gamma=args.gamma, return_dict_in_generate=True,
+                             drafter_kwargs={"max_ngram_size": args.max_ngram_size,
+                                             "min_ngram_size": args.min_ngram_size}, **common).speculative_stats
+             for ids in prompts]
+    return {
+        "case": label,
+        "seconds": seconds,
+        "identical_to_plain": identical,
+        "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
+        "hf_specdec_over_transformers": seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup"],
+        "acceptance_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
+        "mean_tokens_per_target_call": sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats),
+        "rounds_without_proposal": sum(s.gamma_history.count(0) for s in stats) / sum(s.target_calls for s in stats),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--max-ngram-size", type=int, default=3)
+    parser.add_argument("--min-ngram-size", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+
+    target, _ = build_early_exit_pair(hidden_size=args.hidden_size)
+    target = hf_specdec.enable(target)
+    copier = hf_specdec.enable(copying_target(target))
+    vocab = target.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    seeds = [torch.randint(0, vocab, (1, 24), generator=generator) for _ in range(args.prompts)]
+    copy_prompts = []
+    for seed in seeds:
+        continuation = copier.generate(seed, max_new_tokens=args.max_new_tokens)[:, seed.shape[1]:]
+        copy_prompts.append(torch.cat([seed, continuation, seed], dim=-1))
+    random_prompts = [torch.randint(0, vocab, (1, 64), generator=generator) for _ in range(args.prompts)]
+
+    results = {
+        "gamma": args.gamma,
+        "max_new_tokens": args.max_new_tokens,
+        "hidden_size": args.hidden_size,
+        "threads": torch.get_num_threads(),
+        "cases": [run_case(copier, copy_prompts, args, "copy-heavy"),
+                  run_case(target, random_prompts, args, "no-match")],
+    }
+    print(json.dumps(results, indent=2))
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

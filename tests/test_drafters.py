@@ -1,0 +1,241 @@
+"""The built-in drafters: prompt lookup and n-gram tables (matching, exactness, Hub format, bad input)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_specdec
+from conftest import VOCAB, noisy_copy, prompt, tiny_model
+from test_sampling_distribution import SAMPLES, P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
+
+
+def lookup(context, num_tokens=3, max_ngram_size=3, min_ngram_size=1):
+    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=max_ngram_size, min_ngram_size=min_ngram_size)
+    return drafter.propose_for(torch.tensor([context]), num_tokens).tokens[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "context, expected",
+    [
+        ([1, 2, 3, 9, 2, 3, 8, 1, 2, 3], [9, 2, 3]),  # longest: the 3-gram beats the more recent 2-gram
+        ([1, 2, 5, 1, 2, 6, 1, 2], [6, 1, 2]),  # most recent occurrence of the suffix wins
+        ([1, 2, 3, 4], []),  # no match: an empty proposal
+        ([7, 7, 7], [7, 7, 7]),  # match at the very end: the copy overlaps itself (period 1)
+        ([4, 5, 6, 4], [5, 6, 4]),  # continuation runs into the suffix itself
+        ([1, 8, 9, 8, 9], [8, 9, 8]),  # most recent match one period back: periodic continuation
+    ],
+)
+def test_prompt_lookup_matching(context, expected):
+    assert lookup(context) == expected
+
+
+def test_prompt_lookup_min_ngram_size():
+    assert lookup([1, 2, 3, 1], min_ngram_size=2) == []
+    assert lookup([1, 2, 3, 1], min_ngram_size=1) == [2, 3, 1]
+
+
+def test_prompt_lookup_index_is_incremental():
+    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1)
+    context = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]])
+    model = tiny_model("llama")
+    drafter.reset(hf_specdec.DraftContext(target=model, input_ids=context[:, :3], logits_processor=None,
+                                          generation_config=model.generation_config, vocab_size=VOCAB))
+    for length in range(3, context.shape[1] + 1):
+        grown = drafter.propose(context[:, :length], 4).tokens
+        fresh = drafter.propose_for(context[:, :length], 4).tokens
+        assert torch.equal(grown, fresh)
+    assert drafter.rows[0].indexed == context.shape[1] - 1  # every token indexed once
+
+
+@pytest.mark.parametrize("bad", [dict(max_ngram_size=0), dict(min_ngram_size=0), dict(max_ngram_size=2, min_ngram_size=3)])
+def test_prompt_lookup_bad_sizes(bad):
+    with pytest.raises(ValueError, match="ngram_size"):
+        hf_specdec.PromptLookupDrafter(**bad)
+
+
+@pytest.fixture(scope="module")
+def looping_target():
+    """A target whose greedy continuation repeats its context (random tiny models fall into cycles)."""
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    warm = target.generate(prompt(8, seed=9), max_new_tokens=60)
+    return target, warm[:, -20:]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7, 12])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_prompt_lookup_greedy_identity(arch, gamma):
+    target = hf_specdec.enable(tiny_model(arch, seed=0))
+    for ids in (prompt(8, seed=9), target.generate(prompt(8, seed=9), max_new_tokens=40)[:, -16:]):
+        plain = target.generate(ids, max_new_tokens=24, repetition_penalty=1.1)
+        out = target.generate(ids, drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1},
+                              speculative_gamma=gamma, max_new_tokens=24, repetition_penalty=1.1)
+        assert torch.equal(out, plain)
+
+
+def test_prompt_lookup_accepts_on_repetitive_text(looping_target):
+    target, ids = looping_target
+    plain = target.generate(ids, max_new_tokens=30)
+    out = target.generate(ids, drafter="prompt_lookup", speculative_gamma=6, max_new_tokens=30,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_stats.acceptance_rate > 0.5  # a repeating continuation is copied
+
+
+def self_table(target, n=3, seeds=range(6), **kwargs):
+    """An n-gram table built from the target's own greedy outputs: often right."""
+    corpus = [target.generate(prompt(6, seed=s), max_new_tokens=40)[0] for s in seeds]
+    return hf_specdec.NGramDrafter.from_corpus(corpus, n=n, vocab_size=VOCAB, **kwargs)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7, 12])
+@pytest.mark.parametrize("table_kind", ["own_outputs", "random_corpus", "unigram"])
+def test_ngram_greedy_identity(table_kind, gamma):
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    if table_kind == "own_outputs":
+        table = self_table(target)
+    elif table_kind == "random_corpus":
+        table = hf_specdec.NGramDrafter.from_corpus([prompt(200, seed=5)[0]], n=3, vocab_size=VOCAB)
+    else:
+        table = self_table(target, n=1)
+    ids = prompt(6, seed=2)
+    plain = target.generate(ids, max_new_tokens=24, no_repeat_ngram_size=3)
+    out = target.generate(ids, drafter=table, speculative_gamma=gamma, max_new_tokens=24, no_repeat_ngram_size=3,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    if table_kind == "own_outputs":
+        assert out.speculative_stats.acceptance_rate > 0.3
+
+
+def test_prompt_lookup_sampling_follows_target():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    config = dict(temperature=0.9, top_k=4)
+    ids = prompt(6, seed=11)
+    table = exact_two_token_distribution(target, ids, config)
+    likely = max(table, key=table.get)
+    # the prompt contains the likely pair right after its own last token, so lookup proposes it every time
+    ids = torch.cat([ids, torch.tensor([[ids[0, -1].item(), *likely]]), ids], dim=-1)
+    table = exact_two_token_distribution(target, ids, config)
+    kwargs = dict(drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1}, speculative_gamma=2)
+    samples = sample_pairs(target, ids, config, SAMPLES, **kwargs)
+    assert goodness_of_fit(table, samples) > P_THRESHOLD
+    stats = target.generate(ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, **config,
+                            **kwargs).speculative_stats
+    assert stats.drafted_tokens == 1  # it really drafts (gamma is capped by max_new_tokens - 1)
+
+
+def test_ngram_sampled_drafts_follow_target():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    config = dict(temperature=0.9, top_k=4)
+    ids = prompt(6, seed=11)
+    drafter = self_table(target, draft_mode="sample")
+    table = exact_two_token_distribution(target, ids, config)
+    samples = sample_pairs(target, ids, config, SAMPLES, drafter=drafter, speculative_gamma=2)
+    assert goodness_of_fit(table, samples) > P_THRESHOLD
+    stats = target.generate(ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, drafter=drafter,
+                            **config).speculative_stats
+    assert stats.drafted_tokens == 1
+
+
+def test_ngram_sample_mode_passes_q():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    drafter = self_table(target, draft_mode="sample")
+    ids = prompt(6)
+    torch.manual_seed(0)
+    out = target.generate(ids, do_sample=True, drafter=drafter, max_new_tokens=20, return_dict_in_generate=True)
+    stats = out.speculative_stats
+    # alpha is sum_x min(p, q) over the table's q (not a point mass), so it differs from the acceptance counts
+    assert 0 < stats.alpha < 1 and stats.drafted_tokens > 0
+
+
+def test_ngram_save_load_round_trip(tmp_path):
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    table = self_table(target, tokenizer_name="local-bpe", target_name="org/tiny-llama",
+                       corpus_description="greedy outputs of the tiny target", alpha=0.42)
+    table.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors", "config.json", "README.md"}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["n"] == 3 and config["vocab_size"] == VOCAB and config["hf_specdec_version"]
+    card = (tmp_path / "README.md").read_text()
+    assert "library_name: hf_specdec" in card and "base_model: org/tiny-llama" in card and "0.42" in card
+    assert "speculative-decoding" in card and "greedy outputs of the tiny target" in card
+    loaded = hf_specdec.NGramDrafter.from_pretrained(tmp_path)
+    for seed in range(10):
+        context = prompt(5, seed=seed)
+        assert torch.equal(loaded.propose_for(context, 6).tokens, table.propose_for(context, 6).tokens)
+    ids = prompt(6, seed=3)
+    assert torch.equal(target.generate(ids, drafter=loaded, max_new_tokens=20),
+                       target.generate(ids, drafter=table, max_new_tokens=20))
+    by_name = target.generate(ids, drafter="ngram", drafter_kwargs={"pretrained_model_name_or_path": str(tmp_path)},
+                              max_new_tokens=20)
+    assert torch.equal(by_name, target.generate(ids, max_new_tokens=20))
+
+
+def test_ngram_from_texts_with_a_local_tokenizer(local_tokenizer, capsys):
+    texts = ["the cat sat on the mat", "the dog sat on the log"] * 600
+    table = hf_specdec.NGramDrafter.from_texts(texts, tokenizer=local_tokenizer, n=3, show_progress=True)
+    assert table.vocab_size == len(local_tokenizer)
+    assert "tokenizing" in capsys.readouterr().err  # the progress bar
+    ids = local_tokenizer("the cat sat", return_tensors="pt").input_ids
+    proposed = local_tokenizer.decode(table.propose_for(ids, 3).tokens[0])
+    assert proposed.strip().startswith("on")
+
+
+def corrupt(tmp_path, edit):
+    table = hf_specdec.NGramDrafter.from_corpus([prompt(50)[0]], n=2, vocab_size=VOCAB)
+    table.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_corrupt_tables_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"missing tensors \['order_2.tokens'\]"):
+        hf_specdec.NGramDrafter.from_pretrained(corrupt(tmp_path / "a", lambda t: t.pop("order_2.tokens")))
+    with pytest.raises(ValueError, match="order_2.probs has shape .* expected"):
+        hf_specdec.NGramDrafter.from_pretrained(
+            corrupt(tmp_path / "b", lambda t: t.update({"order_2.probs": t["order_2.probs"][:, :3].contiguous()})))
+    with pytest.raises(ValueError, match=r"order_2.tokens holds token ids outside \[0, vocab_size=96\)"):
+        hf_specdec.NGramDrafter.from_pretrained(
+            corrupt(tmp_path / "c", lambda t: t["order_2.tokens"].__setitem__((0, 0), 500)))
+    with pytest.raises(ValueError, match="holds values outside"):
+        hf_specdec.NGramDrafter.from_pretrained(
+            corrupt(tmp_path / "d", lambda t: t["order_2.probs"].__setitem__((0, 0), 7.0)))
+    with pytest.raises(OSError, match="has no model.safetensors"):
+        (tmp_path / "a" / "model.safetensors").unlink()
+        hf_specdec.NGramDrafter.from_pretrained(tmp_path / "a")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text('{"drafter_type": "model"}')
+    with pytest.raises(ValueError, match="drafter_type='model', expected 'ngram'"):
+        hf_specdec.NGramDrafter.from_pretrained(tmp_path / "e")
+
+
+def test_ngram_bad_input():
+    with pytest.raises(ValueError, match="`n` must be a positive int, got 0"):
+        hf_specdec.NGramDrafter.from_corpus([[1, 2]], n=0, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="The corpus is empty"):
+        hf_specdec.NGramDrafter.from_corpus([[], []], n=2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="The corpus is empty"):
+        hf_specdec.NGramDrafter.from_texts([], tokenizer=None)
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=96\): min 0, max 200"):
+        hf_specdec.NGramDrafter.from_corpus([[0, 200]], n=2, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="`draft_mode` must be one of"):
+        hf_specdec.NGramDrafter.from_corpus([[1, 2]], n=2, vocab_size=VOCAB, draft_mode="beam")
+    target = hf_specdec.enable(tiny_model("llama"))
+    other_vocab = hf_specdec.NGramDrafter.from_corpus([[1, 2, 3]], n=2, vocab_size=50)
+    with pytest.raises(ValueError, match="built for a vocabulary of 50 tokens but the target has 96"):
+        target.generate(prompt(), drafter=other_vocab, max_new_tokens=5)
+    with pytest.raises(ValueError, match="`drafter='ngram'` needs a table"):
+        target.generate(prompt(), drafter="ngram", max_new_tokens=5)
+
+
+def test_model_drafter_is_one_registered_drafter_among_others():
+    assert {"model", "ngram", "prompt_lookup"} <= set(hf_specdec.list_drafters())
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt()
+    plain = target.generate(ids, max_new_tokens=12)
+    by_name = target.generate(ids, drafter="model", drafter_kwargs={"model": noisy_copy(target, 0.3)},
+                              max_new_tokens=12)
+    assert torch.equal(by_name, plain)
