@@ -69,7 +69,7 @@ def run_case(target, prompts, args, label):
         "hf_specdec_over_transformers": seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup"],
         "acceptance_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "mean_tokens_per_target_call": sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats),
-        "rounds_without_proposal": sum(s.gamma_history.count(0) for s in stats) / sum(s.target_calls for s in stats),
+        "rounds_without_proposal": sum(s.drafted_history.count(0) for s in stats) / sum(s.target_calls for s in stats),
     }
 
 

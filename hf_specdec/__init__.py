@@ -16,7 +16,8 @@ from .drafters import (
 from .mixin import SpeculativeGenerationMixin, enable
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculativeStats
-from .theory import expected_speedup, optimal_gamma
+from . import metrics, policies
+from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
     "DraftContext",
@@ -32,8 +33,11 @@ __all__ = [
     "SpeculativeStats",
     "__version__",
     "enable",
+    "expected_operations",
     "expected_speedup",
     "list_drafters",
+    "metrics",
     "optimal_gamma",
+    "policies",
     "register_drafter",
 ]

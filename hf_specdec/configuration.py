@@ -19,6 +19,10 @@ class SpeculativeOptions:
     """How many tokens the drafter proposes per target forward (γ in the paper)."""
     speculative_lenience: float = 1.0
     """Lenience l in (0, 1] (Appendix A.5); 1.0 is the exact algorithm, smaller values are lossy."""
+    speculative_gamma_policy: str = "constant"
+    """How γ is chosen each round: "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
+    speculative_max_gamma: int = 16
+    """The largest γ the "heuristic" and "optimal" policies may choose."""
 
     def __post_init__(self):
         gamma = self.speculative_gamma
@@ -33,7 +37,17 @@ class SpeculativeOptions:
                 f"`speculative_lenience` must be a float in (0, 1], got {lenience!r}. Use `speculative_lenience=1.0` "
                 "(the default) for exact speculative decoding."
             )
+        max_gamma = self.speculative_max_gamma
+        if isinstance(max_gamma, bool) or not isinstance(max_gamma, numbers.Integral) or max_gamma < 1:
+            raise ValueError(
+                f"`speculative_max_gamma` must be a positive int, got {max_gamma!r}. Use for example "
+                "`speculative_max_gamma=16`."
+            )
+        from .policies import get_gamma_policy_class
+
+        get_gamma_policy_class(self.speculative_gamma_policy)  # raises with the known names
         object.__setattr__(self, "speculative_gamma", int(gamma))
+        object.__setattr__(self, "speculative_max_gamma", int(max_gamma))
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
 
@@ -53,6 +67,13 @@ class SpeculativeGenerationConfig(GenerationConfig):
             Lenience l in (0, 1] of the paper's Appendix A.5. `1.0` keeps the output exactly the target's; smaller
             values accept more drafts and are lossy, with the guarantee that no token is sampled with probability
             above p(x) / l.
+        speculative_gamma_policy (`str`, *optional*, defaults to `"constant"`):
+            How γ is chosen before each round: `"constant"` (always `speculative_gamma`), `"heuristic"` (+2 after a
+            fully accepted round, -1 otherwise, starting from `speculative_gamma`, never persisted), or `"optimal"`
+            (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the
+            drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
+        speculative_max_gamma (`int`, *optional*, defaults to 16):
+            The largest γ the `"heuristic"` and `"optimal"` policies may choose.
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 

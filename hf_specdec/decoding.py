@@ -25,7 +25,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftContext, DraftProposal, Drafter
 from .drafters.model import logits_width
-from .outputs import SpeculativeDecoderOnlyOutput
+from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from .policies import get_gamma_policy_class
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling
 from .stats import SpeculativeStats
 
@@ -71,7 +72,10 @@ def speculative_decode(
     output_logits = return_dict and bool(generation_config.output_logits)
     scores = () if output_scores else None
     raw_logits = () if output_logits else None
-    stats = SpeculativeStats()
+    stats = SpeculativeStats(lenience=options.speculative_lenience)
+    policy = get_gamma_policy_class(options.speculative_gamma_policy)(
+        options.speculative_gamma, options.speculative_max_gamma
+    )
     is_encoder_decoder = model.config.is_encoder_decoder
     max_length = generation_config.max_length
     first_round = True
@@ -79,8 +83,9 @@ def speculative_decode(
 
     while not finished:
         cur_len = input_ids.shape[1]
+        chosen_gamma = policy.next_gamma()
         # never emit past max_length: a round emits at most gamma + 1 tokens
-        gamma = max(0, min(options.speculative_gamma, max_length - cur_len - 1))
+        gamma = max(0, min(chosen_gamma, max_length - cur_len - 1))
 
         # 1. draft
         draft_start = time.perf_counter()
@@ -116,7 +121,14 @@ def speculative_decode(
                 new_scores[:, i] = logits_processor(candidate_ids[:, : cur_len + i], new_scores[:, i])
 
         # 3. verify (Algorithm 1)
-        if do_sample:
+        if num_drafted == 0:  # a plain decoding step, chosen as plain generate chooses
+            accepted = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+            if do_sample:
+                next_tokens = torch.multinomial(new_scores[:, 0].softmax(dim=-1), 1).squeeze(1)
+            else:
+                next_tokens = new_scores[:, 0].argmax(dim=-1)
+            betas = new_scores.new_zeros(input_ids.shape[0], 0)
+        elif do_sample:
             target_probs = new_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
             accepted, next_tokens = verify_sampling(
                 draft_tokens, proposal.probs, target_probs, lenience=options.speculative_lenience
@@ -126,7 +138,8 @@ def speculative_decode(
             accepted, next_tokens = verify_greedy(draft_tokens, new_scores, lenience=options.speculative_lenience)
             betas = (draft_tokens == new_scores[:, :num_drafted].argmax(dim=-1)).float()  # [batch, k]
         num_accepted = int(accepted[0])
-        stats.record_round(num_drafted, num_accepted, betas[0, : min(num_accepted + 1, num_drafted)].tolist())
+        stats.record_round(chosen_gamma, num_drafted, num_accepted,
+                           betas[0, : min(num_accepted + 1, num_drafted)].tolist())
 
         # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
         # middle of an accepted block, and plain generate checks after every token
@@ -152,18 +165,18 @@ def speculative_decode(
             {}, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=emitted
         )
         drafter.on_verified(input_ids, accepted)
-        first_round = False
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
+        policy.observe(gamma=gamma, drafted=num_drafted, accepted=num_accepted, draft_time_s=verify_start - draft_start,
+                       verify_time_s=verify_end - verify_start, first_round=first_round)
+        first_round = False
 
     if streamer is not None:
         streamer.end()
     if not return_dict:
         return input_ids
     if is_encoder_decoder:
-        from .outputs import SpeculativeEncoderDecoderOutput
-
         return SpeculativeEncoderDecoderOutput(
             sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache, speculative_stats=stats
         )

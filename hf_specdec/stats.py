@@ -35,7 +35,11 @@ class SpeculativeStats:
     position_accepted: list[int] = dataclasses.field(default_factory=list)
     """`position_accepted[i]`: rounds whose draft at position i was accepted."""
     gamma_history: list[int] = dataclasses.field(default_factory=list)
-    """The number of drafts proposed in each round."""
+    """The γ the policy chose for each round (the drafter may propose fewer; the last round may be capped)."""
+    drafted_history: list[int] = dataclasses.field(default_factory=list)
+    """The number of tokens actually drafted in each round."""
+    lenience: float = 1.0
+    """The lenience the call ran with (1.0: exact; below 1: lossy, Appendix A.5)."""
     draft_time_s: float = 0.0
     """Host wall-clock seconds spent in the drafter."""
     verify_time_s: float = 0.0
@@ -61,14 +65,15 @@ class SpeculativeStats:
         """Acceptance rate at each draft position, given that position was drafted."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
-    def record_round(self, drafted: int, accepted: int, betas: list[float]) -> None:
+    def record_round(self, gamma: int, drafted: int, accepted: int, betas: list[float]) -> None:
         """Books one verified round (`betas`: β of the positions up to and including the first rejection)."""
         self.target_calls += 1
+        self.gamma_history.append(gamma)
+        self.drafted_history.append(drafted)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.beta_sum += sum(betas)
         self.beta_count += len(betas)
-        self.gamma_history.append(drafted)
         _grow(self.accepted_length_histogram, accepted + 1)
         self.accepted_length_histogram[accepted] += 1
         _grow(self.position_drafted, drafted)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["expected_speedup", "expected_tokens_per_round", "optimal_gamma"]
+__all__ = ["expected_operations", "expected_speedup", "expected_tokens_per_round", "optimal_gamma"]
 
 
 def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> None:
@@ -35,6 +35,23 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
     """
     _check(alpha, gamma, c)
     return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+
+
+def expected_operations(alpha: float, gamma: int, c_hat: float = 0.0) -> float:
+    """Theorem 3.11: expected factor of increase in arithmetic operations, (1 - α)(γ ĉ + γ + 1) / (1 - α^(γ+1)).
+
+    `c_hat` (ĉ) is the drafter's arithmetic operations per token relative to the target's.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> round(hf_specdec.expected_operations(alpha=0.8, gamma=5), 2)
+    1.63
+    ```
+    """
+    _check(alpha, gamma, c_hat)
+    return (gamma * c_hat + gamma + 1.0) / expected_tokens_per_round(alpha, gamma)
 
 
 def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:

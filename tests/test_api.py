@@ -223,7 +223,7 @@ def test_drafter_argument_errors():
     model = hf_specdec.enable(tiny_model("llama"))
     with pytest.raises(ValueError, match="either `assistant_model` or `drafter`, not both"):
         model.generate(prompt(), assistant_model=model, drafter=model)
-    with pytest.raises(ValueError, match="Unknown drafter 'nope'. Registered drafters: .*'model'"):
+    with pytest.raises(ValueError, match="Unknown drafter 'nope' for `drafter`. Registered: .*'model'"):
         model.generate(prompt(), drafter="nope")
     with pytest.raises(TypeError, match="`drafter` must be a registered drafter name"):
         model.generate(prompt(), drafter=3)
@@ -246,7 +246,7 @@ def test_registry():
     assert "echo-test" in hf_specdec.list_drafters() and "model" in hf_specdec.list_drafters()
     with pytest.raises(ValueError, match="'echo-test' is already registered .*Echo"):
         hf_specdec.register_drafter("echo-test", Echo)
-    with pytest.raises(TypeError, match="subclass of `hf_specdec.Drafter`"):
+    with pytest.raises(TypeError, match="subclass of `hf_specdec.drafters.base.Drafter`"):
         hf_specdec.register_drafter("bad", dict)
     model = hf_specdec.enable(tiny_model("llama"))
     ids = prompt()

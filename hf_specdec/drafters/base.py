@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 
+from ..registry import Registry
+
 __all__ = ["DraftContext", "DraftProposal", "Drafter", "get_drafter_class", "list_drafters", "register_drafter"]
 
 
@@ -89,7 +91,7 @@ class Drafter:
         return drafter
 
 
-_REGISTRY: dict[str, type[Drafter]] = {}
+_REGISTRY: Registry[type[Drafter]] = Registry(Drafter, "drafter", "drafter", "hf_specdec.register_drafter")
 
 
 def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
@@ -107,16 +109,7 @@ def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
     True
     ```
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"`name` must be a non-empty string, got {name!r}.")
-    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-        raise TypeError(f"`cls` must be a subclass of `hf_specdec.Drafter`, got {cls!r}.")
-    if name in _REGISTRY:
-        raise ValueError(
-            f"A drafter named {name!r} is already registered ({_REGISTRY[name].__module__}.{_REGISTRY[name].__name__}); "
-            f"cannot register {cls.__module__}.{cls.__name__} under the same name. Pick another name."
-        )
-    _REGISTRY[name] = cls
+    _REGISTRY.register(name, cls)
     if cls.__dict__.get("name") is None:
         cls.name = name
     return cls
@@ -124,15 +117,9 @@ def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
 
 def list_drafters() -> list[str]:
     """Names of all registered drafters, built-in and user-registered, sorted."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_drafter_class(name: str) -> type[Drafter]:
     """The drafter class registered under `name`; unknown names fail with the list of known ones."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"Unknown drafter {name!r}. Registered drafters: {list_drafters()}. "
-            "Register your own with `hf_specdec.register_drafter(name, cls)`."
-        ) from None
+    return _REGISTRY.get(name)

@@ -1,0 +1,179 @@
+"""γ policies, lenience and the `speculative` evaluate metric."""
+
+import copy
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model
+from hf_specdec.policies import OptimalGammaPolicy
+from hf_specdec.sampling import verify_sampling
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hf_specdec.enable(tiny_model("llama", seed=0))
+
+
+def run(target, ids, **kwargs):
+    return target.generate(ids, return_dict_in_generate=True, max_new_tokens=60, **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["constant", "heuristic", "optimal"])
+@pytest.mark.parametrize("drafter_kind", ["always", "never", "partly"])
+def test_every_policy_stays_exact(target, policy, drafter_kind):
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=60)
+    drafter = {"always": ScriptedDrafter(plain), "never": ScriptedDrafter(plain, period=1),
+               "partly": noisy_copy(target, 0.5)}[drafter_kind]
+    out = run(target, ids, drafter=drafter, speculative_gamma_policy=policy)
+    assert torch.equal(out.sequences, plain)
+
+
+def test_optimal_turns_a_useless_drafter_off(target):
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=60)
+    stats = run(target, ids, drafter=ScriptedDrafter(plain, period=1), speculative_gamma_policy="optimal").speculative_stats
+    tail = stats.gamma_history[10:]
+    assert tail.count(0) >= 0.8 * len(tail)  # plain steps, apart from rare probes of γ = 1
+    assert max(tail) <= 1
+
+
+def test_optimal_turns_a_useless_model_drafter_off(target):
+    ids = prompt(8, seed=1)
+    stats = run(target, ids, assistant_model=tiny_model("llama", seed=5), speculative_gamma_policy="optimal",
+                speculative_gamma=4).speculative_stats
+    assert stats.gamma_history[0] == 4  # starts from the user's γ
+    assert stats.gamma_history[-10:].count(0) >= 7
+
+
+def test_optimal_drafts_long_when_always_right(target):
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=200)
+    out = target.generate(ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="optimal",
+                          speculative_max_gamma=12, max_new_tokens=200, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    gammas = out.speculative_stats.gamma_history
+    assert max(gammas) == 12 and gammas[2:-1].count(12) >= len(gammas[2:-1]) - 1
+
+
+def test_heuristic_schedule_is_per_call_and_leaves_user_objects_alone(target):
+    assistant = noisy_copy(target, 0.3)
+    before = (target.generation_config.to_json_string(), assistant.generation_config.to_json_string())
+    ids = prompt(8, seed=2)
+    plain = target.generate(ids, max_new_tokens=40)
+    first = run(target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic",
+                speculative_gamma=2).speculative_stats
+    assert first.gamma_history[:4] == [2, 4, 6, 8]  # +2 after every fully accepted round
+    never = run(target, ids, drafter=ScriptedDrafter(plain, period=1), speculative_gamma_policy="heuristic",
+                speculative_gamma=3).speculative_stats
+    assert never.gamma_history[:4] == [3, 2, 1, 1]  # -1, not below 1
+    second = run(target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic",
+                 speculative_gamma=2).speculative_stats
+    assert second.gamma_history == first.gamma_history  # nothing carried over between calls
+    run(target, ids, assistant_model=assistant, speculative_gamma_policy="heuristic")
+    assert (target.generation_config.to_json_string(), assistant.generation_config.to_json_string()) == before
+
+
+def test_optimal_policy_estimates():
+    policy = OptimalGammaPolicy(gamma=5, max_gamma=8)
+    assert policy.next_gamma() == 5  # nothing measured yet: the user's γ
+    policy.observe(gamma=5, drafted=5, accepted=5, draft_time_s=1e-3, verify_time_s=10e-3, first_round=True)
+    assert policy.prior_c == pytest.approx(0.02) and policy.draft_s is None
+    assert policy.next_gamma() == 8  # Theorem 3.8 with the first round's c: everything accepted, long drafts pay
+    for _ in range(40):  # position 0 always accepted, position 1 never
+        policy.observe(gamma=4, drafted=4, accepted=1, draft_time_s=4e-3, verify_time_s=10e-3, first_round=False)
+    rates = policy.acceptance_rates()
+    assert rates[0] > 0.9 and rates[1] < 0.1
+    assert policy.next_gamma() == 1  # the second draft never pays
+    intercept, slope = policy.verify_line()
+    assert intercept == pytest.approx(10e-3) and slope == 0.0
+
+
+def test_optimal_policy_uses_measured_cost_per_gamma():
+    policy = OptimalGammaPolicy(gamma=3, max_gamma=6)
+    for _ in range(30):  # always accepted; verifying 4 drafts happens to be cheaper than 3 (a CPU GEMM quirk)
+        for k, seconds in ((3, 14e-3), (4, 11e-3), (5, 16e-3), (6, 17e-3)):
+            policy.observe(gamma=k, drafted=k, accepted=k, draft_time_s=k * 1e-3, verify_time_s=seconds,
+                           first_round=False)
+    rates = policy.acceptance_rates()
+    assert max(range(7), key=lambda g: policy.tokens_per_second(g, rates)) == 4
+
+
+def test_optimal_policy_learns_the_verify_cost_slope():
+    policy = OptimalGammaPolicy(gamma=2, max_gamma=8)
+    for k in (1, 2, 3, 4, 5, 6) * 5:
+        policy.observe(gamma=k, drafted=k, accepted=k, draft_time_s=0.0, verify_time_s=(10 + 4 * k) * 1e-3,
+                       first_round=False)
+    intercept, slope = policy.verify_line()
+    assert intercept == pytest.approx(10e-3, rel=0.05) and slope == pytest.approx(4e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(speculative_gamma_policy="bogus"), r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['constant', 'heuristic'"),
+    (dict(speculative_max_gamma=0), "`speculative_max_gamma` must be a positive int, got 0"),
+])
+def test_bad_policy_arguments(target, bad, match):
+    with pytest.raises(ValueError, match=match):
+        target.generate(prompt(), assistant_model=target, **bad)
+
+
+def exact_lenient_first_token(p, q, lenience):
+    """The exact distribution of the first emitted token for γ = 1, drafts x ~ q (enumerated, no sampling)."""
+    accept = torch.where(q > 0, torch.clamp(p / (lenience * q), max=1.0), torch.zeros_like(q))  # per drafted x
+    residual = torch.clamp(p - lenience * q, min=0.0)
+    residual = residual / residual.sum() if residual.sum() > 0 else p
+    return q * accept + (q * (1 - accept)).sum() * residual
+
+
+@pytest.mark.parametrize("lenience", [1.0, 0.5, 0.2])
+def test_lenient_sampling_distribution_and_bound(lenience):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p = torch.rand(6, generator=generator, dtype=torch.float64) ** 3
+        p /= p.sum()
+        q = torch.rand(6, generator=generator, dtype=torch.float64) ** 3
+        q /= q.sum()
+        exact = exact_lenient_first_token(p, q, lenience)
+        assert (exact <= p / lenience + 1e-12).all()  # no token above p(x) / l (Appendix A.5)
+        if lenience == 1.0:
+            torch.testing.assert_close(exact, p)  # l = 1 is exactly Algorithm 1
+        samples = 40_000
+        draft = torch.multinomial(q.expand(samples, -1), 1, replacement=True, generator=generator)
+        accepted, next_token = verify_sampling(draft, q.expand(samples, 1, -1), p.expand(samples, 2, -1),
+                                               lenience=lenience, generator=generator)
+        first = torch.where(accepted > 0, draft[:, 0], next_token)
+        empirical = torch.bincount(first, minlength=6).double() / samples  # implementation, float64 throughout
+        assert 0.5 * (empirical - exact).abs().sum() < 0.02  # the implementation matches the enumeration
+
+
+def test_lenience_end_to_end(target):
+    ids = prompt(8, seed=3)
+    drafter = noisy_copy(target, 0.8)
+    exact = run(target, ids, assistant_model=drafter, speculative_gamma=4).speculative_stats
+    lenient = run(target, ids, assistant_model=drafter, speculative_gamma=4, speculative_lenience=0.3).speculative_stats
+    assert lenient.lenience == 0.3 and exact.lenience == 1.0
+    assert lenient.acceptance_rate > exact.acceptance_rate  # argmax variant: p(x) >= l max(p) accepts more
+    torch.manual_seed(0)
+    sampled = target.generate(ids, assistant_model=drafter, do_sample=True, speculative_lenience=0.3,
+                              max_new_tokens=30, return_dict_in_generate=True).speculative_stats
+    assert sampled.lenience == 0.3
+
+
+def test_speculative_metric_offline(target):
+    metric = hf_specdec.metrics.load("speculative")
+    assert hf_specdec.metrics.list_metrics() == ["speculative"]
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=40)
+    stats = [run(target, ids, drafter=ScriptedDrafter(plain, period=p)).speculative_stats for p in (2, 3, 4)]
+    result = metric.compute(stats=[s.to_dict() for s in stats], plain_seconds_per_token=0.01)
+    assert result["alpha"] == pytest.approx(sum(s.beta_sum for s in stats) / sum(s.beta_count for s in stats))
+    assert result["target_calls"] == sum(s.target_calls for s in stats)
+    assert result["mean_accepted_length"] == pytest.approx(
+        (sum(s.accepted_tokens for s in stats) + result["target_calls"]) / result["target_calls"])
+    assert len(result["position_acceptance_rate"]) == 5 and result["measured_speedup"] > 0
+    assert result["predicted_speedup"] == pytest.approx(
+        hf_specdec.expected_speedup(alpha=result["alpha"], gamma=round(result["mean_gamma"]), c=result["c"]))
+    with pytest.raises(ValueError, match="Unknown hf_specdec metric 'nope'"):
+        hf_specdec.metrics.load("nope")
