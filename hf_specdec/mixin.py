@@ -107,10 +107,11 @@ class SpeculativeGenerationMixin:
                 )
             stopping_criteria = StoppingCriteriaList(list(stopping_criteria or []))
             stopping_criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-            if generation_config is not None and getattr(generation_config, "stop_strings", None) is not None:
+            if generation_config is not None:  # clear it on a copy (a kwarg next to a config would warn)
+                kwargs.pop("stop_strings", None)
                 generation_config = copy.deepcopy(generation_config)
                 generation_config.stop_strings = None
-            else:
+            else:  # overrides the model's own generation config for this call
                 kwargs["stop_strings"] = None
             plain_args.update(stopping_criteria=stopping_criteria, generation_config=generation_config)
 

@@ -163,3 +163,11 @@ def test_stop_strings_with_a_local_tokenizer(local_tokenizer):
         tokenizer=local_tokenizer,
     )
     assert torch.equal(out, plain)
+    # the same stop string from a config, and a call's value next to a config's: the call's wins
+    config = hf_specdec.SpeculativeGenerationConfig(max_new_tokens=30, stop_strings=stop)
+    out = target.generate(ids, assistant_model=target, generation_config=config, tokenizer=local_tokenizer)
+    assert torch.equal(out, plain) and config.stop_strings == stop
+    config.stop_strings = "never-generated-zzz"
+    out = target.generate(ids, assistant_model=target, generation_config=config, stop_strings=stop,
+                          tokenizer=local_tokenizer)
+    assert torch.equal(out, plain)
