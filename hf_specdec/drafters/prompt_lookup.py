@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
@@ -83,8 +85,10 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram_size = min_ngram_size
 
     def reset(self, context: DraftContext) -> None:
-        self.rows = [_SuffixIndex(range(self.min_ngram_size, self.max_ngram_size + 1))
-                     for _ in range(context.input_ids.shape[0])]
+        self.rows = self._new_rows(context.input_ids.shape[0])
+
+    def _new_rows(self, batch_size: int) -> list[_SuffixIndex]:
+        return [_SuffixIndex(range(self.min_ngram_size, self.max_ngram_size + 1)) for _ in range(batch_size)]
 
     def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
         if not hasattr(self, "rows"):
@@ -103,9 +107,8 @@ class PromptLookupDrafter(Drafter):
 
     def propose_for(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
         """One stand-alone proposal for `input_ids` (a fresh index), handy for inspecting the drafter."""
-        drafter = self.__class__(self.max_ngram_size, self.min_ngram_size)
-        drafter.rows = [_SuffixIndex(range(self.min_ngram_size, self.max_ngram_size + 1))
-                        for _ in range(input_ids.shape[0])]
+        drafter = copy.copy(self)
+        drafter.rows = self._new_rows(input_ids.shape[0])
         return drafter.propose(input_ids, num_tokens)
 
 
