@@ -11,11 +11,12 @@ E[tokens per round] / (γ c + 1) under i.i.d. acceptance and a verify forward as
   that position was reached (Beta-smoothed towards the pooled rate, with exponential forgetting), so acceptance that
   falls off along the draft is accounted for;
 - the round's cost is γ t_draft + t_verify(γ), with t_draft the measured seconds per drafted token and t_verify(γ)
-  the measured verify seconds of rounds that drafted γ tokens (an EMA per γ: on CPUs the cost of a k-token forward
-  is jagged in k), falling back to a line fitted to all rounds (weighted least squares, slope >= 0, ridged towards
-  slope 0) for γ not tried yet. With t_verify flat this is exactly Theorem 3.8 with c = t_draft / t_verify(0).
+  the median of the last verify times of rounds that drafted γ tokens (per γ, because on CPUs the cost of a k-token
+  forward is jagged in k; a median, so stalls do not count), shrunk towards a line fitted to all rounds (weighted
+  least squares, slope >= 0, ridged towards slope 0), which alone serves γ not tried yet. With t_verify flat this is exactly Theorem 3.8 with c = t_draft / t_verify(0).
 
-It picks γ in {0, ..., speculative_max_gamma} maximising tokens per second. The first round includes the prompt's
+It picks γ in {0, ..., speculative_max_gamma} maximising tokens per second, and drafts at all only when that is
+predicted to beat a plain step by 3% (so timing noise cannot make it flip-flop). The first round includes the prompt's
 prefill: it trains the acceptance estimates and gives a first c (drafting time / verifying time), with which the
 second round applies Theorem 3.8 directly (or takes a plain step, measuring its cost, if nothing was accepted). Every 8th round it tries a neighbour of its choice (γ ± 1) to keep the
 cost estimates of nearby γ fresh. When it settles on γ = 0 it probes γ = 1 after 32, 64, 128, ... plain steps, so
@@ -23,6 +24,9 @@ a drafter that becomes useful again is noticed while a useless one costs almost 
 """
 
 from __future__ import annotations
+
+import collections
+import statistics
 
 from .registry import Registry
 
@@ -63,6 +67,7 @@ class OptimalGammaPolicy(GammaPolicy):
     prior_strength = 2.0  # pseudo-rounds pulling each position's rate towards the pooled rate
     explore_every = 8  # rounds between probes of a neighbour of the chosen γ
     first_probe_after = 32  # plain steps before the first probe of γ = 1 (then doubled each time)
+    min_gain = 1.03  # draft only when predicted to beat a plain step by this factor: hysteresis against timing noise
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
@@ -70,7 +75,7 @@ class OptimalGammaPolicy(GammaPolicy):
         self.accepted = [0.0] * max_gamma
         self.prior_c = None  # drafter / target time of the first round (both include the prompt)
         self.draft_s = None  # seconds per drafted token (EMA)
-        self.verify_s: dict[int, float] = {}  # k drafted -> verify seconds (EMA); CPU GEMMs make it jagged in k
+        self.verify_s: dict[int, collections.deque] = {}  # k -> last verify times of rounds drafting k (jagged in k)
         self.fit = [0.0] * 5  # decayed weighted sums for the fallback line t_verify(k) = a + b k: w, wk, wkk, wt, wkt
         self.rounds = 0
         self.plain_rounds = 0
@@ -98,13 +103,18 @@ class OptimalGammaPolicy(GammaPolicy):
             tokens += survive
         return tokens
 
+    def verify_seconds(self, gamma: int) -> float:
+        """The median of recent verify times of rounds that drafted `gamma` (robust to stalls), shrunk towards the
+        fitted line by how many there are."""
+        intercept, slope = self.verify_line()
+        line = intercept + slope * gamma
+        recent = self.verify_s.get(gamma, ())
+        if not recent:
+            return line
+        return (len(recent) * statistics.median(recent) + 2.0 * line) / (len(recent) + 2.0)  # 2 pseudo-rounds
+
     def tokens_per_second(self, gamma: int, rates: list[float]) -> float:
-        if gamma in self.verify_s:
-            verify = self.verify_s[gamma]
-        else:
-            intercept, slope = self.verify_line()
-            verify = intercept + slope * gamma
-        return self.expected_tokens(gamma, rates) / (gamma * self.draft_s + max(verify, 1e-9))
+        return self.expected_tokens(gamma, rates) / (gamma * self.draft_s + max(self.verify_seconds(gamma), 1e-9))
 
     def next_gamma(self) -> int:
         rates = self.acceptance_rates()
@@ -120,6 +130,8 @@ class OptimalGammaPolicy(GammaPolicy):
             best = 0
         else:
             best = max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(g, rates), -g))
+            if self.tokens_per_second(best, rates) < self.min_gain * self.tokens_per_second(0, rates):
+                best = 0
         if best == 0:
             self.plain_rounds += 1
             if self.plain_rounds >= self.probe_after:  # is the drafter useful again?
@@ -145,11 +157,14 @@ class OptimalGammaPolicy(GammaPolicy):
             return
         if drafted:
             per_token = draft_time_s / drafted
+            if self.draft_s is not None:  # a stall (another process, a page fault) counts for at most 3x
+                per_token = min(per_token, 3.0 * self.draft_s)
             self.draft_s = per_token if self.draft_s is None else 0.8 * self.draft_s + 0.2 * per_token
         elif self.draft_s is None:
             self.draft_s = (self.prior_c or 0.0) * verify_time_s
-        previous = self.verify_s.get(drafted)
-        self.verify_s[drafted] = verify_time_s if previous is None else 0.7 * previous + 0.3 * verify_time_s
+        self.verify_s.setdefault(drafted, collections.deque(maxlen=5)).append(verify_time_s)
+        if self.fit[0] > 0:
+            verify_time_s = min(verify_time_s, 3.0 * self.verify_seconds(drafted))  # stalls count for at most 3x
         k, t = float(drafted), verify_time_s
         self.fit = [v * self.decay for v in self.fit]
         for index, value in enumerate((1.0, k, k * k, t, k * t)):

@@ -31,13 +31,30 @@ def test_every_policy_stays_exact(target, policy, drafter_kind):
     assert torch.equal(out.sequences, plain)
 
 
-def test_optimal_turns_a_useless_drafter_off(target):
-    ids = prompt(8, seed=1)
-    plain = target.generate(ids, max_new_tokens=60)
-    stats = run(target, ids, drafter=ScriptedDrafter(plain, period=1), speculative_gamma_policy="optimal").speculative_stats
-    tail = stats.gamma_history[10:]
-    assert tail.count(0) >= 0.8 * len(tail)  # plain steps, apart from rare probes of γ = 1
-    assert max(tail) <= 1
+def simulate(policy, rounds, accept_rate, draft_s, verify_s, stall_every=None):
+    """Drives a policy with modelled costs; `accept_rate(position)` decides acceptance deterministically."""
+    chosen = []
+    for round_index in range(rounds):
+        gamma = policy.next_gamma()
+        accepted = 0
+        while accepted < gamma and accept_rate(accepted) >= 0.5:
+            accepted += 1
+        stall = 10.0 if stall_every and round_index % stall_every == stall_every - 1 else 1.0
+        policy.observe(gamma=gamma, drafted=gamma, accepted=accepted, draft_time_s=gamma * draft_s,
+                       verify_time_s=verify_s(gamma) * stall, first_round=round_index == 0)
+        chosen.append(gamma)
+    return chosen
+
+
+@pytest.mark.parametrize("stall_every", [None, 7])
+def test_optimal_turns_a_useless_drafter_off(stall_every):
+    # never right; drafting costs 15% of a step; verifying k tokens costs 1 + 0.3k steps (a CPU-like curve);
+    # every 7th round stalls 10x (another process): decisions must not flip-flop on it
+    chosen = simulate(OptimalGammaPolicy(gamma=5, max_gamma=16), 200, lambda position: 0.0, 0.15,
+                      lambda k: 1.0 + 0.3 * k, stall_every)
+    assert chosen[0] == 5 and chosen[1] == 0  # the user's γ, then a plain step after nothing was accepted
+    assert chosen[10:].count(0) >= 0.95 * len(chosen[10:])  # only backed-off probes of γ = 1 remain
+    assert max(chosen[10:]) <= 1
 
 
 def test_optimal_turns_a_useless_model_drafter_off(target):
@@ -54,8 +71,8 @@ def test_optimal_drafts_long_when_always_right(target):
     out = target.generate(ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="optimal",
                           speculative_max_gamma=12, max_new_tokens=200, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain)
-    gammas = out.speculative_stats.gamma_history
-    assert max(gammas) == 12 and gammas[2:-1].count(12) >= len(gammas[2:-1]) - 1
+    gammas = sorted(out.speculative_stats.gamma_history[2:-1])
+    assert max(gammas) == 12 and gammas[len(gammas) // 2] >= 9  # long drafts (neighbour probes aside)
 
 
 def test_heuristic_schedule_is_per_call_and_leaves_user_objects_alone(target):
