@@ -121,14 +121,7 @@ def speculative_decode(
                 new_scores[:, i] = logits_processor(candidate_ids[:, : cur_len + i], new_scores[:, i])
 
         # 3. verify (Algorithm 1)
-        if num_drafted == 0:  # a plain decoding step, chosen as plain generate chooses
-            accepted = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-            if do_sample:
-                next_tokens = torch.multinomial(new_scores[:, 0].softmax(dim=-1), 1).squeeze(1)
-            else:
-                next_tokens = new_scores[:, 0].argmax(dim=-1)
-            betas = new_scores.new_zeros(input_ids.shape[0], 0)
-        elif do_sample:
+        if do_sample:
             target_probs = new_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
             accepted, next_tokens = verify_sampling(
                 draft_tokens, proposal.probs, target_probs, lenience=options.speculative_lenience
@@ -168,7 +161,7 @@ def speculative_decode(
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
-        policy.observe(gamma=gamma, drafted=num_drafted, accepted=num_accepted, draft_time_s=verify_start - draft_start,
+        policy.observe(drafted=num_drafted, accepted=num_accepted, draft_time_s=verify_start - draft_start,
                        verify_time_s=verify_end - verify_start, first_round=first_round)
         first_round = False
 

@@ -43,7 +43,7 @@ class GammaPolicy:
     def next_gamma(self) -> int:
         return self.gamma
 
-    def observe(self, *, gamma: int, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float,
+    def observe(self, *, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float,
                 first_round: bool) -> None:
         """Called after each round with what it drafted, accepted, and cost (seconds, host wall clock)."""
 
@@ -51,7 +51,7 @@ class GammaPolicy:
 class HeuristicGammaPolicy(GammaPolicy):
     """transformers' schedule: +2 after a fully accepted round, -1 (not below 1) otherwise; per call only."""
 
-    def observe(self, *, gamma, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+    def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
         if drafted == 0:
             return
         if accepted == drafted:
@@ -96,41 +96,46 @@ class OptimalGammaPolicy(GammaPolicy):
         slope = max(0.0, covariance / (spread + 1.0))  # +1: a pseudo-observation of slope 0 (Theorem 3.8)
         return mean_t - slope * mean_k, slope
 
-    def expected_tokens(self, gamma: int, rates: list[float]) -> float:
-        tokens, survive = 1.0, 1.0
-        for rate in rates[:gamma]:
+    def expected_tokens(self, rates: list[float]) -> list[float]:
+        """E[tokens per round] for γ = 0 ... max_gamma: 1 + sum_{i<=γ} prod_{j<=i} a_j, in one pass."""
+        tokens, survive = [1.0], 1.0
+        for rate in rates:
             survive *= rate
-            tokens += survive
+            tokens.append(tokens[-1] + survive)
         return tokens
 
-    def verify_seconds(self, gamma: int) -> float:
+    def verify_seconds(self, gamma: int, line: tuple[float, float] | None = None) -> float:
         """The median of recent verify times of rounds that drafted `gamma` (robust to stalls), shrunk towards the
         fitted line by how many there are."""
-        intercept, slope = self.verify_line()
-        line = intercept + slope * gamma
+        intercept, slope = line or self.verify_line()
+        fitted = intercept + slope * gamma
         recent = self.verify_s.get(gamma, ())
         if not recent:
-            return line
-        return (len(recent) * statistics.median(recent) + 2.0 * line) / (len(recent) + 2.0)  # 2 pseudo-rounds
+            return fitted
+        return (len(recent) * statistics.median(recent) + 2.0 * fitted) / (len(recent) + 2.0)  # 2 pseudo-rounds
 
-    def tokens_per_second(self, gamma: int, rates: list[float]) -> float:
-        return self.expected_tokens(gamma, rates) / (gamma * self.draft_s + max(self.verify_seconds(gamma), 1e-9))
+    def tokens_per_second(self, rates: list[float]) -> list[float]:
+        """Expected tokens per second for γ = 0 ... max_gamma."""
+        line = self.verify_line()
+        return [tokens / (gamma * self.draft_s + max(self.verify_seconds(gamma, line), 1e-9))
+                for gamma, tokens in enumerate(self.expected_tokens(rates))]
 
     def next_gamma(self) -> int:
-        rates = self.acceptance_rates()
         if self.draft_s is None:
             if self.prior_c is None:
                 return self.gamma  # nothing measured yet: the user's γ
             if sum(self.accepted) == 0:
                 return 0  # the first drafts all failed: take a plain step, which also measures its cost
             # one round seen: Theorem 3.8 with the first round's cost ratio
-            return max(range(self.max_gamma + 1),
-                       key=lambda g: (self.expected_tokens(g, rates) / (g * self.prior_c + 1.0), -g))
+            speedups = [tokens / (gamma * self.prior_c + 1.0)
+                        for gamma, tokens in enumerate(self.expected_tokens(self.acceptance_rates()))]
+            return max(range(self.max_gamma + 1), key=lambda g: (speedups[g], -g))
         if self.plain_rounds:  # plain steps teach nothing about drafting: keep γ = 0 until the next probe
             best = 0
         else:
-            best = max(range(self.max_gamma + 1), key=lambda g: (self.tokens_per_second(g, rates), -g))
-            if self.tokens_per_second(best, rates) < self.min_gain * self.tokens_per_second(0, rates):
+            rate = self.tokens_per_second(self.acceptance_rates())
+            best = max(range(self.max_gamma + 1), key=lambda g: (rate[g], -g))
+            if rate[best] < self.min_gain * rate[0]:
                 best = 0
         if best == 0:
             self.plain_rounds += 1
@@ -144,7 +149,7 @@ class OptimalGammaPolicy(GammaPolicy):
             return min(self.max_gamma, max(1, best + side))
         return best
 
-    def observe(self, *, gamma, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+    def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
         self.rounds += 1
         self.reached = [r * self.decay for r in self.reached]
         self.accepted = [a * self.decay for a in self.accepted]

@@ -35,6 +35,9 @@ def verify_greedy(
     p(x) >= lenience * max(p), where p = softmax(target_scores) (Appendix A.5, argmax variant).
     """
     gamma = draft_tokens.shape[1]
+    if gamma == 0:  # nothing drafted: a plain greedy step
+        next_tokens = target_scores[:, 0].argmax(dim=-1)
+        return torch.zeros_like(next_tokens), next_tokens
     target_tokens = target_scores.argmax(dim=-1)  # [batch, gamma + 1]
     matches = draft_tokens == target_tokens[:, :gamma]  # [batch, gamma]
     if lenience < 1.0 and gamma > 0:

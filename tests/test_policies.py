@@ -40,7 +40,7 @@ def simulate(policy, rounds, accept_rate, draft_s, verify_s, stall_every=None):
         while accepted < gamma and accept_rate(accepted) >= 0.5:
             accepted += 1
         stall = 10.0 if stall_every and round_index % stall_every == stall_every - 1 else 1.0
-        policy.observe(gamma=gamma, drafted=gamma, accepted=accepted, draft_time_s=gamma * draft_s,
+        policy.observe(drafted=gamma, accepted=accepted, draft_time_s=gamma * draft_s,
                        verify_time_s=verify_s(gamma) * stall, first_round=round_index == 0)
         chosen.append(gamma)
     return chosen
@@ -96,11 +96,11 @@ def test_heuristic_schedule_is_per_call_and_leaves_user_objects_alone(target):
 def test_optimal_policy_estimates():
     policy = OptimalGammaPolicy(gamma=5, max_gamma=8)
     assert policy.next_gamma() == 5  # nothing measured yet: the user's γ
-    policy.observe(gamma=5, drafted=5, accepted=5, draft_time_s=1e-3, verify_time_s=10e-3, first_round=True)
+    policy.observe(drafted=5, accepted=5, draft_time_s=1e-3, verify_time_s=10e-3, first_round=True)
     assert policy.prior_c == pytest.approx(0.02) and policy.draft_s is None
     assert policy.next_gamma() == 8  # Theorem 3.8 with the first round's c: everything accepted, long drafts pay
     for _ in range(40):  # position 0 always accepted, position 1 never
-        policy.observe(gamma=4, drafted=4, accepted=1, draft_time_s=4e-3, verify_time_s=10e-3, first_round=False)
+        policy.observe(drafted=4, accepted=1, draft_time_s=4e-3, verify_time_s=10e-3, first_round=False)
     rates = policy.acceptance_rates()
     assert rates[0] > 0.9 and rates[1] < 0.1
     assert policy.next_gamma() == 1  # the second draft never pays
@@ -112,16 +112,16 @@ def test_optimal_policy_uses_measured_cost_per_gamma():
     policy = OptimalGammaPolicy(gamma=3, max_gamma=6)
     for _ in range(30):  # always accepted; verifying 4 drafts happens to be cheaper than 3 (a CPU GEMM quirk)
         for k, seconds in ((3, 14e-3), (4, 11e-3), (5, 16e-3), (6, 17e-3)):
-            policy.observe(gamma=k, drafted=k, accepted=k, draft_time_s=k * 1e-3, verify_time_s=seconds,
+            policy.observe(drafted=k, accepted=k, draft_time_s=k * 1e-3, verify_time_s=seconds,
                            first_round=False)
-    rates = policy.acceptance_rates()
-    assert max(range(7), key=lambda g: policy.tokens_per_second(g, rates)) == 4
+    rate = policy.tokens_per_second(policy.acceptance_rates())
+    assert max(range(7), key=rate.__getitem__) == 4
 
 
 def test_optimal_policy_learns_the_verify_cost_slope():
     policy = OptimalGammaPolicy(gamma=2, max_gamma=8)
     for k in (1, 2, 3, 4, 5, 6) * 5:
-        policy.observe(gamma=k, drafted=k, accepted=k, draft_time_s=0.0, verify_time_s=(10 + 4 * k) * 1e-3,
+        policy.observe(drafted=k, accepted=k, draft_time_s=0.0, verify_time_s=(10 + 4 * k) * 1e-3,
                        first_round=False)
     intercept, slope = policy.verify_line()
     assert intercept == pytest.approx(10e-3, rel=0.05) and slope == pytest.approx(4e-3, rel=0.05)

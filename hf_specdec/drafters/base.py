@@ -65,9 +65,6 @@ class Drafter:
     ones in place.
     """
 
-    #: Name under which the class is registered (set by `register_drafter`).
-    name: str | None = None
-
     def reset(self, context: DraftContext) -> None:
         """Called once at the start of each `generate` call, before the first `propose`."""
 
@@ -109,10 +106,7 @@ def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
     True
     ```
     """
-    _REGISTRY.register(name, cls)
-    if cls.__dict__.get("name") is None:
-        cls.name = name
-    return cls
+    return _REGISTRY.register(name, cls)
 
 
 def list_drafters() -> list[str]:

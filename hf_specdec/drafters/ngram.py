@@ -228,8 +228,7 @@ class NGramDrafter(
                 f"{context.vocab_size}. Rebuild it with `vocab_size={context.vocab_size}` from the target's tokenizer."
             )
         self.logits_processor = context.logits_processor
-        self.sample = context.do_sample and self.draft_mode == "sample"
-        self.explore = self.draft_mode == "sample"
+        self.sample = self.draft_mode == "sample"  # sampled drafts carry q (ignored when the target is greedy)
 
     def distribution(self, context_tokens: Sequence[int]) -> tuple[torch.LongTensor, torch.FloatTensor]:
         """The continuations and their probabilities (renormalized) after the longest known suffix of the context."""
@@ -258,7 +257,7 @@ class NGramDrafter(
             scores = self.logits_processor(ids, q_logits)  # [batch, vocab]: q standardized like p
             if not torch.isfinite(scores).any(dim=-1).all():
                 break  # the processors ruled out every continuation the table knows: stop drafting here
-            if self.explore:
+            if self.sample:
                 q = scores.softmax(dim=-1)
                 token = torch.multinomial(q, 1)  # [batch, 1]
                 probs.append(q)
@@ -270,14 +269,14 @@ class NGramDrafter(
                         zip(contexts, token[:, 0].tolist())]
         if not drafted:
             return DraftProposal.empty(batch, input_ids.device)
-        return DraftProposal(tokens=torch.cat(drafted, dim=-1), probs=torch.stack(probs, 1) if self.sample else None)
+        return DraftProposal(tokens=torch.cat(drafted, dim=-1), probs=torch.stack(probs, 1) if probs else None)
 
     def propose_for(self, input_ids, num_tokens: int) -> DraftProposal:
         """One stand-alone proposal (no target processors), handy for inspecting or comparing tables."""
         from transformers import LogitsProcessorList
 
         drafter = copy.copy(self)
-        drafter.logits_processor, drafter.sample, drafter.explore = LogitsProcessorList(), False, False
+        drafter.logits_processor, drafter.sample = LogitsProcessorList(), False
         return drafter.propose(torch.as_tensor(input_ids, dtype=torch.long), num_tokens)
 
     @classmethod
