@@ -16,7 +16,7 @@ from .drafters import (
 from .mixin import SpeculativeGenerationMixin, enable
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculativeStats
-from . import metrics, policies
+from . import metrics, pipelines, policies
 from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "list_drafters",
     "metrics",
     "optimal_gamma",
+    "pipelines",
     "policies",
     "register_drafter",
 ]

@@ -50,32 +50,71 @@ def speculative_decode(
     inputs_tensor: torch.Tensor | None = None,
     **model_kwargs,
 ):
-    _check_supported(model, input_ids, generation_config, model_kwargs)
+    _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
+    stats = SpeculativeStats(lenience=options.speculative_lenience)
+    policy = get_gamma_policy_class(options.speculative_gamma_policy)(
+        options.speculative_gamma, options.speculative_max_gamma
+    )
+    run = dict(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+               generation_config=generation_config, options=options, policy=policy, stats=stats)
+    scores = raw_logits = None
+    if input_ids.shape[0] == 1:
+        drafter = drafter.for_call(_context(model, input_ids, logits_processor, generation_config, model_kwargs,
+                                            inputs_tensor))
+        input_ids, scores, raw_logits = _decode_one(model, input_ids, drafter=drafter, streamer=streamer, **run,
+                                                    **model_kwargs)
+        cache = model_kwargs["past_key_values"]
+    else:
+        from .batching import decode_batch  # the batched loop builds on this module
+
+        input_ids, cache = decode_batch(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
+                                        **model_kwargs)
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    output_class = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
+    return output_class(
+        sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache, speculative_stats=stats
+    )
+
+
+def _context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor) -> DraftContext:
+    return DraftContext(
+        target=model,
+        input_ids=input_ids,
+        logits_processor=logits_processor,
+        generation_config=generation_config,
+        vocab_size=logits_width(model),
+        model_kwargs=model_kwargs,
+        inputs_tensor=inputs_tensor,
+    )
+
+
+def _decode_one(
+    model: "PreTrainedModel",
+    input_ids: torch.LongTensor,  # [1, prompt_len]
+    *,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    drafter: Drafter,
+    options: SpeculativeOptions,
+    policy,
+    stats: SpeculativeStats,
+    streamer: "BaseStreamer | None" = None,
+    **model_kwargs,
+):
+    """The loop for one sequence; `drafter` is already reset for it. Returns (sequences, scores, logits)."""
     cache = model_kwargs["past_key_values"]
     cache.activate_past_recording()
     vocab_size = logits_width(model)
-    drafter = drafter.for_call(
-        DraftContext(
-            target=model,
-            input_ids=input_ids,
-            logits_processor=logits_processor,
-            generation_config=generation_config,
-            vocab_size=vocab_size,
-            model_kwargs=model_kwargs,
-            inputs_tensor=inputs_tensor,
-        )
-    )
-
     do_sample = bool(generation_config.do_sample)
     return_dict = bool(generation_config.return_dict_in_generate)
     output_scores = return_dict and bool(generation_config.output_scores)
     output_logits = return_dict and bool(generation_config.output_logits)
     scores = () if output_scores else None
     raw_logits = () if output_logits else None
-    stats = SpeculativeStats(lenience=options.speculative_lenience)
-    policy = get_gamma_policy_class(options.speculative_gamma_policy)(
-        options.speculative_gamma, options.speculative_max_gamma
-    )
     is_encoder_decoder = model.config.is_encoder_decoder
     max_length = generation_config.max_length
     first_round = True
@@ -90,30 +129,18 @@ def speculative_decode(
         # 1. draft
         draft_start = time.perf_counter()
         proposal = drafter.propose(input_ids, gamma)
-        draft_tokens = _checked_tokens(proposal, drafter, input_ids, gamma, vocab_size)  # [batch, k]
+        draft_tokens = checked_tokens(proposal, drafter, input_ids, gamma, vocab_size)  # [1, k]
         num_drafted = draft_tokens.shape[1]
         verify_start = time.perf_counter()
 
         # 2. one target forward over the uncached tail and the drafts
-        candidate_ids = torch.cat([input_ids, draft_tokens], dim=-1)  # [batch, cur_len + k]
+        candidate_ids = torch.cat([input_ids, draft_tokens], dim=-1)  # [1, cur_len + k]
         forward_kwargs = model_kwargs
         if num_drafted:
             forward_kwargs = model._update_model_kwargs_for_generation(
                 {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
             )
-        model_inputs = model.prepare_inputs_for_generation(
-            candidate_ids,
-            next_sequence_length=candidate_ids.shape[1] - cache.get_seq_length(),
-            is_first_iteration=first_round,
-            **forward_kwargs,
-        )
-        if "logits_to_keep" in model_inputs:
-            model_inputs["logits_to_keep"] = num_drafted + 1
-        outputs = model(**model_inputs, return_dict=True)
-        new_logits = outputs.logits[:, -num_drafted - 1 :].to(  # [batch, k + 1, vocab]
-            dtype=torch.float32, device=input_ids.device, copy=True
-        )
-        del outputs
+        new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round)  # [1, k + 1, V]
         new_scores = new_logits
         if len(logits_processor):
             new_scores = new_logits.clone()
@@ -121,22 +148,14 @@ def speculative_decode(
                 new_scores[:, i] = logits_processor(candidate_ids[:, : cur_len + i], new_scores[:, i])
 
         # 3. verify (Algorithm 1)
-        if do_sample:
-            target_probs = new_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
-            accepted, next_tokens = verify_sampling(
-                draft_tokens, proposal.probs, target_probs, lenience=options.speculative_lenience
-            )
-            betas = draft_target_overlap(draft_tokens, proposal.probs, target_probs)  # [batch, k]
-        else:
-            accepted, next_tokens = verify_greedy(draft_tokens, new_scores, lenience=options.speculative_lenience)
-            betas = (draft_tokens == new_scores[:, :num_drafted].argmax(dim=-1)).float()  # [batch, k]
+        accepted, next_tokens, betas = verify(do_sample, draft_tokens, proposal.probs, new_scores, options)
         num_accepted = int(accepted[0])
         stats.record_round(chosen_gamma, num_drafted, num_accepted,
                            betas[0, : min(num_accepted + 1, num_drafted)].tolist())
 
         # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
         # middle of an accepted block, and plain generate checks after every token
-        new_tokens = torch.cat([draft_tokens[:, :num_accepted], next_tokens[:, None]], dim=-1)  # [batch, n + 1]
+        new_tokens = torch.cat([draft_tokens[:, :num_accepted], next_tokens[:, None]], dim=-1)  # [1, n + 1]
         round_ids = torch.cat([input_ids, new_tokens], dim=-1)
         emitted = 0
         while emitted < num_accepted + 1 and not finished:
@@ -164,21 +183,42 @@ def speculative_decode(
         policy.observe(drafted=num_drafted, accepted=num_accepted, draft_time_s=verify_start - draft_start,
                        verify_time_s=verify_end - verify_start, first_round=first_round)
         first_round = False
+    return input_ids, scores, raw_logits
 
-    if streamer is not None:
-        streamer.end()
-    if not return_dict:
-        return input_ids
-    if is_encoder_decoder:
-        return SpeculativeEncoderDecoderOutput(
-            sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache, speculative_stats=stats
-        )
-    return SpeculativeDecoderOnlyOutput(
-        sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache, speculative_stats=stats
+
+def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool) -> torch.FloatTensor:
+    """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions."""
+    cache = model_kwargs["past_key_values"]
+    model_inputs = model.prepare_inputs_for_generation(
+        candidate_ids,
+        next_sequence_length=candidate_ids.shape[1] - cache.get_seq_length(),
+        is_first_iteration=first_round,
+        **model_kwargs,
+    )
+    if "logits_to_keep" in model_inputs:
+        model_inputs["logits_to_keep"] = num_drafted + 1
+    outputs = model(**model_inputs, return_dict=True)
+    return outputs.logits[:, -num_drafted - 1 :].to(  # [batch, k + 1, vocab]
+        dtype=torch.float32, device=candidate_ids.device, copy=True
     )
 
 
-def _check_supported(model, input_ids, generation_config, model_kwargs) -> None:
+def verify(do_sample: bool, draft_tokens, draft_probs, target_scores, options: SpeculativeOptions):
+    """Algorithm 1 on standardized scores `[batch, k + 1, vocab]`: (accepted [batch], next token [batch], betas)."""
+    num_drafted = draft_tokens.shape[1]
+    if do_sample:
+        target_probs = target_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
+        accepted, next_tokens = verify_sampling(
+            draft_tokens, draft_probs, target_probs, lenience=options.speculative_lenience
+        )
+        betas = draft_target_overlap(draft_tokens, draft_probs, target_probs)  # [batch, k]
+    else:
+        accepted, next_tokens = verify_greedy(draft_tokens, target_scores, lenience=options.speculative_lenience)
+        betas = (draft_tokens == target_scores[:, :num_drafted].argmax(dim=-1)).float()  # [batch, k]
+    return accepted, next_tokens, betas
+
+
+def _check_supported(model, input_ids, generation_config, model_kwargs, streamer) -> None:
     """One capability check, before any forward: everything speculation cannot honour fails here, clearly."""
     if generation_config.num_beams > 1:
         raise ValueError(
@@ -187,11 +227,20 @@ def _check_supported(model, input_ids, generation_config, model_kwargs) -> None:
             "for plain beam search."
         )
     if input_ids.shape[0] > 1:
-        raise ValueError(
-            f"Speculative decoding supports batch size 1 only for now, got a batch of {input_ids.shape[0]} "
-            f"(num_return_sequences={generation_config.num_return_sequences}). Call `generate` once per prompt, or "
-            "drop `assistant_model`/`drafter` for plain batched generation."
-        )
+        if streamer is not None:
+            raise ValueError(
+                f"A `streamer` needs a batch of one sequence, got {input_ids.shape[0]} "
+                f"(num_return_sequences={generation_config.num_return_sequences}); transformers' streamers take one "
+                "token per step. Drop `streamer` or generate one sequence per call."
+            )
+        if generation_config.return_dict_in_generate and (
+            generation_config.output_scores or generation_config.output_logits
+        ):
+            raise ValueError(
+                "`output_scores` / `output_logits` are supported with a drafter for one sequence only, got a batch of "
+                f"{input_ids.shape[0]}: rows advance by different numbers of tokens per step. Set them to False, or "
+                "generate one sequence per call."
+            )
     if not generation_config.use_cache:
         raise ValueError(
             "`use_cache=False` cannot be combined with a drafter: speculative decoding rolls back the target's "
@@ -208,11 +257,6 @@ def _check_supported(model, input_ids, generation_config, model_kwargs) -> None:
             f"(got output_attentions={generation_config.output_attentions}, "
             f"output_hidden_states={generation_config.output_hidden_states}). Set them to False."
         )
-    if model.config.is_encoder_decoder:
-        raise ValueError(
-            f"{type(model).__name__} is an encoder-decoder model; speculative decoding supports decoder-only "
-            "targets for now. Drop `assistant_model`/`drafter` to generate without speculation."
-        )
     cache = model_kwargs.get("past_key_values")
     if cache is None:
         raise ValueError(
@@ -227,7 +271,7 @@ def _check_supported(model, input_ids, generation_config, model_kwargs) -> None:
         )
 
 
-def _checked_tokens(
+def checked_tokens(
     proposal: DraftProposal, drafter: Drafter, input_ids: torch.LongTensor, gamma: int, vocab_size: int
 ) -> torch.LongTensor:
     """Validates a proposal at the boundary, so a faulty drafter fails here rather than deep inside torch."""

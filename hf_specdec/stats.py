@@ -18,6 +18,9 @@ class SpeculativeStats:
 
     target_calls: int = 0
     """Target forwards (rounds), including rounds where the drafter proposed nothing."""
+    row_rounds: int = 0
+    """Rounds of one sequence: equal to `target_calls` at batch size 1, `target_calls` x rows for a batch (the
+    per-round counts below, `mean_accepted_length` and the histograms count rows' rounds)."""
     drafted_tokens: int = 0
     """Tokens proposed by the drafter and verified by the target."""
     accepted_tokens: int = 0
@@ -57,19 +60,24 @@ class SpeculativeStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Mean tokens emitted per target call, counting the target's own token (vLLM's "mean acceptance length")."""
-        return (self.accepted_tokens + self.target_calls) / self.target_calls if self.target_calls else 0.0
+        """Mean tokens a sequence gains per round, counting the target's own token (vLLM's "mean acceptance length")."""
+        return (self.accepted_tokens + self.row_rounds) / self.row_rounds if self.row_rounds else 0.0
 
     @property
     def position_acceptance_rate(self) -> list[float]:
         """Acceptance rate at each draft position, given that position was drafted."""
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
-    def record_round(self, gamma: int, drafted: int, accepted: int, betas: list[float]) -> None:
-        """Books one verified round (`betas`: β of the positions up to and including the first rejection)."""
-        self.target_calls += 1
-        self.gamma_history.append(gamma)
-        self.drafted_history.append(drafted)
+    def record_round(
+        self, gamma: int, drafted: int, accepted: int, betas: list[float], new_forward: bool = True
+    ) -> None:
+        """Books one sequence's verified round (`betas`: β of the positions up to and including the first
+        rejection). `new_forward=False` for the other rows of a batch verified in the same forward."""
+        self.target_calls += int(new_forward)
+        self.row_rounds += 1
+        if new_forward:
+            self.gamma_history.append(gamma)
+            self.drafted_history.append(drafted)
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.beta_sum += sum(betas)

@@ -6,9 +6,12 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import hf_specdec
+
+# tiny models gain nothing from intra-op threads, and on a loaded 2-core machine threads oversubscribe badly
+torch.set_num_threads(1)
 
 VOCAB = 96
 
@@ -33,6 +36,39 @@ def tiny_config(arch: str, **overrides):
     kwargs = dict(TINY[arch], vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
+
+
+# encoder-decoder targets; ids 0-2 are pad (= decoder start), eos and bos, so prompts use ids >= 3
+SEQ2SEQ_TINY = {
+    # larger initializations than the defaults: outputs that depend on the source and have sharp argmaxes
+    "t5": dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, initializer_factor=3.0),
+    "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3),
+    "marian": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3),
+}
+SEQ2SEQ_ARCHITECTURES = sorted(SEQ2SEQ_TINY)
+
+
+def tiny_seq2seq_config(arch: str, **overrides):
+    kwargs = dict(SEQ2SEQ_TINY[arch], vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                  decoder_start_token_id=0, forced_eos_token_id=None)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def tiny_seq2seq(arch: str, seed: int = 0, **overrides):
+    """A tiny encoder-decoder that never emits EOS on its own (generation_config.eos_token_id is None)."""
+    torch.manual_seed(seed)
+    model = AutoModelForSeq2SeqLM.from_config(tiny_seq2seq_config(arch, **overrides)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.forced_eos_token_id = None
+    return model
+
+
+def source(length: int = 10, seed: int = 0) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
 def tiny_model(arch: str, seed: int = 0, **overrides):

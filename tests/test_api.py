@@ -182,12 +182,6 @@ def test_beam_search_with_a_drafter_is_refused():
         model.generate(prompt(), assistant_model=model, num_beams=3, max_new_tokens=5)
 
 
-def test_batch_larger_than_one_is_refused():
-    model = hf_specdec.enable(tiny_model("llama"))
-    with pytest.raises(ValueError, match="batch size 1 only for now, got a batch of 2"):
-        model.generate(torch.cat([prompt(), prompt(seed=1)]), assistant_model=model, max_new_tokens=5)
-
-
 def test_use_cache_false_is_refused():
     model = hf_specdec.enable(tiny_model("llama"))
     with pytest.raises(ValueError, match="`use_cache=False` cannot be combined with a drafter"):

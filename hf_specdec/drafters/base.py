@@ -65,16 +65,35 @@ class Drafter:
     ones in place.
     """
 
+    supports_padded_batches: bool = False
+    """Batches of several sequences: a drafter that sets this gets the whole left-padded batch, with
+    `attention_mask=` in `propose` and `on_verified` and a `select_rows` call when finished rows leave the batch
+    (see `ModelDrafter`). Any other drafter gets one copy per sequence, each `reset` for and called with that one
+    sequence, unpadded, exactly as at batch size 1."""
+
     def reset(self, context: DraftContext) -> None:
         """Called once at the start of each `generate` call, before the first `propose`."""
 
-    def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
-        """Proposes up to `num_tokens` tokens to follow `input_ids` (`[batch, seq_len]`, prompt + emitted so far)."""
+    def propose(
+        self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
+    ) -> DraftProposal:
+        """Proposes up to `num_tokens` tokens to follow `input_ids` (`[batch, seq_len]`, prompt + emitted so far).
+        `attention_mask` (`[batch, seq_len]`, 0 on left padding) is only passed with `supports_padded_batches`."""
         raise NotImplementedError(f"{type(self).__name__} must implement `propose(input_ids, num_tokens)`.")
 
-    def on_verified(self, input_ids: torch.LongTensor, num_accepted: torch.LongTensor) -> None:
+    def on_verified(
+        self,
+        input_ids: torch.LongTensor,
+        num_accepted: torch.LongTensor,
+        attention_mask: torch.LongTensor | None = None,
+    ) -> None:
         """Called after each verification: `num_accepted` (`[batch]`) of the last proposal were kept, and
-        `input_ids` is the sequence after this round's tokens were appended. Roll back state here."""
+        `input_ids` is the sequence after this round's tokens were appended. Roll back state here. With
+        `supports_padded_batches`, `input_ids` is re-padded so that rows end together, described by
+        `attention_mask`."""
+
+    def select_rows(self, indices: torch.LongTensor) -> None:
+        """With `supports_padded_batches`: keep only these rows of the batch (the others have finished)."""
 
     @classmethod
     def from_options(cls, **options) -> "Drafter":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
@@ -49,6 +49,8 @@ class ModelDrafter(Drafter):
     ```
     """
 
+    supports_padded_batches = True
+
     def __init__(self, model: PreTrainedModel):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
@@ -59,11 +61,7 @@ class ModelDrafter(Drafter):
 
     def reset(self, context: DraftContext) -> None:
         model = self.model
-        if model.config.is_encoder_decoder or context.target.config.is_encoder_decoder:
-            raise ValueError(
-                f"`assistant_model` ({type(model).__name__}) and the target ({type(context.target).__name__}) must both "
-                "be decoder-only models; encoder-decoder pairs are not supported yet."
-            )
+        target = context.target
         width = logits_width(model)
         if width != context.vocab_size:
             raise ValueError(
@@ -71,7 +69,29 @@ class ModelDrafter(Drafter):
                 "Speculative decoding needs a drafter that shares the target's tokenizer and vocabulary; use a "
                 "drafter from the same model family, or resize its embeddings to the target's vocabulary."
             )
-        cache = DynamicCache(config=model.config)
+        self.device = model.device
+        self.target_device = context.input_ids.device
+        self.logits_processor = context.logits_processor
+        self.do_sample = context.do_sample
+        forward_params = inspect.signature(model.forward).parameters
+        self.accepts_position_ids = "position_ids" in forward_params
+        self.accepts_logits_to_keep = "logits_to_keep" in forward_params
+        # three ways to condition on the input: a causal LM on the prompt; an encoder-decoder drafter on its own
+        # encoding of the source; a decoder-only drafter with cross-attention on the target's encoder outputs
+        self.encoder_inputs = None  # the extra forward kwargs that carry the source, for the last two
+        if not target.config.is_encoder_decoder:
+            if model.config.is_encoder_decoder:
+                raise ValueError(
+                    f"`assistant_model` ({type(model).__name__}) is an encoder-decoder model but the target "
+                    f"({type(target).__name__}) is decoder-only. Use a decoder-only (causal LM) drafter with the "
+                    "target's vocabulary."
+                )
+            self.attention_mask = context.model_kwargs.get("attention_mask")  # [batch, prompt_len] or None
+            cache = DynamicCache(config=model.config)
+        else:
+            self.attention_mask = None  # decoder prompts (start tokens) are never padded
+            self.encoder_inputs = self._encoder_inputs(context, forward_params)
+            cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
         cache.activate_past_recording()
         if not cache.is_croppable:
             raise ValueError(
@@ -79,16 +99,54 @@ class ModelDrafter(Drafter):
                 "drafts could not be undone. Use a drafter with standard (full or sliding-window) attention."
             )
         self.cache = cache
-        self.device = model.device
-        self.target_device = context.input_ids.device
-        self.logits_processor = context.logits_processor
-        self.do_sample = context.do_sample
-        self.prompt_attention_mask = context.model_kwargs.get("attention_mask")  # [batch, prompt_len] or None
-        forward_params = inspect.signature(model.forward).parameters
-        self.accepts_position_ids = "position_ids" in forward_params
-        self.accepts_logits_to_keep = "logits_to_keep" in forward_params
 
-    def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
+    def _encoder_inputs(self, context: DraftContext, forward_params) -> dict:
+        """The source for a drafter of an encoder-decoder target, computed once per call."""
+        model, target = self.model, context.target
+        encoder_mask = context.model_kwargs.get("attention_mask")  # [batch, src_len] or None
+        if encoder_mask is not None:
+            encoder_mask = encoder_mask.to(self.device)
+        if model.config.is_encoder_decoder:
+            # its own encoder, once, on the same source the target encoded
+            source = context.inputs_tensor
+            if source is None or (model.main_input_name == "input_ids" and source.is_floating_point()):
+                raise ValueError(
+                    f"The encoder-decoder `assistant_model` ({type(model).__name__}) needs the source as "
+                    f"`{model.main_input_name}`, but the target was called with "
+                    f"{'no input tensor' if source is None else 'a different kind of input'}. Call `generate` with "
+                    "the tokenized source (e.g. `input_ids=...`, not `encoder_outputs=` or `inputs_embeds=`)."
+                )
+            encoder_outputs = model.get_encoder()(
+                **{model.main_input_name: source.to(self.device)}, attention_mask=encoder_mask, return_dict=True
+            )
+            return {"encoder_outputs": encoder_outputs, "attention_mask": encoder_mask}
+        # a decoder-only drafter reads the target's encoder outputs through its cross-attention (distil-whisper)
+        hidden_size = model.config.get_text_config(decoder=True).hidden_size
+        target_states = context.model_kwargs["encoder_outputs"].last_hidden_state  # [batch, src_len, hidden]
+        if "encoder_hidden_states" not in forward_params or getattr(model.config, "add_cross_attention", True) is False:
+            raise ValueError(
+                f"`assistant_model` ({type(model).__name__}) is decoder-only without cross-attention, so it cannot "
+                f"read the source of the encoder-decoder target ({type(context.target).__name__}). Use an "
+                "encoder-decoder drafter, or a decoder with cross-attention (e.g. `BartForCausalLM`, or a config "
+                "with `add_cross_attention=True`)."
+            )
+        if target_states.shape[-1] != hidden_size:
+            raise ValueError(
+                f"`assistant_model` ({type(model).__name__}) has cross-attention for encoder states of size "
+                f"{hidden_size}, but the target's encoder ({type(target).__name__}) outputs size "
+                f"{target_states.shape[-1]}. A decoder-only drafter shares the target's encoder outputs only when "
+                "its hidden size matches; use an encoder-decoder drafter instead."
+            )
+        return {
+            "encoder_hidden_states": target_states.to(device=self.device, dtype=model.dtype),
+            "encoder_attention_mask": encoder_mask,
+        }
+
+    def propose(
+        self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
+    ) -> DraftProposal:
+        if attention_mask is not None:
+            self.attention_mask = attention_mask  # [batch, seq_len]: a left-padded batch
         if num_tokens == 0:
             return DraftProposal.empty(input_ids.shape[0], input_ids.device)
         start = input_ids.shape[1]
@@ -105,24 +163,59 @@ class ModelDrafter(Drafter):
             ids = torch.cat([ids, token], dim=-1)
         return DraftProposal(tokens=ids[:, start:], probs=torch.stack(probs, dim=1) if probs else None)
 
-    def on_verified(self, input_ids: torch.LongTensor, num_accepted: torch.LongTensor) -> None:
-        # everything but the newest token (the target's, never fed to the drafter) may be in the cache
-        excess = self.cache.get_seq_length() - (input_ids.shape[1] - 1)
-        if excess > 0:
-            self.cache.crop(-excess)
+    def on_verified(
+        self,
+        input_ids: torch.LongTensor,
+        num_accepted: torch.LongTensor,
+        attention_mask: torch.LongTensor | None = None,
+    ) -> None:
+        if attention_mask is None:
+            # everything but the newest token (the target's, never fed to the drafter) may stay in the cache
+            excess = self.cache.get_seq_length() - (input_ids.shape[1] - 1)
+            if excess > 0:
+                self.cache.crop(-excess)
+            return
+        # a padded batch, re-padded so that rows end together: keep, per row, the cached tokens that are still its
+        # prefix, moved to the row's new columns (the same realignment as the target's cache)
+        from ..batching import realign_cache
+
+        old_pad = (self.fed_mask == 0).sum(-1)  # [batch]: left padding of what the cache holds
+        new_pad = (attention_mask == 0).sum(-1)  # [batch]
+        kept = []
+        for row in range(input_ids.shape[0]):
+            fed = self.fed_ids[row, int(old_pad[row]):]
+            new = input_ids[row, int(new_pad[row]) : -1]  # the newest token is never cached
+            length = min(len(fed), len(new))
+            same = (fed[:length] == new[:length]).long().cumprod(0)
+            kept.append(int(new_pad[row]) + int(same.sum()))
+        width = min(kept)
+        columns = torch.arange(width, device=input_ids.device)[None, :] - (new_pad - old_pad)[:, None]  # [batch, w]
+        realign_cache(self.cache, columns)
+        self.fed_ids, self.fed_mask = input_ids[:, :width], attention_mask[:, :width]
+        self.attention_mask = attention_mask
+
+    def select_rows(self, indices: torch.LongTensor) -> None:
+        self.cache.batch_select_indices(indices.to(self.device))
+        self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
+        self.attention_mask = self.attention_mask[indices]
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
         cached = self.cache.get_seq_length()
         batch, seq_len = ids.shape
         inputs = {"input_ids": ids[:, cached:].to(self.device), "past_key_values": self.cache, "use_cache": True}
-        if self.prompt_attention_mask is not None:
-            mask = self.prompt_attention_mask
+        if self.encoder_inputs is not None:
+            inputs.update(self.encoder_inputs)
+            if self.model.config.is_encoder_decoder:
+                inputs["decoder_input_ids"] = inputs.pop("input_ids")
+        elif self.attention_mask is not None:
+            mask = self.attention_mask
             mask = torch.cat([mask, mask.new_ones(batch, seq_len - mask.shape[1])], dim=-1)  # [batch, seq_len]
             inputs["attention_mask"] = mask.to(self.device)
             if self.accepts_position_ids:
                 positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, cached:]
                 inputs["position_ids"] = positions.to(self.device)
+            self.fed_ids, self.fed_mask = ids, mask
         elif self.accepts_position_ids:
             inputs["position_ids"] = torch.arange(cached, seq_len, device=self.device).expand(batch, -1)
         if self.accepts_logits_to_keep:

@@ -242,7 +242,7 @@ class NGramDrafter(
                 return tokens[keep], probs[keep] / probs[keep].sum()
         raise AssertionError("the unigram row always exists")
 
-    def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
+    def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         batch = input_ids.shape[0]
         if num_tokens == 0:
             return DraftProposal.empty(batch, input_ids.device)

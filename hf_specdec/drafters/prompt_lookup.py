@@ -18,11 +18,19 @@ class _SuffixIndex:
     continuation of the current suffix is unknown, so the suffix itself must never match itself).
     """
 
-    def __init__(self, ngram_sizes: range):
+    def __init__(self, ngram_sizes: range, source: list[int] | None = None):
         self.ngram_sizes = ngram_sizes
         self.tokens: list[int] = []
         self.next_start: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `next_start`
+        # an encoder-decoder target's source text: a separate document (no n-gram spans into the output), indexed
+        # once; its continuations stop at its end
+        self.source = source or []
+        self.source_next_start: dict[tuple[int, ...], int] = {}
+        for end in range(len(self.source) - 1):
+            for n in ngram_sizes:
+                if end + 1 >= n:
+                    self.source_next_start[tuple(self.source[end + 1 - n : end + 1])] = end + 1
 
     def extend(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
@@ -36,7 +44,11 @@ class _SuffixIndex:
         for n in reversed(self.ngram_sizes):  # longest suffix first
             if len(self.tokens) < n:
                 continue
-            start = self.next_start.get(tuple(self.tokens[-n:]))
+            suffix = tuple(self.tokens[-n:])
+            start = self.next_start.get(suffix)
+            if start is None and suffix in self.source_next_start:  # the output's own history is more recent
+                start = self.source_next_start[suffix]
+                return self.source[start : start + num_tokens]
             if start is not None:
                 # a match close to the end overlaps what it predicts (an overlapping LZ77-style copy): the text
                 # repeats with period len - start, so the copy continues periodically instead of stopping short
@@ -48,7 +60,9 @@ class _SuffixIndex:
 class PromptLookupDrafter(Drafter):
     r"""
     Prompt lookup ("copy") drafting: finds the longest suffix n-gram of prompt + generated text that occurred
-    before, prefers its most recent occurrence, and proposes the tokens that followed it. When that occurrence is
+    before, prefers its most recent occurrence, and proposes the tokens that followed it. For encoder-decoder
+    targets it also copies from the source text (the encoder input), e.g. for grammar correction or extraction;
+    a match in the generated text, being more recent, wins over one in the source. When that occurrence is
     so recent that its continuation reaches the end of the text, the copy overlaps itself and continues
     periodically (the text is repeating with that period). Costs no model forward
     (c ≈ 0), and shines when the output repeats the input: code edits, summaries, extraction, grammar fixes.
@@ -85,12 +99,20 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram_size = min_ngram_size
 
     def reset(self, context: DraftContext) -> None:
-        self.rows = self._new_rows(context.input_ids.shape[0])
+        sources = None
+        source = context.inputs_tensor  # [batch, src_len] token ids for text encoder-decoder targets
+        if context.target.config.is_encoder_decoder and source is not None and not source.is_floating_point():
+            mask = context.model_kwargs.get("attention_mask")  # [batch, src_len]; padding is not text
+            sources = [
+                row[mask[i].bool()].tolist() if mask is not None else row.tolist() for i, row in enumerate(source)
+            ]
+        self.rows = self._new_rows(context.input_ids.shape[0], sources)
 
-    def _new_rows(self, batch_size: int) -> list[_SuffixIndex]:
-        return [_SuffixIndex(range(self.min_ngram_size, self.max_ngram_size + 1)) for _ in range(batch_size)]
+    def _new_rows(self, batch_size: int, sources: list[list[int]] | None = None) -> list[_SuffixIndex]:
+        sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
+        return [_SuffixIndex(sizes, sources[row] if sources else None) for row in range(batch_size)]
 
-    def propose(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
+    def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         if not hasattr(self, "rows"):
             raise RuntimeError("PromptLookupDrafter.propose was called before reset(); use `propose_for`.")
         batch = input_ids.shape[0]

@@ -42,6 +42,7 @@ _FLOAT = datasets.Value("float64")
 _FEATURES = datasets.Features({
     "stats": {
         "target_calls": _INT,
+        "row_rounds": _INT,
         "drafted_tokens": _INT,
         "accepted_tokens": _INT,
         "emitted_tokens": _INT,
@@ -78,6 +79,7 @@ class Speculative(evaluate.Metric):
             return [sum(s[key][i] for s in stats if i < len(s[key])) for i in range(width)]
 
         calls, drafted, accepted = total("target_calls"), total("drafted_tokens"), total("accepted_tokens")
+        rounds = total("row_rounds")
         alpha = total("beta_sum") / total("beta_count") if total("beta_count") else 0.0
         gammas = [g for s in stats for g in s["drafted_history"]]
         mean_gamma = sum(gammas) / len(gammas) if gammas else 0.0
@@ -93,7 +95,7 @@ class Speculative(evaluate.Metric):
         return {
             "alpha": alpha,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": (accepted + calls) / calls if calls else 0.0,
+            "mean_accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
             "position_acceptance_rate": [a / d if d else 0.0 for a, d in zip(position_accepted, position_drafted)],
             "mean_gamma": mean_gamma,
             "c": c,

@@ -1,0 +1,106 @@
+"""Batched throughput on the embedded early-exit pair: plain batched `generate` vs hf_specdec, side by side.
+
+Left-padded prompts of different lengths, greedy, constant γ. For each batch size, reports generated tokens per
+second for both (median over repeats, the two alternating in one process), the ratio, α, and the verify cost
+ratio v(B) = (a target forward over B x (γ+1) tokens) / (over B x 1 tokens): speculation pays while v stays near 1,
+and stops paying once the verify forward costs about as many steps as it saves. Every speculative output is checked
+against plain `generate`. (transformers' assisted generation refuses batches larger than one.)
+
+    python benchmarks/bench_batch.py [--batch-sizes 1 4 8 16] [--gamma 4] [--max-new-tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import hf_specdec
+from hf_specdec.toy import build_early_exit_pair
+
+PAD = 0
+
+
+def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, longest: int = 48):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=generator).tolist()
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def forward_ms(model, batch: int, context: int, new_tokens: int, repeats: int = 7) -> float:
+    vocab = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(1, vocab, (batch, context)), past_key_values=cache)
+        tokens = torch.randint(1, vocab, (batch, new_tokens))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(tokens, past_key_values=cache, logits_to_keep=new_tokens)
+            times.append(time.perf_counter() - start)
+            cache.crop(-new_tokens)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target, drafter = build_early_exit_pair(hidden_size=args.hidden_size)
+    target = hf_specdec.enable(target)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=PAD)
+    target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, pad_token_id=PAD)  # warm-up
+    results = []
+    print(f"threads {torch.get_num_threads()}, gamma {args.gamma}, {args.max_new_tokens} new tokens, "
+          f"hidden {args.hidden_size}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'ours tok/s':>11} {'ratio':>6} {'alpha':>6} {'v(B)':>5} {'same':>5}")
+    for batch in args.batch_sizes:
+        ids, mask = padded_prompts(batch, target.config.vocab_size, seed=batch)
+        plain_times, spec_times, same = [], [], True
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            plain = target.generate(ids, attention_mask=mask, **kwargs)
+            plain_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, speculative_gamma=args.gamma,
+                                  return_dict_in_generate=True, **kwargs)
+            spec_times.append(time.perf_counter() - start)
+            same &= torch.equal(out.sequences, plain)
+        tokens = batch * args.max_new_tokens
+        plain_tps = tokens / statistics.median(plain_times)
+        spec_tps = tokens / statistics.median(spec_times)
+        verify_ratio = forward_ms(target, batch, 48, args.gamma + 1) / forward_ms(target, batch, 48, 1)
+        row = dict(batch=batch, plain_tokens_per_s=plain_tps, speculative_tokens_per_s=spec_tps,
+                   ratio=spec_tps / plain_tps, alpha=out.speculative_stats.alpha,
+                   mean_accepted_length=out.speculative_stats.mean_accepted_length, verify_cost_ratio=verify_ratio,
+                   identical=same)
+        results.append(row)
+        print(f"{batch:>5} {plain_tps:>12.1f} {spec_tps:>11.1f} {row['ratio']:>6.2f} {row['alpha']:>6.3f} "
+              f"{verify_ratio:>5.2f} {str(same):>5}")
+    if args.output:
+        args.output.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
+                                          indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""Speculative decoding for a batch of several sequences (left-padded prompts, `num_return_sequences`).
+
+Each row accepts its own number of drafts each round. Two layouts, chosen by one capability check:
+
+**Padded batch (decoder-only targets with a dynamic full-attention cache and `position_ids`).** Rows stay in one
+left-padded rectangle whose rows all *end* in the same column, which is exactly the layout plain batched `generate`
+uses. Each round every row drafts (up to) γ tokens, the target verifies all rows in one forward of γ + 1 tokens per
+row, and each row emits its own number e_r of tokens. The rectangle then grows by max_r e_r columns and every row
+with fewer new tokens is moved right by the difference (more left padding), in the token ids, the attention mask
+and the target's key/value cache (one gather per layer per round, `realign_cache`). Positions come from the
+attention mask (cumulative sum), as in plain generation, and rotary keys are stored already rotated, so moving a
+row does not change what it computes. Columns that are padding in every row are dropped, and rows that finish
+(EOS, stop strings, max length) leave the batch at once, so they stop costing compute.
+Costs: one gather of the cache per round (about one extra read of the cache, small next to the forward); attention
+runs over the longest row, so a row that accepts less carries more padding; a draft position is computed for every
+row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
+
+**One row at a time (encoder-decoder targets, sliding-window caches, models without `position_ids`).** Their
+decoders derive positions from cache slots, which left padding would shift, so each row runs the single-sequence
+loop with its own cache, sharing the batch's encoder outputs. Exact, but without the batching speedup.
+
+Either way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
+distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
+`generate` lays it out (its original left padding, then its tokens).
+
+Drafters that set `supports_padded_batches` (`ModelDrafter`) draft for the whole rectangle in one forward per
+token; every other drafter gets a copy per row, called with that row's unpadded tokens, exactly as at batch size 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+from transformers.utils import ModelOutput
+
+from .decoding import _context, _decode_one, checked_tokens, target_logits, verify
+from .drafters.base import DraftProposal, Drafter
+from .drafters.model import logits_width
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["decode_batch", "realign_cache"]
+
+
+def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, *, drafter: Drafter, inputs_tensor=None,
+                 **run):
+    """Decodes a batch of rows `[batch, prompt_len]`; returns (sequences, cache or None)."""
+    model_kwargs = {k: v for k, v in run.items() if k not in _RUN_KEYS}
+    run = {k: v for k, v in run.items() if k in _RUN_KEYS}
+    cache = model_kwargs["past_key_values"]
+    if _supports_padded_batch(model, cache):
+        return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
+                              **model_kwargs), cache
+    return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
+
+
+_RUN_KEYS = ("logits_processor", "stopping_criteria", "generation_config", "options", "policy", "stats")
+
+
+def _supports_padded_batch(model, cache) -> bool:
+    import inspect
+
+    return (
+        not model.config.is_encoder_decoder
+        and isinstance(cache, DynamicCache)
+        and not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        and "position_ids" in inspect.signature(model.forward).parameters
+    )
+
+
+def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
+    """Rebuilds every layer of `cache` so that column j of row r holds what column `columns[r, j]` held.
+
+    `columns` is `[batch, new_len]`; entries outside the old cache (the new left padding) are clamped, and hold
+    values the attention mask hides.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
+            continue
+        batch, heads, length, dim = layer.keys.shape
+        index = columns.clamp(0, length - 1).to(layer.keys.device)[:, None, :, None]
+        index = index.expand(batch, heads, columns.shape[1], dim)
+        layer.keys = layer.keys.gather(2, index)
+        layer.values = layer.values.gather(2, index.expand(batch, layer.values.shape[1], columns.shape[1],
+                                                           layer.values.shape[-1]))
+
+
+def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
+                   generation_config, options, policy, stats, **model_kwargs):
+    device = input_ids.device
+    batch, prompt_len = input_ids.shape
+    cache = model_kwargs.pop("past_key_values")
+    model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
+    mask = model_kwargs.pop("attention_mask", None)
+    mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError(
+            "Speculative decoding of a batch needs left padding, but the attention mask has padding after text. "
+            "Pad on the left (`tokenizer.padding_side = 'left'`), as plain batched generation of decoder-only "
+            "models also requires."
+        )
+    vocab_size = logits_width(model)
+    # like plain generate: rows end early (then padded) only with an EOS criterion; otherwise every row keeps
+    # growing until all rows are done
+    pad = generation_config._pad_token_tensor
+    pad_token_id = None if pad is None else int(pad.reshape(-1)[0])
+    rows_leave_when_done = pad_token_id is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    filler = pad_token_id if pad_token_id is not None else 0
+    text_start = (mask == 0).sum(-1).tolist()  # [batch]: where each row's text starts in its padded prompt
+    row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
+    draft_processors, padding_aware = _padded_batch_processors(logits_processor)
+    context = _context(model, input_ids, draft_processors, generation_config,
+                       {**model_kwargs, "attention_mask": mask}, inputs_tensor)
+    if drafter.supports_padded_batches:
+        batch_drafter, row_drafters = drafter.for_call(context), None
+    else:
+        batch_drafter = None
+        row_drafters = [drafter.for_call(_row_context(context, row, text_start[row], row_processors[row]))
+                        for row in range(batch)]
+
+    prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
+    generated = [input_ids.new_empty(0) for _ in range(batch)]
+    rows = list(range(batch))  # original index of each row still in the batch
+    done_length: dict[int, int] = {}  # row -> its length when its stopping criteria fired
+    ids = input_ids
+    do_sample = bool(generation_config.do_sample)
+    max_length = generation_config.max_length
+    first_round = True
+
+    while rows:
+        width = ids.shape[1]
+        lengths = [prompt_len + len(generated[r]) for r in rows]
+        chosen_gamma = policy.next_gamma()
+        gamma = max(0, min(chosen_gamma, max_length - min(lengths) - 1))
+
+        # 1. draft, every row at once or one copy per row
+        draft_start = time.perf_counter()
+        if batch_drafter is not None:
+            for processor in padding_aware:
+                processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
+            proposal = batch_drafter.propose(ids, gamma, attention_mask=mask)
+            draft_tokens = checked_tokens(proposal, batch_drafter, ids, gamma, vocab_size)  # [rows, k]
+            draft_probs = proposal.probs
+        else:
+            row_ids = [torch.cat([prompts[r, text_start[r]:], generated[r]])[None] for r in rows]
+            draft_tokens, draft_probs = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size,
+                                                       filler, device)
+        num_drafted = draft_tokens.shape[1]
+        verify_start = time.perf_counter()
+
+        # 2. one target forward for all rows: the uncached tail plus the drafts
+        candidate_ids = torch.cat([ids, draft_tokens], dim=-1)  # [rows, width + k]
+        full_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted)], dim=-1)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = target_logits(model, candidate_ids, num_drafted, {
+            **model_kwargs, "past_key_values": cache, "attention_mask": full_mask, "position_ids": positions,
+        }, first_round)  # [rows, k + 1, vocab]
+        scores = logits
+        if len(logits_processor):
+            scores = logits.clone()
+            for i, r in enumerate(rows):  # each row with its own prefix, laid out as plain generate lays it out
+                view = torch.cat([prompts[r], generated[r], draft_tokens[i]])[None]  # [1, len + k]
+                for j in range(num_drafted + 1):
+                    scores[i : i + 1, j] = row_processors[r](view[:, : lengths[i] + j], scores[i : i + 1, j])
+
+        # 3. verify every row (Algorithm 1)
+        accepted, next_tokens, betas = verify(do_sample, draft_tokens, draft_probs, scores, options)
+        new_tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(rows), 1)], dim=-1)  # [rows, k + 1]
+        new_tokens[torch.arange(len(rows)), accepted] = next_tokens
+
+        # 4. each row appends token by token through the stopping criteria
+        emitted = []
+        for i, r in enumerate(rows):
+            n = int(accepted[i])
+            stats.record_round(chosen_gamma, num_drafted, n, betas[i, : min(n + 1, num_drafted)].tolist(),
+                               new_forward=i == 0)
+            view = torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None]
+            count = 0
+            while count < n + 1:
+                count += 1
+                if r not in done_length and bool(stopping_criteria(view[:, : lengths[i] + count], None).any()):
+                    done_length[r] = lengths[i] + count
+                    if rows_leave_when_done:
+                        break
+            generated[r] = view[0, prompt_len : lengths[i] + count]
+            emitted.append(count)
+        stats.emitted_tokens += sum(emitted)
+
+        # 5. realign: rows end together again; the cache keeps everything but each row's newest token
+        most = max(emitted)
+        shift = torch.tensor([most - e for e in emitted], device=device)  # [rows]: extra left padding per row
+        columns = torch.arange(width + most, device=device)[None, :] - shift[:, None]  # [rows, width + most]
+        source_ids = torch.cat([ids, new_tokens], dim=-1)
+        source_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
+        ids = source_ids.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, filler)
+        mask = source_mask.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, 0)
+        realign_cache(cache, columns[:, :-1])
+        # finished rows leave; columns that are padding in every row go
+        if rows_leave_when_done:
+            keep = [i for i, r in enumerate(rows) if r not in done_length]
+        elif len(done_length) == batch:  # no pad token: all rows run to the longest finished length
+            stop = max(done_length.values())
+            keep = [i for i, r in enumerate(rows) if prompt_len + len(generated[r]) < stop]
+            for r in rows:
+                generated[r] = generated[r][: stop - prompt_len]
+        else:
+            keep = list(range(len(rows)))
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=device, dtype=torch.long)
+            ids, mask = ids[index], mask[index]
+            cache.batch_select_indices(index)
+            if batch_drafter is not None and keep:
+                batch_drafter.select_rows(index)
+            rows = [rows[i] for i in keep]
+        if rows:
+            lead = int((mask == 0).long().cumprod(-1).sum(-1).min())  # all-padding columns on the left
+            if lead:
+                ids, mask = ids[:, lead:], mask[:, lead:]
+                realign_cache(cache, torch.arange(lead, ids.shape[1] + lead - 1, device=device).expand(len(rows), -1))
+            kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
+            if batch_drafter is not None:
+                batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)
+            else:
+                for i, r in enumerate(rows):
+                    row_drafters[r].on_verified(torch.cat([prompts[r, text_start[r]:], generated[r]])[None],
+                                                kept_accepted[i : i + 1])
+        verify_end = time.perf_counter()
+        stats.draft_time_s += verify_start - draft_start
+        stats.verify_time_s += verify_end - verify_start
+        # the policy learns per row; each row is charged its share of the round's time
+        share = 1.0 / len(emitted)
+        for i, n in enumerate(accepted.tolist()):
+            policy.observe(drafted=num_drafted, accepted=n, draft_time_s=(verify_start - draft_start) * share,
+                           verify_time_s=(verify_end - verify_start) * share, first_round=first_round and i == 0)
+        first_round = False
+
+    return _assemble(prompts, generated, filler)
+
+
+def processors_for_row(logits_processor, row: int, batch: int):
+    """A copy of the prepared processors for row `row` of the batch, called with that row alone (`[1, len]`).
+
+    transformers' processors keep some per-row state sized to the whole batch (repetition penalty's prompt padding
+    lengths, the encoder-side penalties' source ids, the prefix function's batch index); it is sliced to the row.
+    """
+    from transformers import LogitsProcessorList
+
+    row_processors = LogitsProcessorList()
+    for processor in logits_processor:
+        ignore = getattr(processor, "prompt_ignore_length", None)
+        sources = getattr(processor, "encoder_input_ids", None)
+        ngrams = getattr(processor, "generated_ngrams", None)
+        prefix_fn = getattr(processor, "_prefix_allowed_tokens_fn", None)
+        if isinstance(ignore, torch.Tensor) or sources is not None or ngrams is not None or prefix_fn is not None:
+            processor = copy.copy(processor)
+        if isinstance(ignore, torch.Tensor):
+            processor.prompt_ignore_length = ignore[row : row + 1]
+        if sources is not None:  # one source per `batch // len(sources)` rows (num_return_sequences)
+            source_row = row // (batch // sources.shape[0])
+            processor.encoder_input_ids = sources[source_row : source_row + 1]
+        if ngrams is not None:
+            source_row = row // (batch // processor.batch_size)
+            processor.generated_ngrams, processor.batch_size = ngrams[source_row : source_row + 1], 1
+        if prefix_fn is not None:
+            processor._prefix_allowed_tokens_fn = lambda batch_id, sent, fn=prefix_fn: fn(row + batch_id, sent)
+        row_processors.append(processor)
+    return row_processors
+
+
+def _padded_batch_processors(logits_processor):
+    """The processors for a drafter of the padded batch, and the repetition penalties among them whose per-row
+    padding lengths the loop updates every round (rows move and leave)."""
+    from transformers import LogitsProcessorList
+
+    processors, padding_aware = LogitsProcessorList(), []
+    for processor in logits_processor:
+        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
+            processor = copy.copy(processor)
+            padding_aware.append(processor)
+        processors.append(processor)
+    return processors, padding_aware
+
+
+def _row_context(context, row: int, text_start: int, row_processors):
+    """The batch-1 context of one row: its unpadded prompt and its processors."""
+    row_context = copy.copy(context)
+    row_context.logits_processor = row_processors
+    row_context.input_ids = context.input_ids[row : row + 1, text_start:]
+    row_context.model_kwargs = {}
+    row_context.inputs_tensor = _source_row(context.inputs_tensor, row, context.input_ids.shape[0])
+    return row_context
+
+
+def _source_row(inputs_tensor, row: int, batch: int):
+    """Row `row`'s slice of the tensor `generate` was called with (not expanded by `num_return_sequences`)."""
+    if inputs_tensor is None:
+        return None
+    source = row // (batch // inputs_tensor.shape[0])
+    return inputs_tensor[source : source + 1]
+
+
+def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
+    """Each row's own proposal, padded to the longest with filler drafts (rejected unless the target agrees)."""
+    proposals = []
+    for drafter, ids in zip(row_drafters, row_ids):
+        proposal = drafter.propose(ids, gamma)
+        proposals.append((checked_tokens(proposal, drafter, ids, gamma, vocab_size), proposal.probs))
+    length = max(tokens.shape[1] for tokens, _ in proposals)
+    tokens = torch.full((len(row_ids), length), filler, dtype=torch.long, device=device)
+    any_probs = any(probs is not None for _, probs in proposals)
+    probs = torch.zeros(len(row_ids), length, vocab_size, device=device) if any_probs else None
+    for i, (row_tokens, row_probs) in enumerate(proposals):
+        tokens[i, : row_tokens.shape[1]] = row_tokens[0]
+        if probs is not None:
+            # deterministic rows and filler drafts: q is a point mass on the proposed token
+            probs[i] = torch.nn.functional.one_hot(tokens[i], vocab_size).float()
+            if row_probs is not None:
+                probs[i, : row_tokens.shape[1]] = row_probs[0]
+    return tokens, probs
+
+
+def _assemble(prompts, generated, pad_token_id: int):
+    """Plain generate's output: every row its prompt and its tokens, finished rows padded on the right."""
+    longest = max(len(g) for g in generated)
+    out = prompts.new_full((prompts.shape[0], prompts.shape[1] + longest), pad_token_id)
+    out[:, : prompts.shape[1]] = prompts
+    for r, tokens in enumerate(generated):
+        out[r, prompts.shape[1] : prompts.shape[1] + len(tokens)] = tokens
+    return out
+
+
+def _slice_kwargs(model_kwargs, row: int, batch: int, model):
+    sliced = {}
+    for key, value in model_kwargs.items():
+        if key == "past_key_values":
+            config = model.config
+            value = (EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+                     if isinstance(value, EncoderDecoderCache) else DynamicCache(config=config))
+        elif isinstance(value, ModelOutput):
+            value = type(value)(**{k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v
+                                   for k, v in value.items()})
+        elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            value = value[row : row + 1]
+        sliced[key] = value
+    return sliced
+
+
+def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
+                 generation_config, options, policy, stats, **model_kwargs):
+    batch = input_ids.shape[0]
+    pad_token_id = generation_config.pad_token_id
+    outputs = []
+    for row in range(batch):
+        row_kwargs = _slice_kwargs(model_kwargs, row, batch, model)
+        row_ids = input_ids[row : row + 1]
+        row_inputs = _source_row(inputs_tensor, row, batch)
+        row_processors = processors_for_row(logits_processor, row, batch)
+        row_drafter = drafter.for_call(_context(model, row_ids, row_processors, generation_config, row_kwargs,
+                                                row_inputs))
+        sequence, _, _ = _decode_one(model, row_ids, logits_processor=row_processors,
+                                     stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                     drafter=row_drafter, options=options, policy=policy, stats=stats, **row_kwargs)
+        outputs.append(sequence[0])
+    lengths = {len(s) for s in outputs}
+    if len(lengths) > 1 and pad_token_id is None:
+        raise ValueError(
+            f"The rows of this batch finished at different lengths ({sorted(lengths)}) and there is no "
+            "`pad_token_id` to fill them. Set `pad_token_id` (e.g. `pad_token_id=tokenizer.eos_token_id`), or "
+            "generate one sequence per call."
+        )
+    longest = max(lengths)
+    out = input_ids.new_full((batch, longest), pad_token_id if pad_token_id is not None else 0)
+    for row, sequence in enumerate(outputs):
+        out[row, : len(sequence)] = sequence
+    return out

@@ -1,0 +1,448 @@
+"""The `text2text-generation`, `summarization` and `translation` pipelines, for transformers versions that lack them.
+
+transformers 5 removed these three pipelines. Importing this module registers hf_specdec's versions with transformers'
+pipeline registry, each only where the installed transformers does not already have the task (its own pipeline
+always wins), so that `transformers.pipeline("summarization", ...)` works again. They follow transformers 4.x's call
+conventions (inputs, outputs and arguments) and pass every other keyword argument to `generate`, the speculative ones
+included:
+
+```python
+>>> import hf_specdec, hf_specdec.pipelines
+>>> from transformers import AutoModelForSeq2SeqLM, pipeline
+>>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
+>>> pipe = pipeline("text2text-generation", model=t5, tokenizer="google-t5/t5-base")
+>>> pipe("translate English to German: How old are you?", assistant_model="google-t5/t5-small", speculative_gamma=5)
+[{'generated_text': ...}]
+```
+
+The speculative arguments (`assistant_model`, `drafter`, `drafter_kwargs`, `speculative_*`) need a model enabled with
+[`hf_specdec.enable`]; the pipelines never enable one themselves, as that would modify the caller's model.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any
+
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, GenerationConfig, PreTrainedModel
+from transformers.pipelines.base import Pipeline, load_model
+from transformers.tokenization_utils_base import TruncationStrategy
+from transformers.utils import ModelOutput
+
+from .mixin import SpeculativeGenerationMixin
+
+__all__ = [
+    "REGISTERED_TASKS",
+    "ReturnType",
+    "SummarizationPipeline",
+    "Text2TextGenerationPipeline",
+    "TranslationPipeline",
+    "register_pipelines",
+]
+
+# `generate` arguments that run speculative decoding, besides every `speculative_*` one
+_SPECULATIVE_ARGUMENTS = ("assistant_model", "drafter", "drafter_kwargs")
+_TRANSLATION_TASK = re.compile(r"translation_([^_]+)_to_([^_]+)")
+
+
+class ReturnType(enum.Enum):
+    """What a record holds: the generated token ids (`TENSORS`) and/or the decoded text (`TEXT`)."""
+
+    TENSORS = 0
+    TEXT = 1
+
+
+class Text2TextGenerationPipeline(Pipeline):
+    r"""
+    Text-to-text generation with an encoder-decoder model (T5, BART, Marian, ...), as transformers 4.x's pipeline of
+    the same name: `pipeline("text2text-generation", model=..., tokenizer=...)`.
+
+    Unlike transformers 4.x, the only default generation parameter is `max_new_tokens=256` (4.x also set
+    `num_beams=4`): speculative decoding verifies greedy or sampled decoding, and a beam-search default would make
+    `pipe(text)` and `pipe(text, assistant_model=draft)` decode differently. Parameters in the model's generation
+    config, and in its config's `task_specific_params` for the pipeline's task, still apply.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`]):
+            An encoder-decoder model with a language-modeling head (`AutoModelForSeq2SeqLM`). To pass speculative
+            arguments, enable it first with [`hf_specdec.enable`].
+        tokenizer ([`~transformers.PreTrainedTokenizerBase`]):
+            The model's tokenizer.
+        assistant_model ([`~transformers.PreTrainedModel`] or `str`, *optional*):
+            A drafter for every call: a model sharing the target's tokenizer, or a path or Hub id to load one from
+            (as transformers' pipelines load assistants, onto the model's device and dtype).
+        kwargs:
+            Any [`~transformers.Pipeline`] argument, and generation parameters applied to every call.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec, hf_specdec.pipelines
+    >>> from transformers import AutoModelForSeq2SeqLM, pipeline
+    >>> model = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
+    >>> pipe = pipeline("text2text-generation", model=model, tokenizer="google-t5/t5-base")
+    >>> text = "question: What is 42? context: 42 is the answer to life, the universe and everything"
+    >>> plain = pipe(text, max_new_tokens=20)
+    >>> plain == pipe(text, max_new_tokens=20, assistant_model="google-t5/t5-small", speculative_gamma=5)
+    True
+    ```
+    """
+
+    _pipeline_calls_generate = True
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _load_tokenizer = True
+    _default_generation_config = GenerationConfig(max_new_tokens=256)
+
+    # the task this class serves when built without one, and the prefix of its output keys
+    default_task = "text2text-generation"
+    return_name = "generated"
+
+    def __init__(self, model: PreTrainedModel, *args, assistant_model=None, assistant_tokenizer=None, **kwargs):
+        task = kwargs.setdefault("task", self.default_task)
+        _check_model_kind(model, task)
+        _check_speculation_enabled(model, {"assistant_model": assistant_model, **kwargs})
+        if assistant_tokenizer is not None:
+            raise ValueError(
+                f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) is not supported: hf_specdec's drafters "
+                "share the model's tokenizer. Drop `assistant_tokenizer` and use an `assistant_model` with the same "
+                "tokenizer."
+            )
+        self._loaded_assistants: dict[str, PreTrainedModel] = {}
+        super().__init__(model, *args, **kwargs)
+        # loaded here, not by transformers' `load_assistant_model`, which fails on configs without `bos_token_id` (T5)
+        self.assistant_model = self._load_assistant(assistant_model)
+
+        # like 4.x, the model config's settings for this task apply beneath the generation parameters passed here; a
+        # `generation_config` (here or in a call) replaces them
+        task_params = dict((getattr(self.model.config, "task_specific_params", None) or {}).get(self.task, {}))
+        if "prefix" in task_params:
+            self.prefix = task_params.pop("prefix")
+        if "generation_config" not in self._generate_kwargs:
+            generation_keys = {key for key in vars(GenerationConfig()) if not key.startswith("_")}
+            task_generation = {key: value for key, value in task_params.items() if key in generation_keys}
+            self._generate_kwargs = {**task_generation, **self._generate_kwargs}
+
+    def _sanitize_parameters(
+        self,
+        return_tensors=None,
+        return_text=None,
+        return_type=None,
+        clean_up_tokenization_spaces=None,
+        truncation=None,
+        stop_sequence=None,
+        **generate_kwargs,
+    ):
+        preprocess_params = {}
+        if truncation is not None:
+            preprocess_params["truncation"] = truncation
+
+        postprocess_params = {}
+        if return_type is None and (return_tensors is not None or return_text is not None):
+            # 4.x: `return_tensors=True` alone returns only the token ids
+            text = return_text if return_text is not None else not return_tensors
+            tensors = return_tensors if return_tensors is not None else not text
+            return_type = {kind for kind, wanted in ((ReturnType.TEXT, text), (ReturnType.TENSORS, tensors)) if wanted}
+        if return_type is not None:
+            postprocess_params["return_type"] = return_type if isinstance(return_type, set) else {return_type}
+        if clean_up_tokenization_spaces is not None:
+            postprocess_params["clean_up_tokenization_spaces"] = clean_up_tokenization_spaces
+
+        forward_params = generate_kwargs
+        if stop_sequence is not None:  # as the 5.x text-generation pipeline: any stop string, not just one token
+            forward_params["stop_strings"] = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
+            forward_params["tokenizer"] = self.tokenizer
+        if "assistant_model" in forward_params:  # this call's, over the one given at construction
+            forward_params["assistant_model"] = self._load_assistant(forward_params["assistant_model"])
+        _check_speculation_enabled(self.model, forward_params)
+        return preprocess_params, forward_params, postprocess_params
+
+    def _load_assistant(self, assistant_model):
+        if not isinstance(assistant_model, str):
+            return assistant_model
+        if assistant_model not in self._loaded_assistants:  # once per pipeline, not once per call
+            config = AutoConfig.from_pretrained(assistant_model)
+            loaded = load_model(assistant_model, config=config, model_classes=(AutoModelForSeq2SeqLM,))
+            self._loaded_assistants[assistant_model] = loaded.to(device=self.model.device, dtype=self.model.dtype)
+        return self._loaded_assistants[assistant_model]
+
+    def __call__(self, inputs: str | list[str], **kwargs):
+        r"""
+        Generates text from each input text.
+
+        Args:
+            inputs (`str` or `list[str]`):
+                The input text(s) for the encoder; the model config's `prefix` (or its task-specific one) is prepended.
+            return_text (`bool`, *optional*, defaults to `True`):
+                Whether to include the decoded texts in the outputs.
+            return_tensors (`bool`, *optional*, defaults to `False`):
+                Whether to include the generated token ids in the outputs. Alone, it replaces the texts (as in 4.x).
+            clean_up_tokenization_spaces (`bool`, *optional*, defaults to `False`):
+                Whether to clean up the potential extra spaces in the text output.
+            truncation (`TruncationStrategy`, *optional*, defaults to `TruncationStrategy.DO_NOT_TRUNCATE`):
+                The truncation strategy of the tokenizer.
+            stop_sequence (`str` or `list[str]`, *optional*):
+                Generation stops after any of these strings.
+            generate_kwargs:
+                Passed to the model's `generate`, e.g. `max_new_tokens`, and the speculative arguments
+                `assistant_model` (a model, or a path or Hub id, loaded once per pipeline), `drafter`,
+                `drafter_kwargs` and `speculative_*`.
+
+        Return:
+            For one input, a list with a `dict` per returned sequence; for a list of inputs, a list of such lists, or
+            of `dict`s when each input returns one sequence. Each `dict` has `generated_text` (`str`, with
+            `return_text`) and/or `generated_token_ids` (`torch.Tensor`, with `return_tensors`); the summarization and
+            translation pipelines name them `summary_*` and `translation_*`.
+        """
+        result = super().__call__(inputs, **kwargs)
+        if (
+            isinstance(inputs, list)
+            and all(isinstance(item, str) for item in inputs)
+            and all(len(records) == 1 for records in result)
+        ):
+            return [records[0] for records in result]
+        return result
+
+    def _parse_and_tokenize(self, inputs, truncation):
+        prefix = self.prefix if self.prefix is not None else ""
+        if isinstance(inputs, list):
+            if self.tokenizer.pad_token_id is None:
+                raise ValueError(
+                    f"A batch of {len(inputs)} texts in one input needs a tokenizer with a pad token, and "
+                    f"{type(self.tokenizer).__name__} has none. Set `tokenizer.pad_token`, or pass the texts as a "
+                    "list of separate inputs."
+                )
+            texts, padding = [prefix + text for text in inputs], True
+        elif isinstance(inputs, str):
+            texts, padding = prefix + inputs, False
+        else:
+            raise ValueError(f"Each input must be a `str` or a `list[str]`, got {type(inputs).__name__}: {inputs!r}.")
+        encoded = self.tokenizer(texts, padding=padding, truncation=truncation, return_tensors="pt")
+        encoded.pop("token_type_ids", None)  # tokenizers produce it; `generate` rejects it
+        return encoded
+
+    def preprocess(self, inputs, truncation=TruncationStrategy.DO_NOT_TRUNCATE):
+        return self._parse_and_tokenize(inputs, truncation=truncation)
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        in_batch = model_inputs["input_ids"].shape[0]
+        if "assistant_model" not in generate_kwargs and self.assistant_model is not None:
+            generate_kwargs["assistant_model"] = self.assistant_model
+        generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
+        output = self.model.generate(**model_inputs, **generate_kwargs)
+        if isinstance(output, ModelOutput):  # return_dict_in_generate=True
+            output = output.sequences
+        out_batch = output.shape[0]  # in_batch * num_return_sequences
+        return {"output_ids": output.reshape(in_batch, out_batch // in_batch, *output.shape[1:])}
+
+    def postprocess(self, model_outputs, return_type=frozenset({ReturnType.TEXT}), clean_up_tokenization_spaces=False):
+        records = []
+        for output_ids in model_outputs["output_ids"][0]:
+            record = {}
+            if ReturnType.TEXT in return_type:
+                record[f"{self.return_name}_text"] = self.tokenizer.decode(
+                    output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=clean_up_tokenization_spaces
+                )
+            if ReturnType.TENSORS in return_type:
+                record[f"{self.return_name}_token_ids"] = output_ids
+            records.append(record)
+        return records
+
+
+class SummarizationPipeline(Text2TextGenerationPipeline):
+    r"""
+    Summarizes documents with an encoder-decoder model, as transformers 4.x's pipeline of the same name:
+    `pipeline("summarization", model=..., tokenizer=...)`. Outputs hold `summary_text` (and `summary_token_ids`). See
+    [`Text2TextGenerationPipeline`] for the arguments.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec, hf_specdec.pipelines
+    >>> from transformers import AutoModelForSeq2SeqLM, pipeline
+    >>> bart = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("facebook/bart-large-cnn"))
+    >>> summarizer = pipeline("summarization", model=bart, tokenizer="facebook/bart-large-cnn")
+    >>> article = open("article.txt").read()
+    >>> # summaries copy from the article, so prompt lookup drafts well; the checkpoint asks for beam search
+    >>> summarizer(article, drafter="prompt_lookup", num_beams=1)
+    [{'summary_text': ...}]
+    ```
+    """
+
+    default_task = "summarization"
+    return_name = "summary"
+
+
+class TranslationPipeline(Text2TextGenerationPipeline):
+    r"""
+    Translates text with an encoder-decoder model, as transformers 4.x's pipeline of the same name:
+    `pipeline("translation", model=..., tokenizer=...)` or `pipeline("translation_en_to_de", ...)`, whose languages
+    select the model config's task-specific parameters (e.g. T5's "translate English to German: " prefix) and are
+    passed to multilingual tokenizers. Outputs hold `translation_text` (and `translation_token_ids`). See
+    [`Text2TextGenerationPipeline`] for the arguments; calls also take `src_lang` and `tgt_lang` (`str`, *optional*),
+    which multilingual tokenizers (mBART, NLLB, M2M100) need.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec, hf_specdec.pipelines
+    >>> from transformers import AutoModelForSeq2SeqLM, pipeline
+    >>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
+    >>> translator = pipeline("translation_en_to_de", model=t5, tokenizer="google-t5/t5-base")
+    >>> # T5's settings for this task add the "translate English to German: " prefix, and beam search
+    >>> translator("How old are you?", assistant_model="google-t5/t5-small", num_beams=1)
+    [{'translation_text': ...}]
+    ```
+    """
+
+    default_task = "translation"
+    return_name = "translation"
+
+    def _sanitize_parameters(self, src_lang=None, tgt_lang=None, **kwargs):
+        preprocess_params, forward_params, postprocess_params = super()._sanitize_parameters(**kwargs)
+        if src_lang is None and tgt_lang is None:
+            match = _TRANSLATION_TASK.fullmatch(self.task)
+            if match is not None:
+                src_lang, tgt_lang = match.groups()
+        if src_lang is not None:
+            preprocess_params["src_lang"] = src_lang
+        if tgt_lang is not None:
+            preprocess_params["tgt_lang"] = tgt_lang
+        return preprocess_params, forward_params, postprocess_params
+
+    def preprocess(self, inputs, truncation=TruncationStrategy.DO_NOT_TRUNCATE, src_lang=None, tgt_lang=None):
+        if getattr(self.tokenizer, "_build_translation_inputs", None):  # multilingual tokenizers
+            return self.tokenizer._build_translation_inputs(
+                inputs, return_tensors="pt", truncation=truncation, src_lang=src_lang, tgt_lang=tgt_lang
+            )
+        return self._parse_and_tokenize(inputs, truncation=truncation)
+
+
+def _check_model_kind(model, task: str) -> None:
+    config = getattr(model, "config", None)
+    if config is None:  # a checkpoint name reaches here only when the class is built directly
+        raise TypeError(
+            f"The `{task}` pipeline class needs a loaded model, got {model!r}. Use `pipeline({task!r}, model=...)`, "
+            "which loads checkpoints."
+        )
+    can_generate = model.can_generate()
+    if not config.is_encoder_decoder:
+        fix = (
+            f'Use `pipeline("text-generation", model=...)` for {type(model).__name__}'
+            if can_generate
+            else "Load an encoder-decoder checkpoint with `AutoModelForSeq2SeqLM.from_pretrained(...)`"
+        )
+        raise ValueError(
+            f"The `{task}` pipeline needs an encoder-decoder model (T5, BART, Marian, ...), got "
+            f"{type(model).__name__}, which is not one (its config has is_encoder_decoder=False). {fix}."
+        )
+    if not can_generate:
+        raise ValueError(
+            f"The `{task}` pipeline needs a model with a language-modeling head, got {type(model).__name__}, which "
+            "cannot `generate`. Load the checkpoint with `AutoModelForSeq2SeqLM.from_pretrained(...)`."
+        )
+
+
+def _check_speculation_enabled(model, kwargs: dict[str, Any]) -> None:
+    requested = sorted(
+        name
+        for name, value in kwargs.items()
+        if (name in _SPECULATIVE_ARGUMENTS and value is not None) or name.startswith("speculative_")
+    )
+    if requested and not isinstance(model, SpeculativeGenerationMixin):
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in requested)} need(s) speculative decoding, which the pipeline's model "
+            f"({type(model).__name__}) does not have. Call `hf_specdec.enable(model)` on it before building the "
+            "pipeline (or `hf_specdec.enable(pipe.model)`); the pipeline does not change your model for you."
+        )
+
+
+# transformers 4.x's default checkpoints, for `pipeline(task)` without a model
+_DEFAULTS = {
+    "text2text-generation": {"model": ("google-t5/t5-base", "a9723ea")},
+    "summarization": {"model": ("sshleifer/distilbart-cnn-12-6", "a4f8f3e")},
+    "translation": {
+        (source, target): {"model": ("google-t5/t5-base", "a9723ea")}
+        for source, target in (("en", "fr"), ("en", "de"), ("en", "ro"))
+    },
+}
+_PIPELINES = {
+    "text2text-generation": Text2TextGenerationPipeline,
+    "summarization": SummarizationPipeline,
+    "translation": TranslationPipeline,
+}
+
+
+def register_pipelines(registry=None, removed_tasks: dict[str, str] | None = None) -> list[str]:
+    """Registers each of this module's pipelines whose task `registry` lacks, and returns the tasks it registered.
+
+    Importing `hf_specdec.pipelines` calls it once with transformers' own registry; a task the installed
+    transformers has (as a task or an alias) keeps transformers' pipeline. For each registered task the matching
+    entry of `removed_tasks` (transformers 5's list of removed tasks, which `pipeline()` rejects) is dropped, and
+    registering "translation" makes the registry accept the 4.x task names "translation_XX_to_YY".
+
+    Args:
+        registry (`transformers.pipelines.base.PipelineRegistry`, *optional*):
+            Defaults to transformers' `PIPELINE_REGISTRY`.
+        removed_tasks (`dict[str, str]`, *optional*):
+            Defaults to transformers' `REMOVED_TASKS` (empty where transformers has none).
+
+    Example:
+
+    ```python
+    >>> from transformers.pipelines.base import PipelineRegistry
+    >>> from hf_specdec.pipelines import register_pipelines
+    >>> register_pipelines(PipelineRegistry({"summarization": {"impl": object, "pt": ()}}, {}), {})
+    ['text2text-generation', 'translation']
+    ```
+    """
+    import transformers.pipelines
+
+    if registry is None:
+        registry = transformers.pipelines.PIPELINE_REGISTRY
+    if removed_tasks is None:
+        removed_tasks = getattr(transformers.pipelines, "REMOVED_TASKS", {})
+    registered = []
+    for task, pipeline_class in _PIPELINES.items():
+        if task in registry.supported_tasks or task in registry.task_aliases:
+            continue
+        registry.register_pipeline(task, pipeline_class=pipeline_class, pt_model=AutoModelForSeq2SeqLM, type="text")
+        # set after registering: `register_pipeline` would nest the language-pair keys under "model"
+        registry.supported_tasks[task]["default"] = _DEFAULTS[task]
+        removed_tasks.pop(task, None)
+        registered.append(task)
+    if "translation" in registered:
+        _accept_translation_pairs(registry)
+    return registered
+
+
+def _accept_translation_pairs(registry) -> None:
+    # transformers 5's registry dropped 4.x's parsing of "translation_XX_to_YY" into "translation" + (XX, YY); it has
+    # no hook for parametrized task names, so this wraps its `check_task` on the instance, once
+    check_task = registry.check_task
+    if getattr(check_task, "_accepts_translation_pairs", False):
+        return
+
+    def check_translation_task(task: str):
+        try:
+            return check_task(task)
+        except KeyError:
+            if not task.startswith("translation_"):
+                raise
+            match = _TRANSLATION_TASK.fullmatch(task)
+            if match is None:
+                raise KeyError(
+                    f"Invalid translation task {task!r}: use 'translation_XX_to_YY' with two language codes, e.g. "
+                    "'translation_en_to_de', or 'translation' with `src_lang` and `tgt_lang`."
+                ) from None
+            normalized_task, targeted_task, _ = check_task("translation")
+            return normalized_task, targeted_task, match.groups()
+
+    check_translation_task._accepts_translation_pairs = True
+    registry.check_task = check_translation_task
+
+
+REGISTERED_TASKS: list[str] = register_pipelines()
+"""The tasks that importing this module registered with transformers (those the installed version lacks)."""

@@ -1,0 +1,229 @@
+"""Batches: left-padded ragged prompts, rows that accept different amounts and end early, num_return_sequences."""
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdec
+from conftest import (
+    VOCAB,
+    noisy_copy,
+    source,
+    tiny_model,
+    tiny_seq2seq,
+)
+from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit
+
+PAD = 0
+PROCESSING = dict(repetition_penalty=1.2, no_repeat_ngram_size=3)
+NEW_TOKENS = 16
+BATCH_ARCHITECTURES = ("gemma", "gpt2", "gpt_neox", "llama", "qwen2")
+
+
+def padded_batch(lengths=(3, 7, 5, 1), seed=0):
+    """Left-padded prompts of different lengths (ids >= 3), with their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+class RowScriptedDrafter(hf_specdec.Drafter):
+    """Per-row copies (no `supports_padded_batches`): proposes each row's known continuation, corrupting every
+    `period`-th position of it (`period=1` never right, `None` always right)."""
+
+    def __init__(self, prompts, references, period=None):
+        self.prompts = [p.tolist() for p in prompts]  # unpadded prompts, to find each row's reference
+        self.references = references  # one unpadded full row (prompt + plain output) per row
+        self.period = period
+
+    def reset(self, context):
+        self.row = self.prompts.index(context.input_ids[0].tolist())
+        self.reference = self.references[self.row]
+
+    def propose(self, input_ids, num_tokens, attention_mask=None):
+        start = input_ids.shape[1]
+        tokens = self.reference[start : start + num_tokens].clone()
+        if self.period is not None:
+            wrong = (torch.arange(start, start + len(tokens)) % self.period) == self.period - 1
+            tokens[wrong] = (tokens[wrong] + 1) % VOCAB
+        return hf_specdec.DraftProposal(tokens=tokens[None])
+
+
+def unpadded_rows(sequences, mask):
+    return [row[int((m == 0).sum()) :] for row, m in zip(sequences, mask)]
+
+
+@pytest.fixture(scope="module", params=BATCH_ARCHITECTURES)
+def batch_setup(request):
+    target = hf_specdec.enable(tiny_model(request.param, seed=0))
+    ids, mask = padded_batch()
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
+    return target, ids, mask, plain
+
+
+def run(target, ids, mask, gamma=4, **kwargs):
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
+                          speculative_gamma=gamma, return_dict_in_generate=True, **PROCESSING, **kwargs)
+    return out.sequences, out.speculative_stats
+
+
+def test_model_drafters_match_plain_batched_generate(batch_setup):
+    target, ids, mask, plain = batch_setup
+    sequences, stats = run(target, ids, mask, assistant_model=target)
+    assert torch.equal(sequences, plain) and stats.acceptance_rate == 1.0
+    assert stats.target_calls == -(-NEW_TOKENS // 5)  # every row accepts all 4 drafts: one forward per 5 tokens
+    sequences, stats = run(target, ids, mask, assistant_model=noisy_copy(target, scale=0.5))
+    assert torch.equal(sequences, plain) and 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("period", (None, 1, 2, 3))
+def test_per_row_drafters_match_plain_batched_generate(batch_setup, period):
+    target, ids, mask, plain = batch_setup
+    drafter = RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(plain, mask), period)
+    sequences, stats = run(target, ids, mask, gamma=3, drafter=drafter)
+    assert torch.equal(sequences, plain)
+    if period == 1:
+        assert stats.accepted_tokens == 0 and stats.target_calls == NEW_TOKENS
+    if period is None:
+        assert stats.acceptance_rate == 1.0
+
+
+def test_rows_accept_different_amounts(batch_setup):
+    target, ids, mask, plain = batch_setup
+    # row 0 never right, row 1 always right, rows 2 and 3 partly: the rows drift apart and are realigned
+    references = unpadded_rows(plain, mask)
+
+    class Mixed(RowScriptedDrafter):
+        def reset(self, context):
+            super().reset(context)
+            self.period = (1, None, 2, 3)[self.row]
+
+    sequences, stats = run(target, ids, mask, gamma=5, drafter=Mixed(unpadded_rows(ids, mask), references))
+    assert torch.equal(sequences, plain)
+    histogram = stats.accepted_length_histogram
+    assert histogram[0] > 0 and histogram[-1] > 0  # some rows rejected at once while others took all 5
+
+
+def test_prompt_lookup_batch(batch_setup):
+    target, ids, mask, plain = batch_setup
+    sequences, _ = run(target, ids, mask, drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1})
+    assert torch.equal(sequences, plain)
+
+
+def test_each_row_equals_its_own_single_run():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids, mask = padded_batch()
+    drafter = noisy_copy(target, scale=0.5)
+    sequences, _ = run(target, ids, mask, assistant_model=drafter)
+    for row, prompt in enumerate(unpadded_rows(ids, mask)):
+        single = target.generate(prompt[None], assistant_model=drafter, speculative_gamma=4,
+                                 max_new_tokens=NEW_TOKENS, **PROCESSING)
+        plain_single = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, **PROCESSING)
+        assert torch.equal(single, plain_single)
+        assert torch.equal(sequences[row, ids.shape[1] - len(prompt) :], single[0])
+
+
+def test_rows_that_end_early_are_padded_like_plain():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids, mask = padded_batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
+    # an EOS token that one row emits early and the others later or never
+    eos = int(free[1, ids.shape[1] + 3])
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, eos_token_id=eos,
+                            **PROCESSING)
+    assert (plain[:, ids.shape[1]:] == PAD).any()  # at least one row finished early and was padded
+    for drafter_args in ({"assistant_model": target}, {"assistant_model": noisy_copy(target, scale=0.5)},
+                         {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), period=3)}):
+        sequences, _ = run(target, ids, mask, eos_token_id=eos, **drafter_args)
+        assert torch.equal(sequences, plain)
+
+
+class StopAfterToken(StoppingCriteria):
+    """Per-row criterion (no EOS): plain generate keeps rows that fired growing until every row has fired."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1] == self.token)
+
+
+def test_rows_without_pad_token_run_until_all_are_done():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids, mask = padded_batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
+    token = int(free[0, ids.shape[1] + 2])
+    criteria = StoppingCriteriaList([StopAfterToken(token)])
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria,
+                            **PROCESSING)
+    for drafter_args in ({"assistant_model": target}, {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), 2)}):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria,
+                              speculative_gamma=4, **PROCESSING, **drafter_args)
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("arch", ("t5", "bart"))
+def test_encoder_decoder_batch_matches_plain(arch):
+    target = hf_specdec.enable(tiny_seq2seq(arch, seed=0))
+    sources = torch.cat([source(10, seed=3), source(10, seed=4)])
+    mask = torch.ones_like(sources)
+    mask[1, 7:] = 0  # the second source is shorter (encoders pad on the right)
+    sources[1, 7:] = PAD
+    processing = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)
+    plain = target.generate(sources, attention_mask=mask, max_new_tokens=NEW_TOKENS, **processing)
+    for drafter_args in ({"assistant_model": target}, {"assistant_model": noisy_copy(target, scale=0.05)},
+                         {"drafter": "prompt_lookup"}):
+        out = target.generate(sources, attention_mask=mask, max_new_tokens=NEW_TOKENS, speculative_gamma=4,
+                              **processing, **drafter_args)
+        assert torch.equal(out, plain)
+
+
+def test_sampling_with_thousands_of_return_sequences():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    drafter = tiny_model("llama", seed=1)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(11))
+    config = dict(temperature=0.9, top_k=4, repetition_penalty=1.3)
+    table = exact_two_token_distribution(target, ids, config)
+    assert len(table) >= 4
+
+    def samples(model, **kwargs):
+        torch.manual_seed(1234)
+        out = model.generate(ids, do_sample=True, max_new_tokens=2, num_return_sequences=3000, **config, **kwargs)
+        return [tuple(row) for row in out[:, ids.shape[1]:].tolist()]
+
+    for drafter_args in ({"assistant_model": drafter}, {"drafter": "prompt_lookup"}):
+        assert goodness_of_fit(table, samples(target, speculative_gamma=2, **drafter_args)) > P_THRESHOLD
+    # power: the same test rejects the drafter's own samples
+    drafter_samples = samples(hf_specdec.enable(drafter))
+    assert any(s not in table for s in drafter_samples) or goodness_of_fit(table, drafter_samples) < P_THRESHOLD
+
+
+def test_right_padding_is_refused():
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="needs left padding"):
+        target.generate(ids, attention_mask=mask.flip(-1), assistant_model=target, max_new_tokens=3, pad_token_id=PAD)
+
+
+def test_batch_with_streamer_or_scores_is_refused():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Silent(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="`streamer` needs a batch of one sequence, got 4"):
+        target.generate(ids, attention_mask=mask, assistant_model=target, streamer=Silent(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="`output_scores` / `output_logits` are supported with a drafter for one"):
+        target.generate(ids, attention_mask=mask, assistant_model=target, max_new_tokens=3,
+                        return_dict_in_generate=True, output_scores=True)
