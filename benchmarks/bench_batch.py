@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from bench_early_exit import forward_ms  # run from the repository root or benchmarks/: the scripts sit together
 
 import hf_specdec
 from hf_specdec.toy import build_early_exit_pair
@@ -36,21 +36,6 @@ def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, lo
         ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
-
-
-def forward_ms(model, batch: int, context: int, new_tokens: int, repeats: int = 7) -> float:
-    vocab = model.config.vocab_size
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.randint(1, vocab, (batch, context)), past_key_values=cache)
-        tokens = torch.randint(1, vocab, (batch, new_tokens))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(tokens, past_key_values=cache, logits_to_keep=new_tokens)
-            times.append(time.perf_counter() - start)
-            cache.crop(-new_tokens)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -89,7 +74,8 @@ def main() -> None:
         tokens = batch * args.max_new_tokens
         plain_tps = tokens / statistics.median(plain_times)
         spec_tps = tokens / statistics.median(spec_times)
-        verify_ratio = forward_ms(target, batch, 48, args.gamma + 1) / forward_ms(target, batch, 48, 1)
+        verify_ratio = (forward_ms(target, 48, args.gamma + 1, repeats=7, batch=batch)
+                        / forward_ms(target, 48, 1, repeats=7, batch=batch))
         row = dict(batch=batch, plain_tokens_per_s=plain_tps, speculative_tokens_per_s=spec_tps,
                    ratio=spec_tps / plain_tps, alpha=out.speculative_stats.alpha,
                    mean_accepted_length=out.speculative_stats.mean_accepted_length, verify_cost_ratio=verify_ratio,

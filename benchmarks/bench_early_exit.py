@@ -25,13 +25,13 @@ import hf_specdec
 from hf_specdec.toy import build_early_exit_pair
 
 
-def forward_ms(model, context: int, new_tokens: int, repeats: int = 15) -> float:
-    """Median ms of one cached forward over `new_tokens` tokens after `context` cached tokens."""
+def forward_ms(model, context: int, new_tokens: int, repeats: int = 15, batch: int = 1) -> float:
+    """Median ms of one cached forward over `new_tokens` tokens per row after `context` cached tokens."""
     vocab = model.config.vocab_size
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(0, vocab, (1, context)), past_key_values=cache)
-        tokens = torch.randint(0, vocab, (1, new_tokens))
+        model(torch.randint(0, vocab, (batch, context)), past_key_values=cache)
+        tokens = torch.randint(0, vocab, (batch, new_tokens))
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
