@@ -30,6 +30,7 @@ token; every other drafter gets a copy per row, called with that row's unpadded 
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from typing import TYPE_CHECKING
 
@@ -47,11 +48,10 @@ if TYPE_CHECKING:
 __all__ = ["decode_batch", "realign_cache"]
 
 
-def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, *, drafter: Drafter, inputs_tensor=None,
-                 **run):
-    """Decodes a batch of rows `[batch, prompt_len]`; returns (sequences, cache or None)."""
-    model_kwargs = {k: v for k, v in run.items() if k not in _RUN_KEYS}
-    run = {k: v for k, v in run.items() if k in _RUN_KEYS}
+def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kwargs: dict, *, drafter: Drafter,
+                 inputs_tensor=None, **run):
+    """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
+    stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
     cache = model_kwargs["past_key_values"]
     if _supports_padded_batch(model, cache):
         return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
@@ -59,12 +59,9 @@ def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, *, draft
     return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
 
 
-_RUN_KEYS = ("logits_processor", "stopping_criteria", "generation_config", "options", "policy", "stats")
-
-
 def _supports_padded_batch(model, cache) -> bool:
-    import inspect
-
+    """Left padding leaves positions intact only for decoder-only models that take `position_ids`, and the cache
+    can be realigned only when every layer keeps all columns (no sliding windows)."""
     return (
         not model.config.is_encoder_decoder
         and isinstance(cache, DynamicCache)

@@ -1,4 +1,4 @@
-"""The speculative decoding loop that runs inside `model.generate` (batch size 1).
+"""The speculative decoding loop that runs inside `model.generate` (one sequence; batches: `batching.py`).
 
 `generate` prepares everything as usual (generation config, logits processors, stopping criteria, cache, encoder
 outputs) and hands this loop the prepared pieces. Each round:
@@ -67,8 +67,8 @@ def speculative_decode(
     else:
         from .batching import decode_batch  # the batched loop builds on this module
 
-        input_ids, cache = decode_batch(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
-                                        **model_kwargs)
+        input_ids, cache = decode_batch(model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor,
+                                        **run)
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:

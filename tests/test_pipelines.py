@@ -46,15 +46,6 @@ CORPUS = TEXTS + [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models on a shared machine: one thread is many times faster than several contending ones
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     """A BPE tokenizer trained here, with pad / eos / unk at the ids the tiny models' configs use."""
