@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.utils import ModelOutput
 
+from .caches import realign_cache
 from .decoding import _context, _decode_one, checked_tokens, target_logits, verify
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
@@ -45,7 +46,7 @@ from .drafters.model import logits_width
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["decode_batch", "realign_cache"]
+__all__ = ["decode_batch"]
 
 
 def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kwargs: dict, *, drafter: Drafter,
@@ -68,23 +69,6 @@ def _supports_padded_batch(model, cache) -> bool:
         and not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
         and "position_ids" in inspect.signature(model.forward).parameters
     )
-
-
-def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
-    """Rebuilds every layer of `cache` so that column j of row r holds what column `columns[r, j]` held.
-
-    `columns` is `[batch, new_len]`; entries outside the old cache (the new left padding) are clamped, and hold
-    values the attention mask hides.
-    """
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
-            continue
-        batch, heads, length, dim = layer.keys.shape
-        index = columns.clamp(0, length - 1).to(layer.keys.device)[:, None, :, None]
-        index = index.expand(batch, heads, columns.shape[1], dim)
-        layer.keys = layer.keys.gather(2, index)
-        layer.values = layer.values.gather(2, index.expand(batch, layer.values.shape[1], columns.shape[1],
-                                                           layer.values.shape[-1]))
 
 
 def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,

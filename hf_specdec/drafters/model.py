@@ -7,6 +7,7 @@ import inspect
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
+from ..caches import realign_cache
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["ModelDrafter"]
@@ -177,21 +178,18 @@ class ModelDrafter(Drafter):
             return
         # a padded batch, re-padded so that rows end together: keep, per row, the cached tokens that are still its
         # prefix, moved to the row's new columns (the same realignment as the target's cache)
-        from ..batching import realign_cache
-
         old_pad = (self.fed_mask == 0).sum(-1)  # [batch]: left padding of what the cache holds
         new_pad = (attention_mask == 0).sum(-1)  # [batch]
-        kept = []
-        for row in range(input_ids.shape[0]):
-            fed = self.fed_ids[row, int(old_pad[row]):]
-            new = input_ids[row, int(new_pad[row]) : -1]  # the newest token is never cached
-            length = min(len(fed), len(new))
-            same = (fed[:length] == new[:length]).long().cumprod(0)
-            kept.append(int(new_pad[row]) + int(same.sum()))
-        width = min(kept)
-        columns = torch.arange(width, device=input_ids.device)[None, :] - (new_pad - old_pad)[:, None]  # [batch, w]
-        realign_cache(self.cache, columns)
-        self.fed_ids, self.fed_mask = input_ids[:, :width], attention_mask[:, :width]
+        width = input_ids.shape[1] - 1  # the newest token is never cached
+        positions = torch.arange(width, device=input_ids.device)[None, :]  # [1, width]
+        columns = positions - (new_pad - old_pad)[:, None]  # [batch, width]: where each new column was
+        fed_here = self.fed_ids.gather(1, columns.clamp(0, self.fed_ids.shape[1] - 1))
+        in_cache = (columns >= 0) & (columns < self.fed_ids.shape[1])
+        # a row's cached prefix stays valid up to its first column that is not what it now holds (padding is masked)
+        same = (in_cache & (fed_here == input_ids[:, :width])) | (positions < new_pad[:, None])
+        kept = int(same.long().cumprod(-1).sum(-1).min())
+        realign_cache(self.cache, columns[:, :kept])
+        self.fed_ids, self.fed_mask = input_ids[:, :kept], attention_mask[:, :kept]
         self.attention_mask = attention_mask
 
     def select_rows(self, indices: torch.LongTensor) -> None:
