@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache
+from transformers import DynamicCache, EncoderDecoderCache, MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from .caches import realign_cache
@@ -137,7 +137,8 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         # 2. one target forward for all rows: the uncached tail plus the drafts
         candidate_ids = torch.cat([ids, draft_tokens], dim=-1)  # [rows, width + k]
         full_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted)], dim=-1)
-        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        # drafts past max_length are never emitted: clamping their positions keeps learned position tables in range
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=max_length - 1)
         logits = target_logits(model, candidate_ids, num_drafted, {
             **model_kwargs, "past_key_values": cache, "attention_mask": full_mask, "position_ids": positions,
         }, first_round)  # [rows, k + 1, vocab]
@@ -156,9 +157,10 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
 
         # 4. each row appends token by token through the stopping criteria
         emitted = []
+        accepted_list, betas_list = accepted.tolist(), betas.tolist()  # one device sync for all rows
         for i, r in enumerate(rows):
-            n = int(accepted[i])
-            stats.record_round(chosen_gamma, num_drafted, n, betas[i, : min(n + 1, num_drafted)].tolist(),
+            n = accepted_list[i]
+            stats.record_round(chosen_gamma, num_drafted, n, betas_list[i][: min(n + 1, num_drafted)],
                                new_forward=i == 0)
             view = torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None]
             count = 0
@@ -180,17 +182,20 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         source_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
         ids = source_ids.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, filler)
         mask = source_mask.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, 0)
-        realign_cache(cache, columns[:, :-1])
+        if most != min(emitted):
+            realign_cache(cache, columns[:, :-1])
+        else:  # every row moved by the same amount: only the drafts nobody kept go
+            cache.crop(-(cache.get_seq_length() - (ids.shape[1] - 1)))
         # finished rows leave; columns that are padding in every row go
         if rows_leave_when_done:
             keep = [i for i, r in enumerate(rows) if r not in done_length]
-        elif len(done_length) == batch:  # no pad token: all rows run to the longest finished length
-            stop = max(done_length.values())
+        else:
+            # no EOS criterion: as in plain generate, every row grows until all rows are done, then all are cut to
+            # the longest finished length (a row at max_length is done for good: nothing past it is ever kept)
+            stop = max(done_length.values()) if len(done_length) == batch else max_length
             keep = [i for i, r in enumerate(rows) if prompt_len + len(generated[r]) < stop]
             for r in rows:
                 generated[r] = generated[r][: stop - prompt_len]
-        else:
-            keep = list(range(len(rows)))
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=device, dtype=torch.long)
             ids, mask = ids[index], mask[index]
@@ -215,7 +220,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         stats.verify_time_s += verify_end - verify_start
         # the policy learns per row; each row is charged its share of the round's time
         share = 1.0 / len(emitted)
-        for i, n in enumerate(accepted.tolist()):
+        for i, n in enumerate(accepted_list):
             policy.observe(drafted=num_drafted, accepted=n, draft_time_s=(verify_start - draft_start) * share,
                            verify_time_s=(verify_end - verify_start) * share, first_round=first_round and i == 0)
         first_round = False
@@ -267,10 +272,22 @@ def _padded_batch_processors(logits_processor):
     return processors, padding_aware
 
 
+def _without_padding(row_processors):
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList()
+    for processor in row_processors:
+        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = None
+        processors.append(processor)
+    return processors
+
+
 def _row_context(context, row: int, text_start: int, row_processors):
-    """The batch-1 context of one row: its unpadded prompt and its processors."""
+    """The batch-1 context of one row: its unpadded prompt, and its processors with no padding to skip."""
     row_context = copy.copy(context)
-    row_context.logits_processor = row_processors
+    row_context.logits_processor = _without_padding(row_processors)
     row_context.input_ids = context.input_ids[row : row + 1, text_start:]
     row_context.model_kwargs = {}
     row_context.inputs_tensor = _source_row(context.inputs_tensor, row, context.input_ids.shape[0])
@@ -334,28 +351,36 @@ def _slice_kwargs(model_kwargs, row: int, batch: int, model):
 def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
                  generation_config, options, policy, stats, **model_kwargs):
     batch = input_ids.shape[0]
-    pad_token_id = generation_config.pad_token_id
-    outputs = []
+    pad = generation_config._pad_token_tensor
+    rows_end_early = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    run = dict(generation_config=generation_config, options=options, policy=policy, stats=stats)
+    outputs, states = [], []
     for row in range(batch):
         row_kwargs = _slice_kwargs(model_kwargs, row, batch, model)
         row_ids = input_ids[row : row + 1]
-        row_inputs = _source_row(inputs_tensor, row, batch)
         row_processors = processors_for_row(logits_processor, row, batch)
         row_drafter = drafter.for_call(_context(model, row_ids, row_processors, generation_config, row_kwargs,
-                                                row_inputs))
+                                                _source_row(inputs_tensor, row, batch)))
         sequence, _, _ = _decode_one(model, row_ids, logits_processor=row_processors,
-                                     stopping_criteria=stopping_criteria, generation_config=generation_config,
-                                     drafter=row_drafter, options=options, policy=policy, stats=stats, **row_kwargs)
-        outputs.append(sequence[0])
-    lengths = {len(s) for s in outputs}
-    if len(lengths) > 1 and pad_token_id is None:
-        raise ValueError(
-            f"The rows of this batch finished at different lengths ({sorted(lengths)}) and there is no "
-            "`pad_token_id` to fill them. Set `pad_token_id` (e.g. `pad_token_id=tokenizer.eos_token_id`), or "
-            "generate one sequence per call."
-        )
-    longest = max(lengths)
-    out = input_ids.new_full((batch, longest), pad_token_id if pad_token_id is not None else 0)
+                                     stopping_criteria=stopping_criteria, drafter=row_drafter, **run, **row_kwargs)
+        outputs.append(sequence)
+        states.append((row_kwargs, row_processors, row_drafter))
+    if not rows_end_early:
+        # as in plain generate without an EOS criterion: rows that are done keep growing until every row is
+        # done; each row continues from where it stopped (its cache holds all but its newest token)
+        stop = max(s.shape[1] for s in outputs)
+        until_stop = StoppingCriteriaList([MaxLengthCriteria(stop)])
+        for row, (row_kwargs, row_processors, row_drafter) in enumerate(states):
+            grown = outputs[row].shape[1] - input_ids.shape[1]
+            if outputs[row].shape[1] < stop:
+                row_kwargs = model._update_model_kwargs_for_generation(
+                    {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
+                )
+                outputs[row], _, _ = _decode_one(model, outputs[row], logits_processor=row_processors,
+                                                 stopping_criteria=until_stop, drafter=row_drafter, **run,
+                                                 **row_kwargs)
+    longest = max(s.shape[1] for s in outputs)
+    out = input_ids.new_full((batch, longest), int(pad.reshape(-1)[0]) if pad is not None else 0)
     for row, sequence in enumerate(outputs):
-        out[row, : len(sequence)] = sequence
+        out[row, : sequence.shape[1]] = sequence[0]
     return out

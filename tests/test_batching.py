@@ -227,3 +227,27 @@ def test_batch_with_streamer_or_scores_is_refused():
     with pytest.raises(ValueError, match="`output_scores` / `output_logits` are supported with a drafter for one"):
         target.generate(ids, attention_mask=mask, assistant_model=target, max_new_tokens=3,
                         return_dict_in_generate=True, output_scores=True)
+
+
+def test_encoder_decoder_rows_without_eos_run_until_all_are_done():
+    target = hf_specdec.enable(tiny_seq2seq("t5", seed=0))
+    sources = torch.cat([source(10, seed=0), source(10, seed=1)])
+    free = target.generate(sources, max_new_tokens=12)
+    criteria = StoppingCriteriaList([StopAfterToken(int(free[0, 4]))])  # row 0 fires early, row 1 later or never
+    plain = target.generate(sources, max_new_tokens=12, stopping_criteria=criteria)
+    for drafter_args in ({"drafter": "prompt_lookup"}, {"assistant_model": target}):
+        out = target.generate(sources, max_new_tokens=12, stopping_criteria=criteria, speculative_gamma=4,
+                              **drafter_args)
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("eos_token_id", (None, VOCAB - 1))
+def test_drafts_past_max_length_stay_in_learned_position_range(eos_token_id):
+    # GPT-2's learned positions end at n_positions: drafts of a row that is ahead must not index past them
+    target = hf_specdec.enable(tiny_model("gpt2", n_positions=20))
+    ids, mask = padded_batch((6, 6))
+    kwargs = dict(attention_mask=mask, max_length=20, pad_token_id=PAD, eos_token_id=eos_token_id)
+    plain = target.generate(ids, **kwargs)
+    drafter = tiny_model("gpt2", seed=3, n_positions=20)
+    for drafter_args in ({"assistant_model": drafter}, {"drafter": "prompt_lookup"}):
+        assert torch.equal(target.generate(ids, speculative_gamma=5, **kwargs, **drafter_args), plain)

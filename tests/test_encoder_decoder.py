@@ -216,3 +216,12 @@ def test_decoder_only_llama_causal_drafter_still_works_for_decoder_only_target()
     plain = target.generate(ids, max_new_tokens=10)
     out = target.generate(ids, assistant_model=AutoModelForCausalLM.from_config(target.config), max_new_tokens=10)
     assert torch.equal(out, plain)
+
+
+def test_encoder_decoder_drafter_without_source_is_refused():
+    target = hf_specdec.enable(tiny_seq2seq("t5"))
+    encoder_outputs = target.get_encoder()(input_ids=source())
+    # generate then has no source tensor (it passes a placeholder of -100s)
+    with pytest.raises(ValueError, match="needs the source as `input_ids`"):
+        target.generate(encoder_outputs=encoder_outputs, assistant_model=tiny_seq2seq("t5", seed=1),
+                        max_new_tokens=3)

@@ -74,6 +74,8 @@ class ModelDrafter(Drafter):
         self.target_device = context.input_ids.device
         self.logits_processor = context.logits_processor
         self.do_sample = context.do_sample
+        # drafts past max_length are never kept; clamped positions keep learned position tables in range
+        self.max_position = context.generation_config.max_length - 1
         forward_params = inspect.signature(model.forward).parameters
         self.accepts_position_ids = "position_ids" in forward_params
         self.accepts_logits_to_keep = "logits_to_keep" in forward_params
@@ -110,7 +112,11 @@ class ModelDrafter(Drafter):
         if model.config.is_encoder_decoder:
             # its own encoder, once, on the same source the target encoded
             source = context.inputs_tensor
-            if source is None or (model.main_input_name == "input_ids" and source.is_floating_point()):
+            # without a source, generate passes a placeholder of -100s
+            token_ids = source is not None and not source.is_floating_point()
+            if source is None or (token_ids and bool((source < 0).any())) or (
+                model.main_input_name == "input_ids" and not token_ids
+            ):
                 raise ValueError(
                     f"The encoder-decoder `assistant_model` ({type(model).__name__}) needs the source as "
                     f"`{model.main_input_name}`, but the target was called with "
@@ -211,7 +217,7 @@ class ModelDrafter(Drafter):
             mask = torch.cat([mask, mask.new_ones(batch, seq_len - mask.shape[1])], dim=-1)  # [batch, seq_len]
             inputs["attention_mask"] = mask.to(self.device)
             if self.accepts_position_ids:
-                positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, cached:]
+                positions = (mask.long().cumsum(-1) - 1).clamp(min=0, max=self.max_position)[:, cached:]
                 inputs["position_ids"] = positions.to(self.device)
             self.fed_ids, self.fed_mask = ids, mask
         elif self.accepts_position_ids:

@@ -101,7 +101,9 @@ class PromptLookupDrafter(Drafter):
     def reset(self, context: DraftContext) -> None:
         sources = None
         source = context.inputs_tensor  # [batch, src_len] token ids for text encoder-decoder targets
-        if context.target.config.is_encoder_decoder and source is not None and not source.is_floating_point():
+        # (generate passes a placeholder of -100s when called without a source)
+        if (context.target.config.is_encoder_decoder and source is not None and not source.is_floating_point()
+                and not bool((source < 0).any())):
             mask = context.model_kwargs.get("attention_mask")  # [batch, src_len]; padding is not text
             sources = [
                 row[mask[i].bool()].tolist() if mask is not None else row.tolist() for i, row in enumerate(source)
