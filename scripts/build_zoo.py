@@ -1,0 +1,193 @@
+"""Builds the embedded zoo (`hf_specdec/zoo_models/`) from the running interpreter's standard library.
+
+Steps, each deterministic (fixed seeds, sorted inputs) and resumable; run them in order or `all`:
+
+    python scripts/build_zoo.py corpus      # manifest.json: stdlib files, sha256, train/test split by module
+    python scripts/build_zoo.py tokenizer   # byte-level BPE (8192 tokens) on the train split
+    python scripts/build_zoo.py target      # ~5.6M-parameter Llama trained on the train split (1 CPU thread)
+    python scripts/build_zoo.py drafter     # 1-layer Llama distilled from the target (hf_specdec.distill)
+    python scripts/build_zoo.py ngram       # NGramDrafter (n=3) on the train split
+    python scripts/build_zoo.py cards       # model cards with the measured numbers (benchmarks/results/zoo_*.json)
+
+Intermediate files (token ids, fp32 checkpoints, logs) go to `build/zoo/` (git-ignored); the shipped files are
+float16 safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from hf_specdec.zoo import corpus as zoo_corpus  # noqa: E402
+
+ZOO = REPO / "hf_specdec" / "zoo_models"
+WORK = REPO / "build" / "zoo"
+MANIFEST = ZOO / "manifest.json"
+SEED = 0
+SEQ_LEN = 256
+TARGET_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+                     rope_theta=10000.0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def step_corpus(args) -> None:
+    files = zoo_corpus.build_manifest()
+    ZOO.mkdir(parents=True, exist_ok=True)
+    manifest = zoo_corpus.write_manifest(files, MANIFEST)
+    log(f"manifest: {manifest['num_files']} files, {manifest['num_bytes']} bytes -> {MANIFEST}")
+
+
+def step_tokenizer(args) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = zoo_corpus.read_split(zoo_corpus.load_manifest(MANIFEST), "train")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    start = time.perf_counter()
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>", model_max_length=2048, clean_up_tokenization_spaces=False)
+    fast.save_pretrained(ZOO / "tokenizer")
+    log(f"tokenizer: {len(fast)} tokens in {time.perf_counter() - start:.1f} s -> {ZOO / 'tokenizer'}")
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(ZOO / "tokenizer")
+
+
+def token_ids(split: str) -> torch.Tensor:
+    """All files of a split, tokenized, each followed by eos, concatenated (cached in build/zoo)."""
+    cache = WORK / f"{split}_ids.pt"
+    if cache.exists():
+        return torch.load(cache)
+    tokenizer = load_tokenizer()
+    texts = zoo_corpus.read_split(zoo_corpus.load_manifest(MANIFEST), split)
+    ids = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    ids = torch.tensor(ids, dtype=torch.int16 if len(tokenizer) < 2**15 else torch.int32)
+    WORK.mkdir(parents=True, exist_ok=True)
+    torch.save(ids, cache)
+    log(f"{split}: {ids.numel()} tokens")
+    return ids
+
+
+def blocks(ids: torch.Tensor, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    """Non-overlapping `[num_blocks, seq_len]` windows (the tail that does not fill one is dropped)."""
+    num = ids.numel() // seq_len
+    return ids[: num * seq_len].view(num, seq_len).long()
+
+
+@torch.no_grad()
+def heldout_loss(model, test_blocks: torch.Tensor, batch_size: int = 32, max_blocks: int | None = None) -> float:
+    model.eval()
+    test_blocks = test_blocks[:max_blocks] if max_blocks else test_blocks
+    total, count = 0.0, 0
+    for start in range(0, len(test_blocks), batch_size):
+        batch = test_blocks[start : start + batch_size]
+        logits = model(batch).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                                 reduction="sum")
+        total, count = total + loss.item(), count + batch[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def step_target(args) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    tokenizer = load_tokenizer()
+    train, test = blocks(token_ids("train")), blocks(token_ids("test"))
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TARGET_CONFIG)
+    model = LlamaForCausalLM(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"target: {num_params / 1e6:.2f}M parameters; train {len(train)} x {SEQ_LEN}, test {len(test)} x {SEQ_LEN}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 50)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))))
+    generator = torch.Generator().manual_seed(SEED)
+    order = torch.randperm(len(train), generator=generator)
+    position, start, history = 0, time.perf_counter(), []
+    model.train()
+    for step in range(args.steps):
+        if position + args.batch_size > len(order):
+            order, position = torch.randperm(len(train), generator=generator), 0
+        batch = train[order[position : position + args.batch_size]]
+        position += args.batch_size
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(batch).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == args.steps - 1:
+            elapsed = time.perf_counter() - start
+            log(f"step {step}/{args.steps} loss {loss.item():.3f} lr {schedule.get_last_lr()[0]:.2e} "
+                f"{elapsed / 60:.1f} min ({(step + 1) * args.batch_size * SEQ_LEN / elapsed:.0f} tok/s)")
+        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            history.append({"step": step + 1, "heldout_loss": heldout_loss(model, test, max_blocks=128)})
+            log(f"held-out loss (128 blocks) {history[-1]['heldout_loss']:.3f}")
+            model.save_pretrained(WORK / "target_fp32")
+    train_minutes = (time.perf_counter() - start) / 60
+    model.save_pretrained(WORK / "target_fp32")
+    loss = heldout_loss(model, test)
+    record = {"parameters": num_params, "steps": args.steps, "batch_size": args.batch_size, "seq_len": SEQ_LEN,
+              "lr": args.lr, "train_tokens_seen": args.steps * args.batch_size * SEQ_LEN,
+              "train_tokens": int(train.numel()), "test_tokens": int(test.numel()), "heldout_loss": loss,
+              "heldout_perplexity": math.exp(loss), "train_minutes": train_minutes, "threads": args.threads,
+              "bf16_autocast": args.bf16, "seed": SEED, "history": history}
+    model.to(torch.float16).save_pretrained(ZOO / "target")
+    tokenizer.save_pretrained(ZOO / "target")
+    (WORK / "target_record.json").write_text(json.dumps(record, indent=1))
+    log(f"target done: held-out loss {loss:.3f} (ppl {math.exp(loss):.1f}), {train_minutes:.1f} min")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    steps = parser.add_subparsers(dest="step", required=True)
+    steps.add_parser("corpus").set_defaults(func=step_corpus)
+    tok = steps.add_parser("tokenizer")
+    tok.add_argument("--vocab-size", type=int, default=8192)
+    tok.set_defaults(func=step_tokenizer)
+    target = steps.add_parser("target")
+    target.add_argument("--steps", type=int, default=3000)
+    target.add_argument("--batch-size", type=int, default=16)
+    target.add_argument("--lr", type=float, default=2e-3)
+    target.add_argument("--eval-every", type=int, default=500)
+    target.add_argument("--threads", type=int, default=1)
+    target.add_argument("--bf16", action="store_true", help="bf16 autocast (faster on CPUs with avx512_bf16)")
+    target.set_defaults(func=step_target)
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
