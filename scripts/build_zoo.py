@@ -3,6 +3,7 @@
 Steps, each deterministic (fixed seeds, sorted inputs) and resumable; run them in order or `all`:
 
     python scripts/build_zoo.py corpus      # manifest.json: stdlib files, sha256, train/test split by module
+    python scripts/build_zoo.py prompts     # heldout_prompts.json: 16 held-out prompts per benchmark task
     python scripts/build_zoo.py tokenizer   # byte-level BPE (8192 tokens) on the train split
     python scripts/build_zoo.py target      # ~5.6M-parameter Llama trained on the train split (1 CPU thread)
     python scripts/build_zoo.py drafter     # 1-layer Llama distilled from the target (hf_specdec.distill)
@@ -34,6 +35,7 @@ ZOO = REPO / "hf_specdec" / "zoo_models"
 WORK = REPO / "build" / "zoo"
 MANIFEST = ZOO / "manifest.json"
 SEED = 0
+TARGET_ID = "hf-specdec/stdlib-llama-5m"  # the name the cards use (base_model of the drafters)
 SEQ_LEN = 256
 TARGET_CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -170,10 +172,115 @@ def step_target(args) -> None:
     log(f"target done: held-out loss {loss:.3f} (ppl {math.exp(loss):.1f}), {train_minutes:.1f} min")
 
 
+def step_prompts(args) -> None:
+    from hf_specdec.zoo import tasks
+
+    manifest = zoo_corpus.load_manifest(MANIFEST)
+    paths = [entry["path"] for entry in manifest["files"] if entry["split"] == "test"]
+    prompts = tasks.build_prompts(list(zip(paths, zoo_corpus.read_split(manifest, "test"))), per_task=16)
+    record = {"description": "held-out prompts cut from the test split of manifest.json by hf_specdec.zoo.tasks",
+              "python_version": manifest["python_version"], "tasks": prompts}
+    (ZOO / "heldout_prompts.json").write_text(json.dumps(record, indent=1) + "\n")
+    log(f"prompts: { {task: len(items) for task, items in prompts.items()} } -> {ZOO / 'heldout_prompts.json'}")
+
+
+def drafter_config(target_config, layers: int):
+    import copy
+
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = layers
+    config.layer_types = None
+    return config
+
+
+def step_drafter(args) -> None:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from hf_specdec.distill import distill_drafter, drafter_agreement
+
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    target = AutoModelForCausalLM.from_pretrained(ZOO / "target", dtype=torch.float32).eval()  # shipped weights
+    train, test = blocks(token_ids("train")), blocks(token_ids("test"))
+    probe = test[torch.randperm(len(test), generator=torch.Generator().manual_seed(SEED))[:64]]
+    config = drafter_config(target.config, args.layers)
+    torch.manual_seed(SEED)
+    early_exit = AutoModelForCausalLM.from_config(config)
+    state = target.state_dict()
+    early_exit.load_state_dict({k: v for k, v in state.items() if k in early_exit.state_dict()}, strict=False)
+    before = drafter_agreement(target, early_exit.eval(), probe)
+    log(f"drafter ({args.layers} layer(s)) before distillation (early exit of the target): {before}")
+    start = time.perf_counter()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
+    drafter = distill_drafter(target, train, early_exit.train(), objective=args.objective, num_steps=args.steps,
+                              batch_size=args.batch_size, learning_rate=args.lr, seed=SEED, accelerator=accelerator,
+                              output_dir=WORK / "drafter_fp32", log_every=25)
+    minutes = (time.perf_counter() - start) / 60
+    drafter = drafter.to(torch.float16).float()  # measure what ships
+    after = drafter_agreement(target, drafter, probe)
+    log(f"after {args.steps} steps ({minutes:.1f} min): {after}")
+    drafter.to(torch.float16).save_pretrained(ZOO / "drafter")
+    tokenizer.save_pretrained(ZOO / "drafter")
+    record = {"layers": args.layers, "objective": args.objective, "steps": args.steps, "batch_size": args.batch_size,
+              "seq_len": SEQ_LEN, "lr": args.lr, "minutes": minutes, "threads": args.threads, "bf16": args.bf16,
+              "parameters": sum(p.numel() for p in drafter.parameters()), "heldout_probe_blocks": len(probe),
+              "before": before, "after": after}
+    (WORK / "drafter_record.json").write_text(json.dumps(record, indent=1))
+
+
+def prune_rare_contexts(table, sequences, min_count: int):
+    """Drops the rows of orders >= 2 whose context occurs fewer than `min_count` times (keeps the file small)."""
+    from hf_specdec import NGramDrafter
+
+    tables = dict(table.tables)
+    for k in range(2, table.n + 1):
+        windows = torch.cat([seq.unfold(0, k - 1, 1) for seq in sequences if seq.numel() >= k - 1])
+        contexts, counts = torch.unique(windows, dim=0, return_counts=True)
+        frequent = {tuple(c) for c in contexts[counts >= min_count].tolist()}
+        rows = tables[f"order_{k}.contexts"]
+        keep = torch.tensor([tuple(c) in frequent for c in rows.tolist()], dtype=torch.bool)
+        for part in ("contexts", "tokens", "probs"):
+            tables[f"order_{k}.{part}"] = tables[f"order_{k}.{part}"][keep]
+    return NGramDrafter(tables, n=table.n, vocab_size=table.vocab_size, top_k=table.top_k,
+                        tokenizer_name=table.tokenizer_name, target_name=table.target_name,
+                        corpus_description=table.corpus_description)
+
+
+def save_compact(table, directory: Path) -> None:
+    """`save_pretrained`, then the tables again in int16 / float16 (they load back as int64 / float32)."""
+    from safetensors.torch import save_file
+
+    table.save_pretrained(directory)
+    compact = {name: (tensor.to(torch.int16) if name.endswith(("contexts", "tokens")) else tensor.to(torch.float16))
+               for name, tensor in table.tables.items()}
+    save_file({name: tensor.contiguous() for name, tensor in compact.items()}, str(directory / "model.safetensors"))
+
+
+def step_ngram(args) -> None:
+    from hf_specdec import NGramDrafter
+
+    tokenizer = load_tokenizer()
+    texts = zoo_corpus.read_split(zoo_corpus.load_manifest(MANIFEST), "train")
+    sequences = [torch.tensor(ids, dtype=torch.long) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    start = time.perf_counter()
+    table = NGramDrafter.from_corpus(sequences, n=args.n, vocab_size=len(tokenizer), top_k=args.top_k,
+                                     tokenizer_name=TARGET_ID, target_name=TARGET_ID,
+                                     corpus_description=f"train split of the Python {sys.version.split()[0]} "
+                                                        f"stdlib ({len(texts)} files, manifest.json)")
+    rows_before = [int(table.tables[f"order_{k}.contexts"].shape[0]) for k in range(1, args.n + 1)]
+    table = prune_rare_contexts(table, sequences, args.min_count)
+    rows = [int(table.tables[f"order_{k}.contexts"].shape[0]) for k in range(1, args.n + 1)]
+    save_compact(table, ZOO / "ngram")
+    log(f"ngram: rows per order {rows_before} -> {rows} (min_count {args.min_count}), "
+        f"{time.perf_counter() - start:.1f} s -> {ZOO / 'ngram'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     steps = parser.add_subparsers(dest="step", required=True)
     steps.add_parser("corpus").set_defaults(func=step_corpus)
+    steps.add_parser("prompts").set_defaults(func=step_prompts)
     tok = steps.add_parser("tokenizer")
     tok.add_argument("--vocab-size", type=int, default=8192)
     tok.set_defaults(func=step_tokenizer)
@@ -185,6 +292,20 @@ def main() -> None:
     target.add_argument("--threads", type=int, default=1)
     target.add_argument("--bf16", action="store_true", help="bf16 autocast (faster on CPUs with avx512_bf16)")
     target.set_defaults(func=step_target)
+    drafter = steps.add_parser("drafter")
+    drafter.add_argument("--layers", type=int, default=1)
+    drafter.add_argument("--objective", default="kl", choices=["kl", "tv"])
+    drafter.add_argument("--steps", type=int, default=600)
+    drafter.add_argument("--batch-size", type=int, default=16)
+    drafter.add_argument("--lr", type=float, default=2e-3)
+    drafter.add_argument("--threads", type=int, default=1)
+    drafter.add_argument("--bf16", action="store_true", help="bf16 autocast through accelerate")
+    drafter.set_defaults(func=step_drafter)
+    ngram = steps.add_parser("ngram")
+    ngram.add_argument("--n", type=int, default=3)
+    ngram.add_argument("--top-k", type=int, default=4)
+    ngram.add_argument("--min-count", type=int, default=2)
+    ngram.set_defaults(func=step_ngram)
     args = parser.parse_args()
     args.func(args)
 
