@@ -447,6 +447,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # weight-loading bars would bury the one line that matters (the commands' own bars use tqdm directly)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     try:
         return args.func(args)
     except (CLIError, ValueError, TypeError, OSError) as err:

@@ -276,6 +276,155 @@ def step_ngram(args) -> None:
         f"{time.perf_counter() - start:.1f} s -> {ZOO / 'ngram'}")
 
 
+def _bench_rows(results_path: Path) -> list[dict]:
+    return json.loads(results_path.read_text())["runs"] if results_path.is_file() else []
+
+
+def _row(rows, task, temperature, drafter):
+    found = [r for r in rows if r["task"] == task and r["temperature"] == temperature and r["drafter"] == drafter]
+    return found[0] if found else None
+
+
+def _fmt(value, spec=".3f", missing="not measured"):
+    return format(value, spec) if value is not None else missing
+
+
+def step_cards(args) -> None:
+    """Model cards (YAML metadata + measured numbers) next to the shipped models, copied into model_cards/."""
+    from hf_specdec import NGramDrafter
+
+    target_record = json.loads((WORK / "target_record.json").read_text())
+    drafter_record = json.loads((WORK / "drafter_record.json").read_text())
+    rows = _bench_rows(REPO / "benchmarks" / "results" / args.results)
+    manifest = zoo_corpus.load_manifest(MANIFEST)
+    corpus_line = (f"the train split of the Python {manifest['python_version']} standard library "
+                   f"({manifest['num_files']['train']} files, {manifest['num_bytes']['train'] / 1e6:.1f} MB; "
+                   f"{manifest['num_files']['test']} files of held-out modules kept for evaluation; see "
+                   "`manifest.json`: every file's sha256 and split)")
+
+    def table(drafter):
+        lines = ["| task | T | γ | α | speedup over plain `generate` | over transformers' assisted | Theorem 3.8 |",
+                 "|---|---|---|---|---|---|---|"]
+        for task in ("completion", "editing", "continuation"):
+            for temperature in (0.0, 1.0):
+                row = _row(rows, task, temperature, drafter)
+                if row:
+                    over = _fmt(row.get("speedup_over_transformers"), ".2f", "n/a")
+                    lines.append(f"| {task} | {temperature:g} | {row['gamma']} | {row['alpha']:.3f} | "
+                                 f"{row['speedup_over_plain']:.2f}x | {over}{'x' if over != 'n/a' else ''} | "
+                                 f"{row['theorem_3_8']:.2f}x |")
+        return "\n".join(lines) if len(lines) > 2 else "Not measured yet (run `benchmarks/bench_zoo.py`)."
+
+    bench_note = ("Measured with `benchmarks/bench_zoo.py` on 8 held-out prompts per task, 128 new tokens, batch 1, "
+                  "one CPU thread (shared 2-core machine), float32; speedups are wall-clock ratios.")
+    target_card = f"""---
+library_name: transformers
+license: apache-2.0
+language:
+- code
+pipeline_tag: text-generation
+tags:
+- llama
+- python
+- code
+- hf_specdec
+- speculative-decoding
+datasets:
+- python-stdlib-{manifest['python_version']}
+---
+
+# stdlib-llama-5m
+
+A {target_record['parameters'] / 1e6:.1f}M-parameter Llama code model trained from scratch on {corpus_line}. It is the
+embedded default target of `hf_specdec` (`hf_specdec.zoo.load_default()`, `hf-specdec demo`): small enough to ship
+inside the package, trained enough that its drafters have something to predict.
+
+| | |
+|---|---|
+| architecture | `LlamaForCausalLM`, {TARGET_CONFIG['num_hidden_layers']} layers, hidden {TARGET_CONFIG['hidden_size']}, MLP {TARGET_CONFIG['intermediate_size']}, {TARGET_CONFIG['num_attention_heads']} heads / {TARGET_CONFIG['num_key_value_heads']} KV heads, tied embeddings |
+| tokenizer | byte-level BPE, 8192 tokens, trained on the same train split (`<|endoftext|>` bos/eos, `<|pad|>`) |
+| training | {target_record['steps']} AdamW steps x {target_record['batch_size']} x {target_record['seq_len']} tokens ({target_record['train_tokens_seen'] / 1e6:.1f}M tokens, {target_record['train_tokens_seen'] / target_record['train_tokens']:.1f} epochs), lr {target_record['lr']} cosine, bf16 autocast, seed {target_record['seed']}, {target_record['train_minutes']:.0f} min on {target_record['threads']} CPU thread |
+| held-out loss | **{target_record['heldout_loss']:.3f}** nats/token (perplexity {target_record['heldout_perplexity']:.1f}) on {target_record['test_tokens'] / 1e6:.2f}M tokens of held-out modules |
+| weights | float16 safetensors |
+
+## Usage
+
+```python
+import hf_specdec
+from hf_specdec.zoo import load_default
+
+target, drafter, tokenizer = load_default()
+target = hf_specdec.enable(target)
+ids = tokenizer("def fibonacci(n):\n", return_tensors="pt").input_ids
+out = target.generate(ids, assistant_model=drafter, speculative_gamma=4, max_new_tokens=64, do_sample=False)
+print(tokenizer.decode(out[0]))
+```
+
+Reproduce: `python scripts/build_zoo.py corpus && ... target` (see `scripts/build_zoo.py`). Limitations: a 5M model
+writes plausible-looking but often wrong Python; it is a benchmark and demo model, not a coding assistant.
+"""
+    after = drafter_record["after"]
+    drafter_card = f"""---
+library_name: transformers
+license: apache-2.0
+base_model: {TARGET_ID}
+language:
+- code
+pipeline_tag: text-generation
+tags:
+- llama
+- hf_specdec
+- speculative-decoding
+- draft-model
+- distillation
+---
+
+# stdlib-llama-5m-drafter-{drafter_record['layers']}l
+
+A {drafter_record['layers']}-layer draft model for [{TARGET_ID}]: the target's embeddings, first layer and final
+norm (an early exit), then distilled from the target's soft labels with `hf_specdec.distill.distill_drafter`
+(objective `{drafter_record['objective']}`, {drafter_record['steps']} steps x {drafter_record['batch_size']} x
+{drafter_record['seq_len']} tokens of {corpus_line}; {drafter_record['minutes']:.0f} min on {drafter_record['threads']}
+CPU thread). {drafter_record['parameters'] / 1e6:.2f}M parameters, float16 safetensors, same tokenizer.
+
+Agreement with the target on {drafter_record['heldout_probe_blocks']} held-out windows of 256 tokens (teacher forcing):
+
+| | before distillation (early exit) | after |
+|---|---|---|
+| top-1 agreement (≈ α at T=0) | {drafter_record['before']['top1']:.3f} | **{after['top1']:.3f}** |
+| 1 - TV (= E[β] at T=1) | {1 - drafter_record['before']['tv']:.3f} | **{1 - after['tv']:.3f}** |
+| KL(p ‖ q) | {drafter_record['before']['kl']:.3f} | {after['kl']:.3f} |
+
+Speculative decoding with `hf_specdec` (α measured during decoding; {bench_note})
+
+{table("distilled")}
+
+## Usage
+
+```python
+import hf_specdec
+from hf_specdec.zoo import load_default
+
+target, drafter, tokenizer = load_default()
+out = hf_specdec.enable(target).generate(input_ids, assistant_model=drafter, speculative_gamma=4)
+```
+"""
+    (ZOO / "target" / "README.md").write_text(target_card)
+    (ZOO / "drafter" / "README.md").write_text(drafter_card)
+    table_ngram = NGramDrafter.from_pretrained(ZOO / "ngram")
+    completion = _row(rows, "completion", 0.0, "trigram")
+    table_ngram.alpha = round(completion["alpha"], 3) if completion else None
+    save_compact(table_ngram, ZOO / "ngram")
+    with (ZOO / "ngram" / "README.md").open("a") as card:
+        card.write(f"\n## Measured\n\nα above: greedy completion of held-out code. All tasks ({bench_note})\n\n"
+                   f"{table('trigram')}\n")
+    cards = REPO / "model_cards"
+    for name, card_name in (("target", "stdlib-llama-5m.md"), ("drafter", "stdlib-llama-5m-drafter.md"),
+                            ("ngram", "stdlib-llama-5m-ngram3.md")):
+        (cards / card_name).write_text((ZOO / name / "README.md").read_text())
+    log("cards written")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     steps = parser.add_subparsers(dest="step", required=True)
@@ -306,6 +455,9 @@ def main() -> None:
     ngram.add_argument("--top-k", type=int, default=4)
     ngram.add_argument("--min-count", type=int, default=2)
     ngram.set_defaults(func=step_ngram)
+    cards = steps.add_parser("cards")
+    cards.add_argument("--results", default="zoo_cpu_1thread.json", help="file in benchmarks/results/")
+    cards.set_defaults(func=step_cards)
     args = parser.parse_args()
     args.func(args)
 

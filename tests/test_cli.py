@@ -24,6 +24,7 @@ def run(capsys, *argv):
 
 
 def assert_error(capsys, argv, message):
+    capsys.readouterr()  # drop what fixtures printed
     status, _, err = run(capsys, *argv)
     assert status == 2
     assert err.startswith("hf-specdec: error: ") and err.count("\n") == 1, err
