@@ -220,7 +220,8 @@ def distill_drafter(
                 break
     progress.close()
     accelerator.wait_for_everyone()
-    drafter = accelerator.unwrap_model(drafter).eval()
+    # without the mixed-precision forward wrapper: the returned model behaves like a freshly loaded one
+    drafter = accelerator.unwrap_model(drafter, keep_fp32_wrapper=False).eval()
     if output_dir is not None and accelerator.is_main_process:
         output_dir = Path(output_dir)
         drafter.save_pretrained(output_dir)
