@@ -16,7 +16,7 @@ from .drafters import (
 from .mixin import SpeculativeGenerationMixin, enable
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculativeStats
-from . import metrics, policies
+from . import distill, metrics, policies, zoo
 from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
     "__version__",
+    "distill",
     "enable",
     "expected_operations",
     "expected_speedup",
@@ -40,4 +41,5 @@ __all__ = [
     "optimal_gamma",
     "policies",
     "register_drafter",
+    "zoo",
 ]
