@@ -39,10 +39,11 @@ EXACT_MATCH = Path(__file__).resolve().parent / "metrics" / "exact_match" / "exa
 DRAFTERS = ("unigram", "bigram", "trigram", "prompt_lookup", "distilled")
 
 
-def lower_order(table: NGramDrafter, n: int) -> NGramDrafter:
-    """The orders 1 ... n of a table: a unigram or bigram drafter from the shipped trigram table."""
+def lower_order(table: NGramDrafter, n: int, draft_mode: str) -> NGramDrafter:
+    """The orders 1 ... n of a table (a unigram or bigram drafter from the shipped trigram table), drafting its
+    argmax (`"greedy"`, for T=0) or sampling from its distribution (`"sample"`, for T=1: q enters the test)."""
     tables = {name: tensor for name, tensor in table.tables.items() if int(name.split(".")[0][6:]) <= n}
-    return NGramDrafter(tables, n=n, vocab_size=table.vocab_size, top_k=table.top_k)
+    return NGramDrafter(tables, n=n, vocab_size=table.vocab_size, top_k=table.top_k, draft_mode=draft_mode)
 
 
 def assistant_with_gamma(model, gamma: int):
@@ -80,13 +81,17 @@ def main() -> None:
     target, distilled, tokenizer = zoo.load_default()
     target = hf_specdec.enable(target)
     trigram = zoo.load_ngram()
-    drafters = {
-        "unigram": (dict(drafter=lower_order(trigram, 1)), args.gamma_table),
-        "bigram": (dict(drafter=lower_order(trigram, 2)), args.gamma_table),
-        "trigram": (dict(drafter=trigram), args.gamma_table),
-        "prompt_lookup": (dict(drafter="prompt_lookup"), args.gamma_table),
-        "distilled": (dict(assistant_model=distilled), args.gamma_model),
-    }
+
+    def drafters_for(temperature):
+        mode = "greedy" if temperature == 0 else "sample"
+        return {
+            "unigram": (dict(drafter=lower_order(trigram, 1, mode)), args.gamma_table),
+            "bigram": (dict(drafter=lower_order(trigram, 2, mode)), args.gamma_table),
+            "trigram": (dict(drafter=lower_order(trigram, 3, mode)), args.gamma_table),
+            "prompt_lookup": (dict(drafter="prompt_lookup"), args.gamma_table),
+            "distilled": (dict(assistant_model=distilled), args.gamma_model),
+        }
+
     transformers_drafts = {
         "distilled": dict(assistant_model=assistant_with_gamma(distilled, args.gamma_model)),
         "prompt_lookup": dict(prompt_lookup_num_tokens=args.gamma_table),
@@ -94,7 +99,7 @@ def main() -> None:
     exact_match = evaluate.load(str(EXACT_MATCH))
     prompts = load_prompts()
     warm = tokenizer("def f(x):\n    return", return_tensors="pt").input_ids
-    for kwargs, gamma in drafters.values():
+    for kwargs, gamma in drafters_for(0).values():
         target.generate(warm, max_new_tokens=8, do_sample=False, speculative_gamma=gamma, **kwargs)
 
     results = {"threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
@@ -108,6 +113,7 @@ def main() -> None:
             sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature,
                                                                             top_k=0, top_p=1.0)
             common = dict(max_new_tokens=args.max_new_tokens, **sampling)
+            drafters = drafters_for(temperature)
             seconds = {"plain": 0.0, **{f"ours/{name}": 0.0 for name in drafters},
                        **{f"transformers/{name}": 0.0 for name in transformers_drafts}}
             stats = {name: [] for name in drafters}
