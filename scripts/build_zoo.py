@@ -251,6 +251,7 @@ def save_compact(table, directory: Path) -> None:
     """`save_pretrained`, then the tables again in int16 / float16 (they load back as int64 / float32)."""
     from safetensors.torch import save_file
 
+    (directory / "README.md").unlink(missing_ok=True)  # save_pretrained keeps an existing card
     table.save_pretrained(directory)
     compact = {name: (tensor.to(torch.int16) if name.endswith(("contexts", "tokens")) else tensor.to(torch.float16))
                for name, tensor in table.tables.items()}
