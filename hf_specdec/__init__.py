@@ -16,7 +16,7 @@ from .drafters import (
 from .mixin import SpeculativeGenerationMixin, enable
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .stats import SpeculativeStats
-from . import metrics, pipelines, policies
+from . import distill, metrics, pipelines, policies, zoo
 from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
     "__version__",
+    "distill",
     "enable",
     "expected_operations",
     "expected_speedup",
@@ -41,4 +42,5 @@ __all__ = [
     "pipelines",
     "policies",
     "register_drafter",
+    "zoo",
 ]

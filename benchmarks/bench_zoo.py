@@ -1,0 +1,183 @@
+"""The zoo benchmark: the embedded stdlib code model with every drafter, on held-out code (paper Tables 2-4).
+
+Tasks (prompts from `hf_specdec/zoo_models/heldout_prompts.json`, held-out modules only): `completion`
+(signature + docstring, write the body), `editing` (copy-heavy: a function, then its renamed signature; the
+continuation repeats the body), `continuation` (free continuation of a file window). At T=0 (greedy) and T=1
+(sampling, no top-k / top-p), batch 1, constant γ, one process, interleaved per prompt:
+
+- Table 3: α for the unigram, bigram and trigram tables (`NGramDrafter` with n=1, 2, 3, built from the shipped
+  trigram table), prompt lookup, and the distilled 1-layer drafter;
+- Table 2: wall-clock speedup of hf_specdec over plain `generate` and over transformers' assisted generation with
+  the same draft (the distilled model as `assistant_model`, and `prompt_lookup_num_tokens`);
+- Table 4: Theorem 3.8's expected speedup from the measured α, γ and c (c: drafter seconds per drafted token over
+  plain seconds per token, as timed in the loop) against the measured speedup.
+
+Greedy outputs are compared with plain `generate` through `evaluate` (`exact_match`, must be 1.0). Speed is
+measured, never asserted in tests.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_zoo.py --threads 1 --output benchmarks/results/zoo_cpu_1thread.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import evaluate
+import torch
+from transformers import GenerationMixin
+
+import hf_specdec
+from hf_specdec import NGramDrafter, zoo
+from hf_specdec.theory import expected_speedup
+from hf_specdec.zoo.tasks import TASKS, load_prompts
+
+EXACT_MATCH = Path(__file__).resolve().parent / "metrics" / "exact_match" / "exact_match.py"
+DRAFTERS = ("unigram", "bigram", "trigram", "prompt_lookup", "distilled")
+
+
+def lower_order(table: NGramDrafter, n: int, draft_mode: str) -> NGramDrafter:
+    """The orders 1 ... n of a table (a unigram or bigram drafter from the shipped trigram table), drafting its
+    argmax (`"greedy"`, for T=0) or sampling from its distribution (`"sample"`, for T=1: q enters the test)."""
+    tables = {name: tensor for name, tensor in table.tables.items() if int(name.split(".")[0][6:]) <= n}
+    return NGramDrafter(tables, n=n, vocab_size=table.vocab_size, top_k=table.top_k, draft_mode=draft_mode)
+
+
+def assistant_with_gamma(model, gamma: int):
+    """A shallow copy whose generation config asks transformers for exactly `gamma` drafts (the user's is untouched)."""
+    assistant = copy.copy(model)
+    assistant.generation_config = copy.deepcopy(model.generation_config)
+    assistant.generation_config.num_assistant_tokens = gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per task")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
+    parser.add_argument("--gamma-model", type=int, default=4, help="γ of the distilled drafter")
+    parser.add_argument("--gamma-table", type=int, default=6, help="γ of the n-gram tables and prompt lookup")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target, distilled, tokenizer = zoo.load_default()
+    target = hf_specdec.enable(target)
+    trigram = zoo.load_ngram()
+
+    def drafters_for(temperature):
+        mode = "greedy" if temperature == 0 else "sample"
+        return {
+            "unigram": (dict(drafter=lower_order(trigram, 1, mode)), args.gamma_table),
+            "bigram": (dict(drafter=lower_order(trigram, 2, mode)), args.gamma_table),
+            "trigram": (dict(drafter=lower_order(trigram, 3, mode)), args.gamma_table),
+            "prompt_lookup": (dict(drafter="prompt_lookup"), args.gamma_table),
+            "distilled": (dict(assistant_model=distilled), args.gamma_model),
+        }
+
+    transformers_drafts = {
+        "distilled": dict(assistant_model=assistant_with_gamma(distilled, args.gamma_model)),
+        "prompt_lookup": dict(prompt_lookup_num_tokens=args.gamma_table),
+    }
+    exact_match = evaluate.load(str(EXACT_MATCH))
+    prompts = load_prompts()
+    warm = tokenizer("def f(x):\n    return", return_tensors="pt").input_ids
+    for kwargs, gamma in drafters_for(0).values():
+        target.generate(warm, max_new_tokens=8, do_sample=False, speculative_gamma=gamma, **kwargs)
+
+    results = {"threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+               "gamma": {"distilled": args.gamma_model, "tables_and_prompt_lookup": args.gamma_table},
+               "target_parameters": sum(p.numel() for p in target.parameters()),
+               "drafter_parameters": sum(p.numel() for p in distilled.parameters()), "runs": []}
+    for task in args.tasks:
+        inputs = [tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens:]
+                  for item in prompts[task][: args.prompts]]
+        for temperature in args.temperatures:
+            sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature,
+                                                                            top_k=0, top_p=1.0)
+            common = dict(max_new_tokens=args.max_new_tokens, **sampling)
+            drafters = drafters_for(temperature)
+            seconds = {"plain": 0.0, **{f"ours/{name}": 0.0 for name in drafters},
+                       **{f"transformers/{name}": 0.0 for name in transformers_drafts}}
+            stats = {name: [] for name in drafters}
+            texts = {name: [] for name in seconds}
+            plain_tokens = 0
+            for index, ids in enumerate(inputs):
+                mask = torch.ones_like(ids)
+                torch.manual_seed(args.seed + index)
+                elapsed, plain = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common))
+                seconds["plain"] += elapsed
+                plain_tokens += plain.shape[1] - ids.shape[1]
+                texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1]:].tolist())))
+                for name, extra in transformers_drafts.items():
+                    torch.manual_seed(args.seed + index)
+                    elapsed, out = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **extra,
+                                                                          **common))
+                    seconds[f"transformers/{name}"] += elapsed
+                    texts[f"transformers/{name}"].append(" ".join(map(str, out[0, ids.shape[1]:].tolist())))
+                for name, (kwargs, gamma) in drafters.items():
+                    torch.manual_seed(args.seed + index)
+                    elapsed, out = timed(lambda: target.generate(ids, attention_mask=mask, speculative_gamma=gamma,
+                                                                 return_dict_in_generate=True, **kwargs, **common))
+                    seconds[f"ours/{name}"] += elapsed
+                    stats[name].append(out.speculative_stats)
+                    texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1]:].tolist())))
+            plain_step = seconds["plain"] / plain_tokens  # the paper's T
+            for name, (kwargs, gamma) in drafters.items():
+                runs = stats[name]
+                alpha = sum(s.beta_sum for s in runs) / max(1, sum(s.beta_count for s in runs))
+                drafted = sum(s.drafted_tokens for s in runs)
+                c = sum(s.draft_time_s for s in runs) / max(1, drafted) / plain_step
+                speedup = seconds["plain"] / seconds[f"ours/{name}"]
+                predicted = expected_speedup(alpha=min(alpha, 1 - 1e-9), gamma=gamma, c=c)
+                # the theorem prices a verify round at one plain step; v is what it costs here (GEMM vs GEMV)
+                v = sum(s.verify_time_s for s in runs) / sum(s.target_calls for s in runs) / plain_step
+                with_v = hf_specdec.theory.expected_tokens_per_round(min(alpha, 1 - 1e-9), gamma) / (gamma * c + v)
+                row = {
+                    "task": task, "temperature": temperature, "drafter": name, "gamma": gamma, "alpha": alpha,
+                    "acceptance_rate": sum(s.accepted_tokens for s in runs) / max(1, drafted),
+                    "tokens_per_target_call": sum(s.emitted_tokens for s in runs) / sum(s.target_calls for s in runs),
+                    "c": c, "plain_s": seconds["plain"], "ours_s": seconds[f"ours/{name}"],
+                    "speedup_over_plain": speedup, "theorem_3_8": predicted,
+                    "measured_over_theorem": speedup / predicted, "verify_cost_v": v,
+                    "theorem_3_8_with_measured_v": with_v, "measured_over_theorem_with_v": speedup / with_v,
+                }
+                if name in transformers_drafts:
+                    row["transformers_s"] = seconds[f"transformers/{name}"]
+                    row["transformers_speedup_over_plain"] = seconds["plain"] / seconds[f"transformers/{name}"]
+                    row["speedup_over_transformers"] = seconds[f"transformers/{name}"] / seconds[f"ours/{name}"]
+                if temperature == 0:
+                    row["exact_match_vs_plain"] = exact_match.compute(predictions=texts[f"ours/{name}"],
+                                                                      references=texts["plain"])["exact_match"]
+                    if name in transformers_drafts:
+                        row["transformers_exact_match_vs_plain"] = exact_match.compute(
+                            predictions=texts[f"transformers/{name}"], references=texts["plain"])["exact_match"]
+                results["runs"].append(row)
+                over = f" x{row['speedup_over_transformers']:.2f} vs transformers" if "speedup_over_transformers" in row else ""
+                em = f" EM {row['exact_match_vs_plain']:.2f}" if "exact_match_vs_plain" in row else ""
+                print(f"{task:12s} T={temperature:g} {name:13s} g={gamma} alpha {alpha:.3f} c {c:.3f} "
+                      f"v {v:.2f} speedup x{speedup:.2f} (Thm 3.8 x{predicted:.2f}, with v x{with_v:.2f}){over}{em}", flush=True)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
