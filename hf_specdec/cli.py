@@ -219,7 +219,6 @@ def bench(args: argparse.Namespace) -> int:
     import torch
     from transformers import GenerationMixin
 
-    import hf_specdec
     from hf_specdec.theory import expected_speedup
 
     _set_threads(args.threads)
