@@ -215,18 +215,20 @@ def step_drafter(args) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
     drafter = distill_drafter(target, train, early_exit.train(), objective=args.objective, num_steps=args.steps,
                               batch_size=args.batch_size, learning_rate=args.lr, seed=SEED, accelerator=accelerator,
-                              output_dir=WORK / "drafter_fp32", log_every=25)
+                              output_dir=WORK / f"drafter_{args.objective}_fp32", log_every=25)
     minutes = (time.perf_counter() - start) / 60
     drafter = drafter.to(torch.float16).float()  # measure what ships
     after = drafter_agreement(target, drafter, probe)
     log(f"after {args.steps} steps ({minutes:.1f} min): {after}")
-    drafter.to(torch.float16).save_pretrained(ZOO / "drafter")
-    tokenizer.save_pretrained(ZOO / "drafter")
+    output = Path(args.output) if args.output else ZOO / "drafter"
+    drafter.to(torch.float16).save_pretrained(output)
+    tokenizer.save_pretrained(output)
     record = {"layers": args.layers, "objective": args.objective, "steps": args.steps, "batch_size": args.batch_size,
               "seq_len": SEQ_LEN, "lr": args.lr, "minutes": minutes, "threads": args.threads, "bf16": args.bf16,
               "parameters": sum(p.numel() for p in drafter.parameters()), "heldout_probe_blocks": len(probe),
               "before": before, "after": after}
-    (WORK / "drafter_record.json").write_text(json.dumps(record, indent=1))
+    record_name = "drafter_record.json" if not args.output else f"drafter_{args.objective}_record.json"
+    (WORK / record_name).write_text(json.dumps(record, indent=1))
 
 
 def prune_rare_contexts(table, sequences, min_count: int):
@@ -454,6 +456,7 @@ def main() -> None:
     drafter.add_argument("--lr", type=float, default=2e-3)
     drafter.add_argument("--threads", type=int, default=1)
     drafter.add_argument("--bf16", action="store_true", help="bf16 autocast through accelerate")
+    drafter.add_argument("--output", default=None, help="default: the shipped zoo_models/drafter (for comparisons)")
     drafter.set_defaults(func=step_drafter)
     ngram = steps.add_parser("ngram")
     ngram.add_argument("--n", type=int, default=3)
