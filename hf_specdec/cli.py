@@ -150,38 +150,44 @@ def _timed(fn):
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Plain greedy vs speculative on a held-out prompt with the embedded trained pair, same process."""
+    """Plain greedy vs speculative on a held-out prompt with the embedded trained models, same process."""
     import torch
+    from transformers import GenerationMixin
 
-    from hf_specdec import zoo
     from hf_specdec.zoo.tasks import load_prompts
 
     _set_threads(args.threads)
     target, tokenizer = _load_target(None)
-    drafter_kwargs = _load_drafter([args.drafter], embedded_target=True)
+    names = ["prompt_lookup", "ngram", "model"] if args.drafter == "all" else [args.drafter]
+    drafters = {name: _load_drafter([name], embedded_target=True) for name in names}
     example = load_prompts()[args.task][args.index % 16]
     ids = tokenizer(example["prompt"], return_tensors="pt").input_ids
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    target.generate(ids[:, :8], max_new_tokens=4, do_sample=False)  # warm-up
-    target.generate(ids[:, :8], max_new_tokens=4, do_sample=False, speculative_gamma=args.gamma, **drafter_kwargs)
-    plain_s, plain = _timed(lambda: target.generate(ids, **common))
-    spec_s, out = _timed(lambda: target.generate(ids, speculative_gamma=args.gamma, return_dict_in_generate=True,
-                                                 **drafter_kwargs, **common))
-    stats = out.speculative_stats
-    same = torch.equal(out.sequences, plain)
-    print(f"Embedded zoo: 5.6M-parameter Llama code model trained on the Python stdlib, drafter: {args.drafter} "
-          f"(gamma={args.gamma}).")
+    warm = dict(max_new_tokens=4, do_sample=False)
+    GenerationMixin.generate(target, ids[:, :8], **warm)
+    for drafter_kwargs in drafters.values():
+        target.generate(ids[:, :8], speculative_gamma=args.gamma, **drafter_kwargs, **warm)
+    plain_s, plain = _timed(lambda: GenerationMixin.generate(target, ids, **common))
+    print("Embedded zoo: 5.6M-parameter Llama code model trained on the Python standard library (train split).")
     print(f"Held-out {args.task} prompt {example['id']} ({ids.shape[1]} tokens), ending:")
-    print("\n".join(example["prompt"].splitlines()[-6:]))
-    print(f"--- generated ({out.sequences.shape[1] - ids.shape[1]} tokens) ---")
-    print(tokenizer.decode(out.sequences[0, ids.shape[1]:]))
+    print("\n".join(example["prompt"].rstrip("\n").splitlines()[-5:]))
+    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens, plain greedy generate: {plain_s:.2f} s) ---")
+    print(tokenizer.decode(plain[0, ids.shape[1]:]))
     print("---")
-    print(f"plain generate:  {plain_s:.3f} s")
-    print(f"speculative:     {spec_s:.3f} s  -> speedup {plain_s / spec_s:.2f}x")
-    print(f"alpha {stats.alpha:.3f}, acceptance rate {stats.acceptance_rate:.3f}, "
-          f"mean tokens per target call {stats.mean_accepted_length:.2f}")
-    print(f"output identical to plain generate: {same}")
-    return 0 if same else 1
+    labels = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
+    all_same = True
+    print(f"{'drafter (gamma=' + str(args.gamma) + ')':28s} {'seconds':>8} {'speedup':>8} {'alpha':>6} "
+          f"{'tokens/call':>11} {'identical':>9}")
+    for name, drafter_kwargs in drafters.items():
+        spec_s, out = _timed(lambda: target.generate(ids, speculative_gamma=args.gamma, return_dict_in_generate=True,
+                                                     **drafter_kwargs, **common))
+        stats = out.speculative_stats
+        same = torch.equal(out.sequences, plain)
+        all_same &= same
+        print(f"{labels[name]:28s} {spec_s:8.2f} {plain_s / spec_s:7.2f}x {stats.alpha:6.3f} "
+              f"{stats.mean_accepted_length:11.2f} {str(same):>9}")
+    print(f"output identical to plain generate: {all_same}")
+    return 0 if all_same else 1
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -213,7 +219,6 @@ def bench(args: argparse.Namespace) -> int:
     import torch
     from transformers import GenerationMixin
 
-    import hf_specdec
     from hf_specdec.theory import expected_speedup
 
     _set_threads(args.threads)
@@ -395,7 +400,7 @@ def _parser() -> argparse.ArgumentParser:
         threads(sub)
 
     sub = commands.add_parser("demo", help="speculative vs plain generate with the embedded trained code model")
-    sub.add_argument("--drafter", default="model", choices=["model", "ngram", "prompt_lookup"])
+    sub.add_argument("--drafter", default="all", choices=["all", "prompt_lookup", "ngram", "model"])
     sub.add_argument("--task", default="completion", choices=["completion", "editing", "continuation"])
     sub.add_argument("--index", type=int, default=0, help="which held-out prompt of the task (0-15)")
     sub.add_argument("--max-new-tokens", type=int, default=96)

@@ -215,18 +215,20 @@ def step_drafter(args) -> None:
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
     drafter = distill_drafter(target, train, early_exit.train(), objective=args.objective, num_steps=args.steps,
                               batch_size=args.batch_size, learning_rate=args.lr, seed=SEED, accelerator=accelerator,
-                              output_dir=WORK / "drafter_fp32", log_every=25)
+                              output_dir=WORK / f"drafter_{args.objective}_fp32", log_every=25)
     minutes = (time.perf_counter() - start) / 60
     drafter = drafter.to(torch.float16).float()  # measure what ships
     after = drafter_agreement(target, drafter, probe)
     log(f"after {args.steps} steps ({minutes:.1f} min): {after}")
-    drafter.to(torch.float16).save_pretrained(ZOO / "drafter")
-    tokenizer.save_pretrained(ZOO / "drafter")
+    output = Path(args.output) if args.output else ZOO / "drafter"
+    drafter.to(torch.float16).save_pretrained(output)
+    tokenizer.save_pretrained(output)
     record = {"layers": args.layers, "objective": args.objective, "steps": args.steps, "batch_size": args.batch_size,
               "seq_len": SEQ_LEN, "lr": args.lr, "minutes": minutes, "threads": args.threads, "bf16": args.bf16,
               "parameters": sum(p.numel() for p in drafter.parameters()), "heldout_probe_blocks": len(probe),
               "before": before, "after": after}
-    (WORK / "drafter_record.json").write_text(json.dumps(record, indent=1))
+    record_name = "drafter_record.json" if not args.output else f"drafter_{args.objective}_record.json"
+    (WORK / record_name).write_text(json.dumps(record, indent=1))
 
 
 def prune_rare_contexts(table, sequences, min_count: int):
@@ -304,8 +306,8 @@ def step_cards(args) -> None:
                    "`manifest.json`: every file's sha256 and split)")
 
     def table(drafter):
-        lines = ["| task | T | γ | α | speedup over plain `generate` | over transformers' assisted | Theorem 3.8 |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| task | T | γ | α | speedup over plain `generate` | over transformers' assisted | Theorem 3.8 | "
+                 "Theorem 3.8 with measured c, v |", "|---|---|---|---|---|---|---|---|"]
         for task in ("completion", "editing", "continuation"):
             for temperature in (0.0, 1.0):
                 row = _row(rows, task, temperature, drafter)
@@ -313,11 +315,15 @@ def step_cards(args) -> None:
                     over = _fmt(row.get("speedup_over_transformers"), ".2f", "n/a")
                     lines.append(f"| {task} | {temperature:g} | {row['gamma']} | {row['alpha']:.3f} | "
                                  f"{row['speedup_over_plain']:.2f}x | {over}{'x' if over != 'n/a' else ''} | "
-                                 f"{row['theorem_3_8']:.2f}x |")
+                                 f"{row['theorem_3_8']:.2f}x | {row['theorem_3_8_with_measured_v']:.2f}x |")
         return "\n".join(lines) if len(lines) > 2 else "Not measured yet (run `benchmarks/bench_zoo.py`)."
 
-    bench_note = ("Measured with `benchmarks/bench_zoo.py` on 8 held-out prompts per task, 128 new tokens, batch 1, "
-                  "one CPU thread (shared 2-core machine), float32; speedups are wall-clock ratios.")
+    results_path = REPO / "benchmarks" / "results" / args.results
+    settings = json.loads(results_path.read_text()) if results_path.is_file() else {"prompts": "?", "max_new_tokens": "?"}
+    bench_note = (f"measured with `benchmarks/bench_zoo.py` on {settings['prompts']} held-out prompts per task, "
+                  f"{settings['max_new_tokens']} new tokens, batch 1, one CPU thread of a shared 2-core machine, "
+                  "float32; speedups are wall-clock ratios, +-10% from run to run. The last column prices a verify "
+                  "round at its measured cost v instead of one plain step.")
     target_card = f"""---
 library_name: transformers
 license: apache-2.0
@@ -450,6 +456,7 @@ def main() -> None:
     drafter.add_argument("--lr", type=float, default=2e-3)
     drafter.add_argument("--threads", type=int, default=1)
     drafter.add_argument("--bf16", action="store_true", help="bf16 autocast through accelerate")
+    drafter.add_argument("--output", default=None, help="default: the shipped zoo_models/drafter (for comparisons)")
     drafter.set_defaults(func=step_drafter)
     ngram = steps.add_parser("ngram")
     ngram.add_argument("--n", type=int, default=3)

@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import pytest
-import torch
 from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
