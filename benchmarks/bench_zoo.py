@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 from pathlib import Path
 
 import evaluate
@@ -34,6 +33,8 @@ import hf_specdec
 from hf_specdec import NGramDrafter, zoo
 from hf_specdec.theory import expected_speedup
 from hf_specdec.zoo.tasks import TASKS, load_prompts
+
+from bench_early_exit import timed  # the benchmark scripts sit together in benchmarks/
 
 EXACT_MATCH = Path(__file__).resolve().parent / "metrics" / "exact_match" / "exact_match.py"
 DRAFTERS = ("unigram", "bigram", "trigram", "prompt_lookup", "distilled")
@@ -54,12 +55,6 @@ def assistant_with_gamma(model, gamma: int):
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     assistant.generation_config.assistant_confidence_threshold = 0.0
     return assistant
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def main() -> None:

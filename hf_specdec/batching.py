@@ -35,7 +35,13 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, MaxLengthCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    EncoderDecoderCache,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 from transformers.utils import ModelOutput
 
 from .caches import realign_cache
@@ -234,8 +240,6 @@ def processors_for_row(logits_processor, row: int, batch: int):
     transformers' processors keep some per-row state sized to the whole batch (repetition penalty's prompt padding
     lengths, the encoder-side penalties' source ids, the prefix function's batch index); it is sliced to the row.
     """
-    from transformers import LogitsProcessorList
-
     row_processors = LogitsProcessorList()
     for processor in logits_processor:
         ignore = getattr(processor, "prompt_ignore_length", None)
@@ -259,10 +263,9 @@ def processors_for_row(logits_processor, row: int, batch: int):
 
 
 def _padded_batch_processors(logits_processor):
-    """The processors for a drafter of the padded batch, and the repetition penalties among them whose per-row
-    padding lengths the loop updates every round (rows move and leave)."""
-    from transformers import LogitsProcessorList
-
+    """A copy of the processors whose repetition penalties (their per-row padding lengths) can be updated without
+    touching the originals: (processors, those penalties). The padded batch updates them every round, as rows move
+    and leave; per-row drafters, which see unpadded tokens, clear them."""
     processors, padding_aware = LogitsProcessorList(), []
     for processor in logits_processor:
         if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
@@ -272,22 +275,12 @@ def _padded_batch_processors(logits_processor):
     return processors, padding_aware
 
 
-def _without_padding(row_processors):
-    from transformers import LogitsProcessorList
-
-    processors = LogitsProcessorList()
-    for processor in row_processors:
-        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
-            processor = copy.copy(processor)
-            processor.prompt_ignore_length = None
-        processors.append(processor)
-    return processors
-
-
 def _row_context(context, row: int, text_start: int, row_processors):
     """The batch-1 context of one row: its unpadded prompt, and its processors with no padding to skip."""
     row_context = copy.copy(context)
-    row_context.logits_processor = _without_padding(row_processors)
+    row_context.logits_processor, padding_aware = _padded_batch_processors(row_processors)
+    for processor in padding_aware:
+        processor.prompt_ignore_length = None
     row_context.input_ids = context.input_ids[row : row + 1, text_start:]
     row_context.model_kwargs = {}
     row_context.inputs_tensor = _source_row(context.inputs_tensor, row, context.input_ids.shape[0])
