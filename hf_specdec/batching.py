@@ -225,10 +225,11 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
         # the policy learns per row; each row is charged its share of the round's time
-        share = 1.0 / len(emitted)
-        for i, n in enumerate(accepted_list):
-            policy.observe(drafted=num_drafted, accepted=n, draft_time_s=(verify_start - draft_start) * share,
-                           verify_time_s=(verify_end - verify_start) * share, first_round=first_round and i == 0)
+        # the policy sees one round of the whole batch: its time, and the rows' mean number of accepted drafts (the
+        # batch's tokens per second is the number of rows times a row's, so both pick the same γ)
+        policy.observe(drafted=num_drafted, accepted=round(sum(accepted_list) / len(accepted_list)),
+                       draft_time_s=verify_start - draft_start, verify_time_s=verify_end - verify_start,
+                       first_round=first_round)
         first_round = False
 
     return _assemble(prompts, generated, filler)

@@ -251,3 +251,14 @@ def test_drafts_past_max_length_stay_in_learned_position_range(eos_token_id):
     drafter = tiny_model("gpt2", seed=3, n_positions=20)
     for drafter_args in ({"assistant_model": drafter}, {"drafter": "prompt_lookup"}):
         assert torch.equal(target.generate(ids, speculative_gamma=5, **kwargs, **drafter_args), plain)
+
+
+@pytest.mark.parametrize("policy", ("optimal", "heuristic"))
+def test_gamma_policies_in_a_batch(policy):
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids, mask = padded_batch()
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
+    sequences, stats = run(target, ids, mask, assistant_model=noisy_copy(target, scale=0.5),
+                           speculative_gamma_policy=policy)
+    assert torch.equal(sequences, plain)
+    assert len(stats.gamma_history) == stats.target_calls  # one decision per batch round
