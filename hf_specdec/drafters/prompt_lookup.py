@@ -62,8 +62,9 @@ class PromptLookupDrafter(Drafter):
     Prompt lookup ("copy") drafting: finds the longest suffix n-gram of prompt + generated text that occurred
     before, prefers its most recent occurrence, and proposes the tokens that followed it. For encoder-decoder
     targets it also copies from the source text (the encoder input), e.g. for grammar correction or extraction;
-    the longest match wins, and at equal length a match in the generated text (more recent) wins over the source. When that occurrence is
-    so recent that its continuation reaches the end of the text, the copy overlaps itself and continues
+    the longest match wins, and at equal length a match in the generated text (more recent) wins over the source.
+    When that occurrence is so recent that its continuation reaches the end of the text, the copy overlaps itself
+    and continues
     periodically (the text is repeating with that period). Costs no model forward
     (c ≈ 0), and shines when the output repeats the input: code edits, summaries, extraction, grammar fixes.
 
