@@ -64,9 +64,8 @@ class PromptLookupDrafter(Drafter):
     targets it also copies from the source text (the encoder input), e.g. for grammar correction or extraction;
     the longest match wins, and at equal length a match in the generated text (more recent) wins over the source.
     When that occurrence is so recent that its continuation reaches the end of the text, the copy overlaps itself
-    and continues
-    periodically (the text is repeating with that period). Costs no model forward
-    (c ≈ 0), and shines when the output repeats the input: code edits, summaries, extraction, grammar fixes.
+    and continues periodically (the text is repeating with that period). Costs no model forward (c ≈ 0), and
+    shines when the output repeats the input: code edits, summaries, extraction, grammar fixes.
 
     The index is built incrementally (each token is indexed once per call). Drafts are deterministic, so when
     sampling q is a point mass and each draft x is accepted with probability p(x): the output distribution stays
