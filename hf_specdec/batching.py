@@ -210,7 +210,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                 batch_drafter.select_rows(index)
             rows = [rows[i] for i in keep]
         if rows:
-            lead = int((mask == 0).long().cumprod(-1).sum(-1).min())  # all-padding columns on the left
+            lead = int((mask == 0).sum(-1).min())  # all-padding columns on the left (padding is left only)
             if lead:
                 ids, mask = ids[:, lead:], mask[:, lead:]
                 realign_cache(cache, torch.arange(lead, ids.shape[1] + lead - 1, device=device).expand(len(rows), -1))
@@ -224,7 +224,6 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
-        # the policy learns per row; each row is charged its share of the round's time
         # the policy sees one round of the whole batch: its time, and the rows' mean number of accepted drafts (the
         # batch's tokens per second is the number of rows times a row's, so both pick the same γ)
         policy.observe(drafted=num_drafted, accepted=round(sum(accepted_list) / len(accepted_list)),

@@ -196,12 +196,10 @@ class ModelDrafter(Drafter):
         kept = int(same.long().cumprod(-1).sum(-1).min())
         realign_cache(self.cache, columns[:, :kept])
         self.fed_ids, self.fed_mask = input_ids[:, :kept], attention_mask[:, :kept]
-        self.attention_mask = attention_mask
 
     def select_rows(self, indices: torch.LongTensor) -> None:
         self.cache.batch_select_indices(indices.to(self.device))
         self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
-        self.attention_mask = self.attention_mask[indices]
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
