@@ -7,7 +7,12 @@ is its greedy continuation of S, its greedy continuation is C again: it repeats 
 return a code block with a small change. No-match case: the unmodified toy target on random prompts, where copying
 rarely helps; the goal there is to be no slower than plain `generate`.
 
-    python benchmarks/bench_prompt_lookup.py [--gamma 5] [--max-new-tokens 128] [--prompts 3] [--repeats 2]
+Methods: transformers' prompt lookup with `prompt_lookup_num_tokens=--gamma` (10 is the value its authors
+recommend) and at each `--transformers-sweep` value (so the ratio over transformers' best fixed setting is reported
+too); hf_specdec with the same constant γ, and with `speculative_gamma_policy="optimal"` (section 3.5: γ chosen
+online from measured acceptance and costs, up to `--max-gamma`), the configuration we recommend for copy drafters.
+
+    python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -34,16 +39,25 @@ def copying_target(target):
     return markov
 
 
-def run_case(target, prompts, args, label):
+def run_case(target, prompts, args, label, sweep=()):
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    lookup = {"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
+
+    def transformers_lookup(num_tokens):
+        return lambda ids: GenerationMixin.generate(
+            target, ids, prompt_lookup_num_tokens=num_tokens, max_matching_ngram_size=args.max_ngram_size, **common
+        )
+
     methods = {
         "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
-        "transformers_prompt_lookup": lambda ids: GenerationMixin.generate(
-            target, ids, prompt_lookup_num_tokens=args.gamma, max_matching_ngram_size=args.max_ngram_size, **common
-        ),
+        "transformers_prompt_lookup": transformers_lookup(args.gamma),
+        **{f"transformers_prompt_lookup_{n}": transformers_lookup(n) for n in sweep if n != args.gamma},
         "hf_specdec_prompt_lookup": lambda ids: target.generate(
-            ids, drafter="prompt_lookup", speculative_gamma=args.gamma,
-            drafter_kwargs={"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}, **common
+            ids, drafter="prompt_lookup", speculative_gamma=args.gamma, drafter_kwargs=lookup, **common
+        ),
+        "hf_specdec_prompt_lookup_optimal": lambda ids: target.generate(
+            ids, drafter="prompt_lookup", speculative_gamma=args.gamma, speculative_gamma_policy="optimal",
+            speculative_max_gamma=args.max_gamma, drafter_kwargs=lookup, **common
         ),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
@@ -58,15 +72,26 @@ def run_case(target, prompts, args, label):
                 seconds[name] += time.perf_counter() - start
                 identical[name] &= torch.equal(out, reference)
     stats = [target.generate(ids, drafter="prompt_lookup", speculative_gamma=args.gamma, return_dict_in_generate=True,
-                             drafter_kwargs={"max_ngram_size": args.max_ngram_size,
-                                             "min_ngram_size": args.min_ngram_size}, **common).speculative_stats
-             for ids in prompts]
+                             drafter_kwargs=lookup, **common).speculative_stats for ids in prompts]
+    optimal = [target.generate(ids, drafter="prompt_lookup", speculative_gamma=args.gamma,
+                               speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma,
+                               return_dict_in_generate=True, drafter_kwargs=lookup, **common).speculative_stats
+               for ids in prompts]
+    transformers_best = min(s for name, s in seconds.items() if name.startswith("transformers"))
     return {
         "case": label,
         "seconds": seconds,
         "identical_to_plain": identical,
         "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
         "hf_specdec_over_transformers": seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup"],
+        "hf_specdec_optimal_over_transformers": (seconds["transformers_prompt_lookup"]
+                                                 / seconds["hf_specdec_prompt_lookup_optimal"]),
+        "hf_specdec_optimal_over_transformers_best_fixed": transformers_best / seconds[
+            "hf_specdec_prompt_lookup_optimal"],
+        "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal)
+                               / sum(len(s.gamma_history) for s in optimal)),
+        "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal)
+                                                / sum(s.target_calls for s in optimal)),
         "acceptance_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "mean_tokens_per_target_call": sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats),
         "rounds_without_proposal": sum(s.drafted_history.count(0) for s in stats) / sum(s.target_calls for s in stats),
@@ -75,7 +100,10 @@ def run_case(target, prompts, args, label):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--gamma", type=int, default=10)
+    parser.add_argument("--max-gamma", type=int, default=32, help="speculative_max_gamma of the optimal policy")
+    parser.add_argument("--transformers-sweep", default="5,10,20",
+                        help="prompt_lookup_num_tokens values also timed for transformers (copy-heavy case)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
@@ -102,7 +130,9 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "hidden_size": args.hidden_size,
         "threads": torch.get_num_threads(),
-        "cases": [run_case(copier, copy_prompts, args, "copy-heavy"),
+        "max_gamma": args.max_gamma,
+        "cases": [run_case(copier, copy_prompts, args, "copy-heavy",
+                           sweep=[int(n) for n in args.transformers_sweep.split(",") if n]),
                   run_case(target, random_prompts, args, "no-match")],
     }
     print(json.dumps(results, indent=2))

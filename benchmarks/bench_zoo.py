@@ -10,7 +10,9 @@ continuation repeats the body), `continuation` (free continuation of a file wind
 - Table 2: wall-clock speedup of hf_specdec over plain `generate` and over transformers' assisted generation with
   the same draft (the distilled model as `assistant_model`, and `prompt_lookup_num_tokens`);
 - Table 4: Theorem 3.8's expected speedup from the measured α, γ and c (c: drafter seconds per drafted token over
-  plain seconds per token, as timed in the loop) against the measured speedup.
+  plain seconds per token, as timed in the loop) against the measured speedup; also priced at the measured verify
+  cost v, and applied round by round to the γ actually drafted (prompt lookup drafts nothing without a match, and
+  `prompt_lookup_optimal`, prompt lookup under `speculative_gamma_policy="optimal"`, varies γ).
 
 Greedy outputs are compared with plain `generate` through `evaluate` (`exact_match`, must be 1.0). Speed is
 measured, never asserted in tests.
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
     parser.add_argument("--gamma-model", type=int, default=4, help="γ of the distilled drafter")
     parser.add_argument("--gamma-table", type=int, default=6, help="γ of the n-gram tables and prompt lookup")
+    parser.add_argument("--max-gamma", type=int, default=32, help="speculative_max_gamma of the optimal policy")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--threads", type=int, default=None)
@@ -84,13 +87,19 @@ def main() -> None:
             "bigram": (dict(drafter=lower_order(trigram, 2, mode)), args.gamma_table),
             "trigram": (dict(drafter=lower_order(trigram, 3, mode)), args.gamma_table),
             "prompt_lookup": (dict(drafter="prompt_lookup"), args.gamma_table),
+            "prompt_lookup_optimal": (dict(drafter="prompt_lookup", speculative_gamma_policy="optimal",
+                                           speculative_max_gamma=args.max_gamma), args.gamma_table),
             "distilled": (dict(assistant_model=distilled), args.gamma_model),
         }
 
     transformers_drafts = {
         "distilled": dict(assistant_model=assistant_with_gamma(distilled, args.gamma_model)),
         "prompt_lookup": dict(prompt_lookup_num_tokens=args.gamma_table),
+        "prompt_lookup_10": dict(prompt_lookup_num_tokens=10),  # the value prompt lookup's authors recommend
     }
+    # which transformers runs each of ours is compared with (the fastest of them)
+    compared_with = {"distilled": ["distilled"], "prompt_lookup": ["prompt_lookup"],
+                     "prompt_lookup_optimal": ["prompt_lookup", "prompt_lookup_10"]}
     exact_match = evaluate.load(str(EXACT_MATCH))
     prompts = load_prompts()
     warm = tokenizer("def f(x):\n    return", return_tensors="pt").input_ids
@@ -145,6 +154,13 @@ def main() -> None:
                 # the theorem prices a verify round at one plain step; v is what it costs here (GEMM vs GEMV)
                 v = sum(s.verify_time_s for s in runs) / sum(s.target_calls for s in runs) / plain_step
                 with_v = hf_specdec.theory.expected_tokens_per_round(min(alpha, 1 - 1e-9), gamma) / (gamma * c + v)
+                # the same theorem applied round by round to the γ actually drafted (a copy drafter with no match
+                # drafts 0, the optimal policy varies γ): expected tokens over expected cost, summed over rounds
+                drafted_per_round = [g for s in runs for g in s.drafted_history]
+                round_tokens = sum(hf_specdec.theory.expected_tokens_per_round(min(alpha, 1 - 1e-9), g)
+                                   for g in drafted_per_round)
+                per_round = round_tokens / sum(g * c + 1 for g in drafted_per_round)
+                per_round_v = round_tokens / sum(g * c + v for g in drafted_per_round)
                 row = {
                     "task": task, "temperature": temperature, "drafter": name, "gamma": gamma, "alpha": alpha,
                     "acceptance_rate": sum(s.accepted_tokens for s in runs) / max(1, drafted),
@@ -153,22 +169,30 @@ def main() -> None:
                     "speedup_over_plain": speedup, "theorem_3_8": predicted,
                     "measured_over_theorem": speedup / predicted, "verify_cost_v": v,
                     "theorem_3_8_with_measured_v": with_v, "measured_over_theorem_with_v": speedup / with_v,
+                    "mean_drafted_per_round": sum(drafted_per_round) / len(drafted_per_round),
+                    "theorem_3_8_per_round": per_round, "measured_over_theorem_per_round": speedup / per_round,
+                    "theorem_3_8_per_round_with_v": per_round_v,
+                    "measured_over_theorem_per_round_with_v": speedup / per_round_v,
                 }
-                if name in transformers_drafts:
-                    row["transformers_s"] = seconds[f"transformers/{name}"]
-                    row["transformers_speedup_over_plain"] = seconds["plain"] / seconds[f"transformers/{name}"]
-                    row["speedup_over_transformers"] = seconds[f"transformers/{name}"] / seconds[f"ours/{name}"]
+                if name in compared_with:
+                    theirs = min(compared_with[name], key=lambda other: seconds[f"transformers/{other}"])
+                    row["transformers_setting"] = transformers_drafts[theirs].get("prompt_lookup_num_tokens", gamma)
+                    row["transformers_s"] = seconds[f"transformers/{theirs}"]
+                    row["transformers_speedup_over_plain"] = seconds["plain"] / seconds[f"transformers/{theirs}"]
+                    row["speedup_over_transformers"] = seconds[f"transformers/{theirs}"] / seconds[f"ours/{name}"]
                 if temperature == 0:
                     row["exact_match_vs_plain"] = exact_match.compute(predictions=texts[f"ours/{name}"],
                                                                       references=texts["plain"])["exact_match"]
-                    if name in transformers_drafts:
-                        row["transformers_exact_match_vs_plain"] = exact_match.compute(
-                            predictions=texts[f"transformers/{name}"], references=texts["plain"])["exact_match"]
+                    if name in compared_with:
+                        row["transformers_exact_match_vs_plain"] = min(exact_match.compute(
+                            predictions=texts[f"transformers/{other}"], references=texts["plain"])["exact_match"]
+                            for other in compared_with[name])
                 results["runs"].append(row)
                 over = f" x{row['speedup_over_transformers']:.2f} vs transformers" if "speedup_over_transformers" in row else ""
                 em = f" EM {row['exact_match_vs_plain']:.2f}" if "exact_match_vs_plain" in row else ""
-                print(f"{task:12s} T={temperature:g} {name:13s} g={gamma} alpha {alpha:.3f} c {c:.3f} "
-                      f"v {v:.2f} speedup x{speedup:.2f} (Thm 3.8 x{predicted:.2f}, with v x{with_v:.2f}){over}{em}", flush=True)
+                print(f"{task:12s} T={temperature:g} {name:21s} g={gamma} alpha {alpha:.3f} c {c:.3f} "
+                      f"v {v:.2f} speedup x{speedup:.2f} (Thm 3.8 x{predicted:.2f}, with v x{with_v:.2f}; "
+                      f"per round x{per_round:.2f}, with v x{per_round_v:.2f}){over}{em}", flush=True)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1) + "\n")

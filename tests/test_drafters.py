@@ -172,6 +172,64 @@ def test_ngram_save_load_round_trip(tmp_path):
     assert torch.equal(by_name, target.generate(ids, max_new_tokens=20))
 
 
+
+def test_ngram_push_to_hub_then_load_by_repo_id(tmp_path, monkeypatch):
+    """`push_to_hub` is huggingface_hub's own `ModelHubMixin.push_to_hub`; nothing can reach the Hub here, so the two
+    HTTP calls (`HfApi.create_repo`, `HfApi.upload_folder`) and the download (`hf_hub_download`) are served from a
+    local folder. Everything above that boundary runs for real: the mixin's save, the card, the repo-id load path."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub import RepoUrl
+
+    import hf_specdec.drafters.ngram as ngram_module
+
+    hub = tmp_path / "hub"
+    calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id, kwargs.get("private"), kwargs.get("exist_ok")))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, revision=None, commit_message=None, **kwargs):
+        calls.append(("upload_folder", repo_id, revision, commit_message))
+        shutil.copytree(folder_path, hub / repo_id / (revision or "main"), dirs_exist_ok=True)
+        return f"https://huggingface.co/{repo_id}/commit/0"
+
+    def hf_hub_download(repo_id, filename, *, revision=None, **kwargs):
+        path = hub / repo_id / (revision or "main") / filename
+        if not path.is_file():
+            raise huggingface_hub.errors.EntryNotFoundError(f"{repo_id}/{filename}")
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(ngram_module, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub.hub_mixin, "hf_hub_download", hf_hub_download)  # the mixin reads config.json
+
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    table = self_table(target, target_name="org/tiny-llama", alpha=0.42)
+    url = table.push_to_hub("org/my-ngram-drafter", commit_message="Add drafter", private=True)
+    assert url == "https://huggingface.co/org/my-ngram-drafter/commit/0"
+    assert calls == [("create_repo", "org/my-ngram-drafter", True, True),
+                     ("upload_folder", "org/my-ngram-drafter", None, "Add drafter")]
+    pushed = hub / "org" / "my-ngram-drafter" / "main"
+    assert {p.name for p in pushed.iterdir()} == {"model.safetensors", "config.json", "README.md"}
+    card = (pushed / "README.md").read_text()
+    assert "library_name: hf_specdec" in card and "base_model: org/tiny-llama" in card
+    assert "org/my-ngram-drafter" in card  # the card's usage snippet names the repo it was pushed to
+
+    loaded = hf_specdec.NGramDrafter.from_pretrained("org/my-ngram-drafter")  # a repo id, not a directory
+    for seed in range(5):
+        context = prompt(5, seed=seed)
+        assert torch.equal(loaded.propose_for(context, 6).tokens, table.propose_for(context, 6).tokens)
+    ids = prompt(6, seed=3)
+    by_repo_id = target.generate(ids, drafter="ngram", max_new_tokens=20,
+                                 drafter_kwargs={"pretrained_model_name_or_path": "org/my-ngram-drafter"})
+    assert torch.equal(by_repo_id, target.generate(ids, max_new_tokens=20))
+    with pytest.raises(huggingface_hub.errors.EntryNotFoundError):
+        hf_specdec.NGramDrafter.from_pretrained("org/not-pushed")
+
 def test_ngram_from_texts_with_a_local_tokenizer(local_tokenizer, capsys):
     texts = ["the cat sat on the mat", "the dog sat on the log"] * 600
     table = hf_specdec.NGramDrafter.from_texts(texts, tokenizer=local_tokenizer, n=3, show_progress=True)

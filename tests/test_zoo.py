@@ -14,7 +14,7 @@ from transformers import GenerationMixin
 import hf_specdec
 from hf_specdec import zoo
 from hf_specdec.zoo import corpus
-from hf_specdec.zoo.tasks import TASKS, build_prompts, load_prompts
+from hf_specdec.zoo.tasks import TASKS, build_prompts, editing_documents, load_prompts
 
 
 def write(path, text):
@@ -119,8 +119,15 @@ def test_prompts_are_held_out_and_rebuildable():
         "        return x\n"
     built = build_prompts([("a.py", source)], per_task=4)
     assert built == build_prompts([("a.py", source)], per_task=4)
-    assert built["completion"][0]["prompt"].endswith('"""Doc."""\n')
-    assert "def method_v2(self, x):" in built["editing"][0]["prompt"]
+    # prompts end before their last newline, which the tokenizer would merge with the next line's indentation
+    assert built["completion"][0]["prompt"].endswith('"""Doc."""')
+    assert built["completion"][0]["reference"].startswith("\n        x = x + 1\n")
+    assert built["editing"][0]["prompt"].endswith("def method_v2(self, x):")
+    assert built["editing"][0]["reference"].startswith('\n        """Doc."""')
+    assert not any(item["prompt"].endswith("\n") for items in built.values() for item in items)
+    documents = editing_documents([("a.py", source)])
+    assert documents == [built["editing"][0]["prompt"] + built["editing"][0]["reference"]]
+    assert documents[0].count("def method(") == 1 and documents[0].count("def method_v2(") == 1
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +157,10 @@ def test_speculative_greedy_equals_plain_with_each_zoo_drafter(default_models, d
     target, drafter, tokenizer = default_models
     kwargs = {"distilled": dict(assistant_model=drafter), "ngram": dict(drafter=zoo.load_ngram()),
               "prompt_lookup": dict(drafter="prompt_lookup")}[drafter_name]
-    prompt = load_prompts()["editing"][0]["prompt"]
+    prompt = load_prompts()["editing"][1]["prompt"]  # every drafter is partly right on it
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     common = dict(max_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(ids))
     plain = GenerationMixin.generate(target, ids, **common)
     out = target.generate(ids, speculative_gamma=4, return_dict_in_generate=True, **kwargs, **common)
     assert torch.equal(out.sequences, plain)
-    assert out.speculative_stats.accepted_tokens > 0
+    assert 0 < out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens

@@ -202,6 +202,11 @@ class NGramDrafter(
         kwargs.update({k: v for k, v in overrides.items() if k in ("draft_mode", "target_name", "alpha")})
         return cls(tables, **kwargs)
 
+    def push_to_hub(self, repo_id: str, *, model_card_kwargs: dict | None = None, **kwargs) -> str:
+        """`ModelHubMixin.push_to_hub`, with the model card's usage snippet naming `repo_id`."""
+        model_card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
+        return super().push_to_hub(repo_id, model_card_kwargs=model_card_kwargs, **kwargs)
+
     def generate_model_card(self, *args, **kwargs) -> ModelCard:
         card_data = ModelCardData(
             library_name="hf_specdec",

@@ -7,6 +7,8 @@ Three tasks (paper Table 3 style, on code):
   renamed (`name` -> `name_v2`); the model's natural continuation repeats the body.
 - `continuation`: free continuation of a window of a held-out file, cut at a line boundary.
 
+Every prompt ends at the end of a line, before its newline (see `_at_token_boundary`).
+
 Everything is chosen deterministically (sorted files, sha256-ordered candidates), so the prompt file is reproducible.
 """
 
@@ -17,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-__all__ = ["TASKS", "build_prompts", "load_prompts"]
+__all__ = ["TASKS", "build_prompts", "editing_documents", "load_prompts"]
 
 TASKS = ("completion", "editing", "continuation")
 _CONTEXT_CHARS = 600
@@ -41,6 +43,14 @@ def _line_offsets(source: str) -> list[int]:
     return offsets
 
 
+def _at_token_boundary(key: str, prompt: str, reference: str) -> dict:
+    """A prompt never ends in the newline its last line ends with: the byte-level BPE merges a newline with the next
+    line's indentation (`"\\n" + "    "` is one token), so a prompt ending in a bare newline token is a context the
+    model has rarely seen, and it derails. The newline moves to the start of the reference instead."""
+    cut = len(prompt.rstrip("\n"))
+    return {"id": key, "prompt": prompt[:cut], "reference": prompt[cut:] + reference}
+
+
 def _candidates(path: str, source: str) -> dict[str, list[dict]]:
     offsets = _line_offsets(source)
     found = {task: [] for task in TASKS}
@@ -56,21 +66,27 @@ def _candidates(path: str, source: str) -> dict[str, list[dict]]:
             context_start = source.rfind("\n", 0, max(0, start - _CONTEXT_CHARS)) + 1
             body = source[doc_end:end]
             if 150 <= len(body) <= 3000:
-                found["completion"].append({"id": key, "prompt": source[context_start:doc_end], "reference": body})
+                found["completion"].append(_at_token_boundary(key, source[context_start:doc_end], body))
         if 300 <= len(function) <= 1500 and function.lstrip().startswith(("def ", "async def ")):
             first, _, rest = function.partition("\n")
             renamed = first.replace(f"def {node.name}(", f"def {node.name}_v2(", 1)
             if renamed != first:
-                found["editing"].append({"id": key, "prompt": f"{function}\n\n{renamed}\n",
-                                         "reference": rest})
+                found["editing"].append(_at_token_boundary(key, f"{function}\n\n{renamed}\n", rest))
     lines = source.splitlines(keepends=True)
     if len(lines) > 120:
         for first_line in range(20, len(lines) - 60, 150):
             window = "".join(lines[first_line : first_line + 40])
             if len(window) > 600:
-                found["continuation"].append({"id": f"{path}:{first_line + 1}", "prompt": window,
-                                              "reference": "".join(lines[first_line + 40 : first_line + 80])})
+                found["continuation"].append(_at_token_boundary(
+                    f"{path}:{first_line + 1}", window, "".join(lines[first_line + 40 : first_line + 80])))
     return found
+
+
+def editing_documents(files: list[tuple[str, str]]) -> list[str]:
+    """Whole copy-heavy editing documents (a function, then the same function renamed), in the benchmark's format,
+    from `(relative_path, text)` pairs; the build uses the train split to teach the target the task."""
+    return [item["prompt"] + item["reference"] for path, source in sorted(files)
+            for item in _candidates(path, source)["editing"]]
 
 
 def build_prompts(files: list[tuple[str, str]], *, per_task: int = 16) -> dict[str, list[dict]]:
