@@ -172,7 +172,6 @@ def test_ngram_save_load_round_trip(tmp_path):
     assert torch.equal(by_name, target.generate(ids, max_new_tokens=20))
 
 
-
 def test_ngram_push_to_hub_then_load_by_repo_id(tmp_path, monkeypatch):
     """`push_to_hub` is huggingface_hub's own `ModelHubMixin.push_to_hub`; nothing can reach the Hub here, so the two
     HTTP calls (`HfApi.create_repo`, `HfApi.upload_folder`) and the download (`hf_hub_download`) are served from a
@@ -229,6 +228,7 @@ def test_ngram_push_to_hub_then_load_by_repo_id(tmp_path, monkeypatch):
     assert torch.equal(by_repo_id, target.generate(ids, max_new_tokens=20))
     with pytest.raises(huggingface_hub.errors.EntryNotFoundError):
         hf_specdec.NGramDrafter.from_pretrained("org/not-pushed")
+
 
 def test_ngram_from_texts_with_a_local_tokenizer(local_tokenizer, capsys):
     texts = ["the cat sat on the mat", "the dog sat on the log"] * 600
