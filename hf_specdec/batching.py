@@ -7,13 +7,14 @@ left-padded rectangle whose rows all *end* in the same column, which is exactly 
 uses. Each round every row drafts (up to) γ tokens, the target verifies all rows in one forward of γ + 1 tokens per
 row, and each row emits its own number e_r of tokens. The rectangle then grows by max_r e_r columns and every row
 with fewer new tokens is moved right by the difference (more left padding), in the token ids, the attention mask
-and the target's key/value cache (one gather per layer per round, `realign_cache`). Positions come from the
-attention mask (cumulative sum), as in plain generation, and rotary keys are stored already rotated, so moving a
-row does not change what it computes. Columns that are padding in every row are dropped, and rows that finish
-(EOS, stop strings, max length) leave the batch at once, so they stop costing compute.
-Costs: one gather of the cache per round (about one extra read of the cache, small next to the forward); attention
-runs over the longest row, so a row that accepts less carries more padding; a draft position is computed for every
-row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
+and the target's key/value cache (`realign_cache`: one gather per layer when rows moved by different amounts, a
+slice when they all moved alike). Positions come from the attention mask (cumulative sum), as in plain generation,
+and rotary keys are stored already rotated, so moving a row does not change what it computes. Columns that are
+padding in every row are dropped, and rows that finish (EOS, stop strings, max length) leave the batch at once, so
+they stop costing compute.
+Costs: one gather of the cache per uneven round (about one extra read of the cache, small next to the forward);
+attention runs over the longest row, so a row that accepts less carries more padding; a draft position is computed
+for every row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
 
 **One row at a time (encoder-decoder targets, sliding-window caches, models without `position_ids`).** Their
 decoders derive positions from cache slots, which left padding would shift, so each row runs the single-sequence
@@ -188,10 +189,6 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         source_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
         ids = source_ids.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, filler)
         mask = source_mask.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, 0)
-        if most != min(emitted):
-            realign_cache(cache, columns[:, :-1])
-        else:  # every row moved by the same amount: only the drafts nobody kept go
-            cache.crop(-(cache.get_seq_length() - (ids.shape[1] - 1)))
         # finished rows leave; columns that are padding in every row go
         if rows_leave_when_done:
             keep = [i for i, r in enumerate(rows) if r not in done_length]
@@ -204,16 +201,17 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                 generated[r] = generated[r][: stop - prompt_len]
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=device, dtype=torch.long)
-            ids, mask = ids[index], mask[index]
+            ids, mask, columns = ids[index], mask[index], columns[index]
             cache.batch_select_indices(index)
             if batch_drafter is not None and keep:
                 batch_drafter.select_rows(index)
             rows = [rows[i] for i in keep]
         if rows:
             lead = int((mask == 0).sum(-1).min())  # all-padding columns on the left (padding is left only)
-            if lead:
-                ids, mask = ids[:, lead:], mask[:, lead:]
-                realign_cache(cache, torch.arange(lead, ids.shape[1] + lead - 1, device=device).expand(len(rows), -1))
+            ids, mask = ids[:, lead:], mask[:, lead:]
+            # one move of the target's cache: each row to its new columns, the all-padding ones dropped, the newest
+            # token (never cached) left out; a slice, not a copy, when every row moved alike
+            realign_cache(cache, columns[:, lead:-1])
             kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
             if batch_drafter is not None:
                 batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)

@@ -12,11 +12,19 @@ def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
     """Rebuilds every layer of `cache` so that column j of row r holds what column `columns[r, j]` held.
 
     `columns` is `[batch, new_len]`; entries outside the old cache (the new left padding) are clamped, and hold
-    values the attention mask hides.
+    values the attention mask hides. When every row moves by the same amount (`columns` is one run of consecutive
+    old columns, the same in every row), the layers are sliced instead, which copies nothing.
     """
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False) or layer.keys.numel() == 0:
-            continue
+    layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and layer.keys.numel()]
+    new_len = columns.shape[1]
+    start = int(columns[0, 0]) if columns.numel() else 0
+    if (start >= 0 and all(layer.keys.shape[-2] >= start + new_len for layer in layers)
+            and bool((columns == torch.arange(start, start + new_len, device=columns.device)).all())):
+        for layer in layers:
+            layer.keys = layer.keys[:, :, start : start + new_len]
+            layer.values = layer.values[:, :, start : start + new_len]
+        return
+    for layer in layers:
         length = layer.keys.shape[-2]
         index = columns.clamp(0, length - 1).to(layer.keys.device)[:, None, :, None]  # [batch, 1, new_len, 1]
         layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
