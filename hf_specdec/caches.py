@@ -17,9 +17,11 @@ def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
     """
     layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and layer.keys.numel()]
     new_len = columns.shape[1]
-    start = int(columns[0, 0]) if columns.numel() else 0
-    if (start >= 0 and all(layer.keys.shape[-2] >= start + new_len for layer in layers)
-            and bool((columns == torch.arange(start, start + new_len, device=columns.device)).all())):
+    start, alike = 0, True
+    if columns.numel():  # one device sync: the first row's offset, and whether every entry has that offset
+        offsets = columns - torch.arange(new_len, device=columns.device)
+        start, alike = torch.stack([offsets[0, 0], (offsets == offsets[0, 0]).all().long()]).tolist()
+    if alike and start >= 0 and all(layer.keys.shape[-2] >= start + new_len for layer in layers):
         for layer in layers:
             layer.keys = layer.keys[:, :, start : start + new_len]
             layer.values = layer.values[:, :, start : start + new_len]
