@@ -41,7 +41,9 @@ def copying_target(target):
 
 def run_case(target, prompts, args, label, sweep=()):
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    lookup = {"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
+    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, **common,
+                drafter_kwargs={"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size})
+    optimal = dict(ours, speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma)
 
     def transformers_lookup(num_tokens):
         return lambda ids: GenerationMixin.generate(
@@ -52,13 +54,8 @@ def run_case(target, prompts, args, label, sweep=()):
         "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
         "transformers_prompt_lookup": transformers_lookup(args.gamma),
         **{f"transformers_prompt_lookup_{n}": transformers_lookup(n) for n in sweep if n != args.gamma},
-        "hf_specdec_prompt_lookup": lambda ids: target.generate(
-            ids, drafter="prompt_lookup", speculative_gamma=args.gamma, drafter_kwargs=lookup, **common
-        ),
-        "hf_specdec_prompt_lookup_optimal": lambda ids: target.generate(
-            ids, drafter="prompt_lookup", speculative_gamma=args.gamma, speculative_gamma_policy="optimal",
-            speculative_max_gamma=args.max_gamma, drafter_kwargs=lookup, **common
-        ),
+        "hf_specdec_prompt_lookup": lambda ids: target.generate(ids, **ours),
+        "hf_specdec_prompt_lookup_optimal": lambda ids: target.generate(ids, **optimal),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
     seconds = {name: 0.0 for name in methods}
@@ -71,12 +68,8 @@ def run_case(target, prompts, args, label, sweep=()):
                 out = method(ids)
                 seconds[name] += time.perf_counter() - start
                 identical[name] &= torch.equal(out, reference)
-    stats = [target.generate(ids, drafter="prompt_lookup", speculative_gamma=args.gamma, return_dict_in_generate=True,
-                             drafter_kwargs=lookup, **common).speculative_stats for ids in prompts]
-    optimal = [target.generate(ids, drafter="prompt_lookup", speculative_gamma=args.gamma,
-                               speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma,
-                               return_dict_in_generate=True, drafter_kwargs=lookup, **common).speculative_stats
-               for ids in prompts]
+    stats = [target.generate(ids, return_dict_in_generate=True, **ours).speculative_stats for ids in prompts]
+    optimal_stats = [target.generate(ids, return_dict_in_generate=True, **optimal).speculative_stats for ids in prompts]
     transformers_best = min(s for name, s in seconds.items() if name.startswith("transformers"))
     return {
         "case": label,
@@ -88,10 +81,10 @@ def run_case(target, prompts, args, label, sweep=()):
                                                  / seconds["hf_specdec_prompt_lookup_optimal"]),
         "hf_specdec_optimal_over_transformers_best_fixed": transformers_best / seconds[
             "hf_specdec_prompt_lookup_optimal"],
-        "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal)
-                               / sum(len(s.gamma_history) for s in optimal)),
-        "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal)
-                                                / sum(s.target_calls for s in optimal)),
+        "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal_stats)
+                               / sum(len(s.gamma_history) for s in optimal_stats)),
+        "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal_stats)
+                                                / sum(s.target_calls for s in optimal_stats)),
         "acceptance_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "mean_tokens_per_target_call": sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats),
         "rounds_without_proposal": sum(s.drafted_history.count(0) for s in stats) / sum(s.target_calls for s in stats),

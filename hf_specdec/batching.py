@@ -45,7 +45,7 @@ from transformers import (
 )
 from transformers.utils import ModelOutput
 
-from .caches import realign_cache
+from .caches import realign_cache, slice_cache
 from .decoding import _context, _decode_one, checked_tokens, target_logits, verify
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
@@ -211,7 +211,11 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
             ids, mask = ids[:, lead:], mask[:, lead:]
             # one move of the target's cache: each row to its new columns, the all-padding ones dropped, the newest
             # token (never cached) left out; a slice, not a copy, when every row moved alike
-            realign_cache(cache, columns[:, lead:-1])
+            shifts = {most - emitted[i] for i in keep}
+            if len(shifts) == 1:
+                slice_cache(cache, lead - shifts.pop(), ids.shape[1] - 1)
+            else:
+                realign_cache(cache, columns[:, lead:-1])
             kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
             if batch_drafter is not None:
                 batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)

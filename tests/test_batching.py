@@ -264,10 +264,10 @@ def test_gamma_policies_in_a_batch(policy):
     assert len(stats.gamma_history) == stats.target_calls  # one decision per batch round
 
 
-def test_realign_cache_moves_each_row_and_slices_when_rows_move_alike():
+def test_realign_cache_moves_each_row_and_slice_cache_matches_it_when_rows_move_alike():
     from transformers import DynamicCache
 
-    from hf_specdec.caches import realign_cache
+    from hf_specdec.caches import realign_cache, slice_cache
 
     def filled(batch=3, heads=2, length=6, dim=4, layers=2):
         cache = DynamicCache()
@@ -277,18 +277,24 @@ def test_realign_cache_moves_each_row_and_slices_when_rows_move_alike():
         return cache
 
     def expected(cache, columns):  # the definition: column j of row r holds what column columns[r, j] held
-        return [[layer.keys[r][:, columns[r].clamp(0, layer.keys.shape[-2] - 1)] for r in range(columns.shape[0])]
-                for layer in cache.layers]
+        return [torch.stack([layer.keys[r][:, columns[r].clamp(0, layer.keys.shape[-2] - 1)]
+                             for r in range(columns.shape[0])]) for layer in cache.layers]
 
     uneven = torch.tensor([[0, 1, 2, 3, 4], [-1, 0, 1, 2, 3], [-2, -1, 0, 1, 2]])  # rows shifted by 0, 1, 2
     alike = torch.arange(1, 5).expand(3, -1)  # every row: drop column 0 and column 5
-    for columns, sliced in ((uneven, False), (alike, True)):
+    for columns in (uneven, alike):
         cache = filled()
         want = expected(cache, columns)
-        storage = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
         realign_cache(cache, columns)
-        for layer, rows, pointer in zip(cache.layers, want, storage):
-            assert torch.equal(layer.keys, torch.stack(rows))
-            assert torch.equal(layer.values, -layer.keys)
-            assert (layer.keys.untyped_storage().data_ptr() == pointer) == sliced  # a view of the old cache
+        for layer, keys in zip(cache.layers, want):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, -keys)
         assert cache.get_seq_length() == columns.shape[1]
+
+    cache = filled()
+    want = expected(cache, alike)
+    storage = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
+    slice_cache(cache, 1, 4)
+    for layer, keys, pointer in zip(cache.layers, want, storage):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, -keys)
+        assert layer.keys.untyped_storage().data_ptr() == pointer  # a view of the old cache, nothing copied
+    assert cache.get_seq_length() == 4

@@ -7,7 +7,7 @@ import inspect
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
-from ..caches import realign_cache
+from ..caches import realign_cache, slice_cache
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["ModelDrafter"]
@@ -186,15 +186,20 @@ class ModelDrafter(Drafter):
         # prefix, moved to the row's new columns (the same realignment as the target's cache)
         old_pad = (self.fed_mask == 0).sum(-1)  # [batch]: left padding of what the cache holds
         new_pad = (attention_mask == 0).sum(-1)  # [batch]
+        moved = new_pad - old_pad  # [batch]: how far each row moved right
         width = input_ids.shape[1] - 1  # the newest token is never cached
         positions = torch.arange(width, device=input_ids.device)[None, :]  # [1, width]
-        columns = positions - (new_pad - old_pad)[:, None]  # [batch, width]: where each new column was
+        columns = positions - moved[:, None]  # [batch, width]: where each new column was
         fed_here = self.fed_ids.gather(1, columns.clamp(0, self.fed_ids.shape[1] - 1))
         in_cache = (columns >= 0) & (columns < self.fed_ids.shape[1])
         # a row's cached prefix stays valid up to its first column that is not what it now holds (padding is masked)
         same = (in_cache & (fed_here == input_ids[:, :width])) | (positions < new_pad[:, None])
-        kept = int(same.long().cumprod(-1).sum(-1).min())
-        realign_cache(self.cache, columns[:, :kept])
+        kept, shift, alike = torch.stack([same.long().cumprod(-1).sum(-1).min(), moved[0],
+                                          (moved == moved[0]).all().long()]).tolist()  # one device sync
+        if alike and shift <= 0:  # every row moved alike (left, or not at all): a slice of the cache
+            slice_cache(self.cache, -shift, kept)
+        else:
+            realign_cache(self.cache, columns[:, :kept])
         self.fed_ids, self.fed_mask = input_ids[:, :kept], attention_mask[:, :kept]
 
     def select_rows(self, indices: torch.LongTensor) -> None:
