@@ -4,7 +4,10 @@
 Copy-heavy case: the target is the embedded toy target with its attention output projections zeroed, which makes
 its next token a function of the current token only (same compute per forward). For a prompt S + C + S, where C
 is its greedy continuation of S, its greedy continuation is C again: it repeats the context, like a model asked to
-return a code block with a small change. No-match case: the unmodified toy target on random prompts, where copying
+return a code block. Renamed case: the same, but in the prompt's copy of C one token (C's most frequent, "an
+identifier") is renamed to another everywhere, so the prompt and the answer differ wherever it occurs, like a model
+asked to return a code block with one identifier renamed (here the prompt holds the renamed block and the answer the
+original, which is the same comparison). No-match case: the unmodified toy target on random prompts, where copying
 rarely helps; the goal there is to be no slower than plain `generate`.
 
 Methods: transformers' prompt lookup with `prompt_lookup_num_tokens=--gamma` (10 is the value its authors
@@ -94,9 +97,9 @@ def run_case(target, prompts, args, label, sweep=()):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=10)
-    parser.add_argument("--max-gamma", type=int, default=32, help="speculative_max_gamma of the optimal policy")
-    parser.add_argument("--transformers-sweep", default="5,10,20",
-                        help="prompt_lookup_num_tokens values also timed for transformers (copy-heavy case)")
+    parser.add_argument("--max-gamma", type=int, default=64, help="speculative_max_gamma of the optimal policy")
+    parser.add_argument("--transformers-sweep", default="5,10,20,40,64",
+                        help="prompt_lookup_num_tokens values also timed for transformers (copy-heavy cases)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
@@ -112,20 +115,24 @@ def main() -> None:
     vocab = target.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     seeds = [torch.randint(0, vocab, (1, 24), generator=generator) for _ in range(args.prompts)]
-    copy_prompts = []
+    copy_prompts, renamed_prompts = [], []
     for seed in seeds:
         continuation = copier.generate(seed, max_new_tokens=args.max_new_tokens)[:, seed.shape[1]:]
         copy_prompts.append(torch.cat([seed, continuation, seed], dim=-1))
+        identifier = continuation.flatten().mode().values
+        renamed = continuation.masked_fill(continuation == identifier, int((identifier + 1) % vocab))
+        renamed_prompts.append(torch.cat([seed, renamed, seed], dim=-1))
     random_prompts = [torch.randint(0, vocab, (1, 64), generator=generator) for _ in range(args.prompts)]
 
+    sweep = [int(n) for n in args.transformers_sweep.split(",") if n]
     results = {
         "gamma": args.gamma,
         "max_new_tokens": args.max_new_tokens,
         "hidden_size": args.hidden_size,
         "threads": torch.get_num_threads(),
         "max_gamma": args.max_gamma,
-        "cases": [run_case(copier, copy_prompts, args, "copy-heavy",
-                           sweep=[int(n) for n in args.transformers_sweep.split(",") if n]),
+        "cases": [run_case(copier, copy_prompts, args, "copy-heavy", sweep=sweep),
+                  run_case(copier, renamed_prompts, args, "copy-heavy-renamed", sweep=sweep),
                   run_case(target, random_prompts, args, "no-match")],
     }
     print(json.dumps(results, indent=2))

@@ -94,6 +94,9 @@ class OptimalGammaPolicy(GammaPolicy):
         spread = wkk - w * mean_k * mean_k  # weighted sum of squares of k around its mean
         covariance = wkt - w * mean_k * mean_t
         slope = max(0.0, covariance / (spread + 1.0))  # +1: a pseudo-observation of slope 0 (Theorem 3.8)
+        # rounds that all drafted about the same k say little about the slope, and noise between them must not
+        # extrapolate to a free plain step: a forward over k + 1 tokens costs at most k + 1 one-token forwards
+        slope = min(slope, mean_t / (mean_k + 1.0))
         return mean_t - slope * mean_k, slope
 
     def expected_tokens(self, rates: list[float]) -> list[float]:
@@ -138,6 +141,8 @@ class OptimalGammaPolicy(GammaPolicy):
             if rate[best] < self.min_gain * rate[0]:
                 best = 0
         if best == 0:
+            if 0 not in self.verify_s:
+                return 0  # a plain step's cost was extrapolated: measure one before settling on γ = 0
             self.plain_rounds += 1
             if self.plain_rounds >= self.probe_after:  # is the drafter useful again?
                 self.plain_rounds, self.probe_after = 0, self.probe_after * 2

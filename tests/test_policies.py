@@ -127,6 +127,21 @@ def test_optimal_policy_learns_the_verify_cost_slope():
     assert intercept == pytest.approx(10e-3, rel=0.05) and slope == pytest.approx(4e-3, rel=0.05)
 
 
+def test_optimal_policy_does_not_extrapolate_a_free_plain_step():
+    # rounds that all drafted about 64 tokens, with timing noise between them: the fitted line must not reach
+    # k = 0 with a cost near zero, and a plain step chosen on an extrapolated cost is measured before it sticks
+    policy = OptimalGammaPolicy(gamma=10, max_gamma=64)
+    policy.observe(drafted=10, accepted=10, draft_time_s=1e-3, verify_time_s=0.2, first_round=True)
+    for drafted, accepted, seconds in ((64, 20, 0.088), (64, 4, 0.079), (63, 14, 0.078)):
+        policy.observe(drafted=drafted, accepted=accepted, draft_time_s=1e-5 * drafted, verify_time_s=seconds,
+                       first_round=False)
+    intercept, slope = policy.verify_line()
+    assert intercept >= 0.078 / 65 and slope <= 0.082 / 64
+    if policy.next_gamma() == 0:
+        policy.observe(drafted=0, accepted=0, draft_time_s=0.0, verify_time_s=0.025, first_round=False)
+    assert policy.next_gamma() > 0  # a measured plain step costs 25 ms: drafting 20 tokens per 80 ms pays
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(speculative_gamma_policy="bogus"), r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['constant', 'heuristic'"),
     (dict(speculative_max_gamma=0), "`speculative_max_gamma` must be a positive int, got 0"),

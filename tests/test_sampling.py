@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_specdec.sampling import draft_target_overlap, verify_greedy, verify_sampling
+from hf_specdec.sampling import draft_target_overlap, sample_tokens, verify_greedy, verify_sampling
 
 V = 6
 
@@ -49,6 +49,35 @@ def test_verify_sampling_point_mass_drafts_follow_target_exactly():
     # the target gives the first draft zero mass: always rejected, recovered from p with the draft removed
     n, token = verify_sampling(torch.tensor([[0, 1]]), None, target)
     assert n.item() == 0 and token.item() == 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(weights=st.lists(st.floats(0.0, 1.0), min_size=V, max_size=V).filter(lambda w: sum(w) > 0.05),
+       seed=st.integers(0, 2**16))
+def test_sample_tokens_follows_the_row_distribution(weights, seed):
+    # unnormalized rows, zeros included; every row of the batch is its own draw
+    w = torch.tensor(weights)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = sample_tokens(w.expand(40_000, -1), generator)
+    empirical = torch.bincount(tokens, minlength=V).double() / tokens.numel()
+    p = w.double() / w.double().sum()
+    assert 0.5 * (empirical - p).abs().sum() < 0.025
+    assert (empirical[p == 0] == 0).all()  # a zero-probability token is never drawn
+
+
+def test_sample_tokens_rows_and_generator():
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
+    assert sample_tokens(probs).tolist() == [2, 0, 3]
+    spread = torch.full((8, 1000), 1.0)
+    first = sample_tokens(spread, torch.Generator().manual_seed(3))
+    assert torch.equal(first, sample_tokens(spread, torch.Generator().manual_seed(3)))
+    assert first.unique().numel() > 1
+
+
+@pytest.mark.parametrize("row", [[float("nan"), 1.0], [float("inf"), 1.0], [0.0, 0.0]])
+def test_sample_tokens_rejects_rows_that_are_not_distributions(row):
+    with pytest.raises(RuntimeError, match="probability tensor contains `inf` or `nan`, or a row with no"):
+        sample_tokens(torch.tensor([[0.5, 0.5], row]))
 
 
 def distributions(vocab):

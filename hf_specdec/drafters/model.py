@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from ..caches import realign_cache, slice_cache
+from ..sampling import sample_tokens
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["ModelDrafter"]
@@ -163,7 +164,7 @@ class ModelDrafter(Drafter):
             scores = self.logits_processor(ids, self._next_logits(ids))  # [batch, vocab]: standardized q
             if self.do_sample:
                 q = scores.softmax(dim=-1)
-                token = torch.multinomial(q, 1)  # [batch, 1]
+                token = sample_tokens(q)[:, None]  # [batch, 1]
                 probs.append(q)
             else:
                 token = scores.argmax(dim=-1, keepdim=True)  # [batch, 1]

@@ -12,6 +12,7 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, ModelHubMixin, hf_hub_download
 from safetensors.torch import load_file, save_file
 
+from ..sampling import sample_tokens
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["NGramDrafter"]
@@ -264,7 +265,7 @@ class NGramDrafter(
                 break  # the processors ruled out every continuation the table knows: stop drafting here
             if self.sample:
                 q = scores.softmax(dim=-1)
-                token = torch.multinomial(q, 1)  # [batch, 1]
+                token = sample_tokens(q)[:, None]  # [batch, 1]
                 probs.append(q)
             else:
                 token = scores.argmax(dim=-1, keepdim=True)
