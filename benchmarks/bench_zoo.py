@@ -14,8 +14,10 @@ continuation repeats the body), `continuation` (free continuation of a file wind
   cost v, and applied round by round to the γ actually drafted (prompt lookup drafts nothing without a match, and
   `prompt_lookup_optimal`, prompt lookup under `speculative_gamma_policy="optimal"`, varies γ).
 
-Greedy outputs are compared with plain `generate` through `evaluate` (`exact_match`, must be 1.0). Speed is
-measured, never asserted in tests.
+Greedy outputs are compared with plain `generate` through `evaluate` (`exact_match`, must be 1.0). Speedups are
+ratios of generated tokens per second: at T=0 the outputs are identical, so this is the wall-clock ratio; at T=1
+each method samples its own text, which can end at an EOS sooner or later, so wall-clock time alone would compare
+different amounts of work. Speed is measured, never asserted in tests.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_zoo.py --threads 1 --output benchmarks/results/zoo_cpu_1thread.json
 """
@@ -122,6 +124,7 @@ def main() -> None:
                        **{f"transformers/{name}": 0.0 for name in transformers_drafts}}
             stats = {name: [] for name in drafters}
             texts = {name: [] for name in seconds}
+            tokens = {name: 0 for name in seconds}  # generated tokens: at T=1 every method samples its own text
             plain_tokens = 0
             for index, ids in enumerate(inputs):
                 mask = torch.ones_like(ids)
@@ -129,27 +132,33 @@ def main() -> None:
                 elapsed, plain = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common))
                 seconds["plain"] += elapsed
                 plain_tokens += plain.shape[1] - ids.shape[1]
+                tokens["plain"] += plain.shape[1] - ids.shape[1]
                 texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1]:].tolist())))
                 for name, extra in transformers_drafts.items():
                     torch.manual_seed(args.seed + index)
                     elapsed, out = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **extra,
                                                                           **common))
                     seconds[f"transformers/{name}"] += elapsed
+                    tokens[f"transformers/{name}"] += out.shape[1] - ids.shape[1]
                     texts[f"transformers/{name}"].append(" ".join(map(str, out[0, ids.shape[1]:].tolist())))
                 for name, (kwargs, gamma) in drafters.items():
                     torch.manual_seed(args.seed + index)
                     elapsed, out = timed(lambda: target.generate(ids, attention_mask=mask, speculative_gamma=gamma,
                                                                  return_dict_in_generate=True, **kwargs, **common))
                     seconds[f"ours/{name}"] += elapsed
+                    tokens[f"ours/{name}"] += out.sequences.shape[1] - ids.shape[1]
                     stats[name].append(out.speculative_stats)
                     texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1]:].tolist())))
             plain_step = seconds["plain"] / plain_tokens  # the paper's T
+
+            def rate(method):  # tokens per second: at T=1 the methods' samples (and so their lengths) differ
+                return tokens[method] / seconds[method]
             for name, (kwargs, gamma) in drafters.items():
                 runs = stats[name]
                 alpha = sum(s.beta_sum for s in runs) / max(1, sum(s.beta_count for s in runs))
                 drafted = sum(s.drafted_tokens for s in runs)
                 c = sum(s.draft_time_s for s in runs) / max(1, drafted) / plain_step
-                speedup = seconds["plain"] / seconds[f"ours/{name}"]
+                speedup = rate(f"ours/{name}") / rate("plain")  # the wall-clock ratio when outputs are equal
                 predicted = expected_speedup(alpha=min(alpha, 1 - 1e-9), gamma=gamma, c=c)
                 # the theorem prices a verify round at one plain step; v is what it costs here (GEMM vs GEMV)
                 v = sum(s.verify_time_s for s in runs) / sum(s.target_calls for s in runs) / plain_step
@@ -166,6 +175,7 @@ def main() -> None:
                     "acceptance_rate": sum(s.accepted_tokens for s in runs) / max(1, drafted),
                     "tokens_per_target_call": sum(s.emitted_tokens for s in runs) / sum(s.target_calls for s in runs),
                     "c": c, "plain_s": seconds["plain"], "ours_s": seconds[f"ours/{name}"],
+                    "plain_tokens": tokens["plain"], "ours_tokens": tokens[f"ours/{name}"],
                     "speedup_over_plain": speedup, "theorem_3_8": predicted,
                     "measured_over_theorem": speedup / predicted, "verify_cost_v": v,
                     "theorem_3_8_with_measured_v": with_v, "measured_over_theorem_with_v": speedup / with_v,
@@ -175,11 +185,12 @@ def main() -> None:
                     "measured_over_theorem_per_round_with_v": speedup / per_round_v,
                 }
                 if name in compared_with:
-                    theirs = min(compared_with[name], key=lambda other: seconds[f"transformers/{other}"])
+                    theirs = max(compared_with[name], key=lambda other: rate(f"transformers/{other}"))
                     row["transformers_setting"] = transformers_drafts[theirs].get("prompt_lookup_num_tokens", gamma)
                     row["transformers_s"] = seconds[f"transformers/{theirs}"]
-                    row["transformers_speedup_over_plain"] = seconds["plain"] / seconds[f"transformers/{theirs}"]
-                    row["speedup_over_transformers"] = seconds[f"transformers/{theirs}"] / seconds[f"ours/{name}"]
+                    row["transformers_tokens"] = tokens[f"transformers/{theirs}"]
+                    row["transformers_speedup_over_plain"] = rate(f"transformers/{theirs}") / rate("plain")
+                    row["speedup_over_transformers"] = rate(f"ours/{name}") / rate(f"transformers/{theirs}")
                 if temperature == 0:
                     row["exact_match_vs_plain"] = exact_match.compute(predictions=texts[f"ours/{name}"],
                                                                       references=texts["plain"])["exact_match"]
