@@ -125,13 +125,11 @@ def main() -> None:
             stats = {name: [] for name in drafters}
             texts = {name: [] for name in seconds}
             tokens = {name: 0 for name in seconds}  # generated tokens: at T=1 every method samples its own text
-            plain_tokens = 0
             for index, ids in enumerate(inputs):
                 mask = torch.ones_like(ids)
                 torch.manual_seed(args.seed + index)
                 elapsed, plain = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common))
                 seconds["plain"] += elapsed
-                plain_tokens += plain.shape[1] - ids.shape[1]
                 tokens["plain"] += plain.shape[1] - ids.shape[1]
                 texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1]:].tolist())))
                 for name, extra in transformers_drafts.items():
@@ -149,10 +147,11 @@ def main() -> None:
                     tokens[f"ours/{name}"] += out.sequences.shape[1] - ids.shape[1]
                     stats[name].append(out.speculative_stats)
                     texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1]:].tolist())))
-            plain_step = seconds["plain"] / plain_tokens  # the paper's T
+            plain_step = seconds["plain"] / tokens["plain"]  # the paper's T
 
             def rate(method):  # tokens per second: at T=1 the methods' samples (and so their lengths) differ
                 return tokens[method] / seconds[method]
+
             for name, (kwargs, gamma) in drafters.items():
                 runs = stats[name]
                 alpha = sum(s.beta_sum for s in runs) / max(1, sum(s.beta_count for s in runs))
