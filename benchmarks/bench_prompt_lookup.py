@@ -12,10 +12,14 @@ rarely helps; the goal there is to be no slower than plain `generate`.
 
 Methods: transformers' prompt lookup with `prompt_lookup_num_tokens=--gamma` (10 is the value its authors
 recommend) and at each `--transformers-sweep` value (so the ratio over transformers' best fixed setting is reported
-too); hf_specdec with the same constant γ, and with `speculative_gamma_policy="optimal"` (section 3.5: γ chosen
-online from measured acceptance and costs, up to `--max-gamma`), the configuration we recommend for copy drafters.
+too); hf_specdec with the same constant γ, with `speculative_gamma_policy="optimal"` (section 3.5: γ chosen online
+from measured acceptance and costs, starting at `--gamma`, up to `--max-gamma`), the configuration we recommend for
+copy drafters, and the same with `follow_copies=False` (every proposal looked up afresh: the ablation of copy
+following and learned substitutions), and `optimal` starting at `--max-gamma` (compared with transformers at that
+number, which is where both start). `mixed_workload` adds the three cases up, each method with one setting for
+all prompts, and reports ours against transformers' best single `prompt_lookup_num_tokens` over that mix.
 
-    python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 2]
+    python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ def copying_target(target):
 
 def run_case(target, prompts, args, label, sweep=()):
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, **common,
-                drafter_kwargs={"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size})
+    drafter_kwargs = {"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
+    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, drafter_kwargs=drafter_kwargs, **common)
     optimal = dict(ours, speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma)
+    optimal_fresh = dict(optimal, drafter_kwargs={**drafter_kwargs, "follow_copies": False})
+    optimal_from_max = dict(optimal, speculative_gamma=args.max_gamma)  # its first round drafts up to max_gamma
 
     def transformers_lookup(num_tokens):
         return lambda ids: GenerationMixin.generate(
@@ -59,13 +65,16 @@ def run_case(target, prompts, args, label, sweep=()):
         **{f"transformers_prompt_lookup_{n}": transformers_lookup(n) for n in sweep if n != args.gamma},
         "hf_specdec_prompt_lookup": lambda ids: target.generate(ids, **ours),
         "hf_specdec_prompt_lookup_optimal": lambda ids: target.generate(ids, **optimal),
+        # ablation: the same, with every proposal looked up afresh (no copy following, no learned substitutions)
+        "hf_specdec_prompt_lookup_optimal_no_follow": lambda ids: target.generate(ids, **optimal_fresh),
+        "hf_specdec_prompt_lookup_optimal_from_max": lambda ids: target.generate(ids, **optimal_from_max),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
+    references = [methods["plain"](ids) for ids in prompts]
     seconds = {name: 0.0 for name in methods}
     identical = {name: True for name in methods}
     for _ in range(args.repeats):
-        for ids in prompts:
-            reference = methods["plain"](ids)
+        for ids, reference in zip(prompts, references):
             for name, method in methods.items():
                 start = time.perf_counter()
                 out = method(ids)
@@ -73,6 +82,10 @@ def run_case(target, prompts, args, label, sweep=()):
                 identical[name] &= torch.equal(out, reference)
     stats = [target.generate(ids, return_dict_in_generate=True, **ours).speculative_stats for ids in prompts]
     optimal_stats = [target.generate(ids, return_dict_in_generate=True, **optimal).speculative_stats for ids in prompts]
+    fresh_stats = [target.generate(ids, return_dict_in_generate=True, **optimal_fresh).speculative_stats
+                   for ids in prompts]
+    from_max_stats = [target.generate(ids, return_dict_in_generate=True, **optimal_from_max).speculative_stats
+                      for ids in prompts]
     transformers_best = min(s for name, s in seconds.items() if name.startswith("transformers"))
     return {
         "case": label,
@@ -84,6 +97,18 @@ def run_case(target, prompts, args, label, sweep=()):
                                                  / seconds["hf_specdec_prompt_lookup_optimal"]),
         "hf_specdec_optimal_over_transformers_best_fixed": transformers_best / seconds[
             "hf_specdec_prompt_lookup_optimal"],
+        # the same starting number of tokens on both sides: transformers at max_gamma, ours starting there
+        "hf_specdec_optimal_from_max_over_transformers_at_max": (
+            seconds.get(f"transformers_prompt_lookup_{args.max_gamma}", float("nan"))
+            / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
+        "hf_specdec_optimal_from_max_over_transformers_best_fixed": transformers_best / seconds[
+            "hf_specdec_prompt_lookup_optimal_from_max"],
+        "target_calls_per_prompt": {
+            "hf_specdec_prompt_lookup": [s.target_calls for s in stats],
+            "hf_specdec_prompt_lookup_optimal": [s.target_calls for s in optimal_stats],
+            "hf_specdec_prompt_lookup_optimal_no_follow": [s.target_calls for s in fresh_stats],
+            "hf_specdec_prompt_lookup_optimal_from_max": [s.target_calls for s in from_max_stats],
+        },
         "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal_stats)
                                / sum(len(s.gamma_history) for s in optimal_stats)),
         "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal_stats)
@@ -94,15 +119,34 @@ def run_case(target, prompts, args, label, sweep=()):
     }
 
 
+def mixed_workload(cases):
+    """All cases as one workload served with one setting per method: a user of transformers picks one
+    `prompt_lookup_num_tokens` for every prompt, so its best single value over the mix is the fair tuned baseline."""
+    seconds = {name: sum(case["seconds"][name] for case in cases) for name in cases[0]["seconds"]}
+    transformers = {name: s for name, s in seconds.items() if name.startswith("transformers")}
+    best = min(transformers, key=transformers.get)
+    return {
+        "seconds": seconds,
+        "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
+        "transformers_best_single_setting": best,
+        "hf_specdec_optimal_over_transformers": (seconds["transformers_prompt_lookup"]
+                                                 / seconds["hf_specdec_prompt_lookup_optimal"]),
+        "hf_specdec_optimal_over_transformers_best_single_setting": (
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal"]),
+        "hf_specdec_optimal_from_max_over_transformers_best_single_setting": (
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=10)
     parser.add_argument("--max-gamma", type=int, default=64, help="speculative_max_gamma of the optimal policy")
     parser.add_argument("--transformers-sweep", default="5,10,20,40,64",
-                        help="prompt_lookup_num_tokens values also timed for transformers (copy-heavy cases)")
+                        help="prompt_lookup_num_tokens values also timed for transformers")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--max-ngram-size", type=int, default=3)
     parser.add_argument("--min-ngram-size", type=int, default=2)
@@ -133,8 +177,9 @@ def main() -> None:
         "max_gamma": args.max_gamma,
         "cases": [run_case(copier, copy_prompts, args, "copy-heavy", sweep=sweep),
                   run_case(copier, renamed_prompts, args, "copy-heavy-renamed", sweep=sweep),
-                  run_case(target, random_prompts, args, "no-match")],
+                  run_case(target, random_prompts, args, "no-match", sweep=sweep)],
     }
+    results["mixed_workload"] = mixed_workload(results["cases"])
     print(json.dumps(results, indent=2))
     if args.output:
         args.output.write_text(json.dumps(results, indent=2) + "\n")

@@ -37,7 +37,7 @@ def test_prompt_lookup_min_ngram_size():
 
 
 def test_prompt_lookup_index_is_incremental():
-    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1)
+    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1, follow_copies=False)
     context = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]])
     model = tiny_model("llama")
     drafter.reset(hf_specdec.DraftContext(target=model, input_ids=context[:, :3], logits_processor=None,
@@ -53,6 +53,117 @@ def test_prompt_lookup_index_is_incremental():
 def test_prompt_lookup_bad_sizes(bad):
     with pytest.raises(ValueError, match="ngram_size"):
         hf_specdec.PromptLookupDrafter(**bad)
+    with pytest.raises(ValueError, match="`follow_copies` must be a bool, got 'yes'"):
+        hf_specdec.PromptLookupDrafter(follow_copies="yes")
+
+
+def copy_rounds(prompt_tokens, answer, num_tokens=64, **kwargs):
+    """Drafts `answer` after `prompt_tokens` the way the decoding loop does: each round keeps the longest right
+    prefix of the proposal plus the target's own next token. Returns the proposals."""
+    drafter = hf_specdec.PromptLookupDrafter(**kwargs)
+    model = tiny_model("llama")
+    context = torch.tensor([prompt_tokens + answer])
+    drafter.reset(hf_specdec.DraftContext(target=model, input_ids=context[:, :len(prompt_tokens)],
+                                          logits_processor=None, generation_config=model.generation_config,
+                                          vocab_size=VOCAB))
+    proposals, written = [], 0
+    while written < len(answer):
+        draft = drafter.propose(context[:, :len(prompt_tokens) + written], num_tokens).tokens[0].tolist()
+        proposals.append(draft)
+        right = 0
+        while right < len(draft) and written + right < len(answer) and draft[right] == answer[written + right]:
+            right += 1
+        written += right + 1
+    return proposals
+
+
+BLOCK = [11, 12, 13, 40, 14, 15, 16, 17, 40, 18, 19, 20, 21, 22, 40, 23, 24, 25, 26, 27]  # 40: an identifier
+
+
+def test_prompt_lookup_follows_a_copy_through_a_rename():
+    renamed = [41 if t == 40 else t for t in BLOCK]
+    prompt_tokens = [1, 2, 3] + BLOCK + [4, 5] + [1, 2, 3]  # "here is the code ... rewrite it with 40 -> 41"
+    followed = copy_rounds(prompt_tokens, renamed)
+    # round 1 copies up to the first occurrence; round 2 resumes right after it (the n-gram [13, 41] never
+    # occurred); round 2 confirms the substitution and drafts every later occurrence renamed
+    assert followed[0][:4] == [11, 12, 13, 40]
+    assert followed[1][:4] == [14, 15, 16, 17]
+    assert followed[1][4] == 40  # the substitution is learned only once the copy resumed after it
+    assert followed[2][:len(BLOCK) - 9] == renamed[9:]
+    assert len(followed) == 3
+    fresh = copy_rounds(prompt_tokens, renamed, follow_copies=False)
+    assert len(fresh) > len(followed)  # looked up afresh, each rename costs extra rounds
+
+
+def test_prompt_lookup_forgets_a_substitution_the_target_contradicts():
+    block = BLOCK + [28, 40, 29, 30]
+    answer = [41 if t == 40 and i < 10 else t for i, t in enumerate(block)]  # renamed in the first half only
+    proposals = copy_rounds([1, 2, 3] + block + [4, 5] + [1, 2, 3], answer)
+    assert proposals[2][:6] == [18, 19, 20, 21, 22, 41]  # learned, applied, and rejected: the target wrote 40
+    assert proposals[3][:8] == [23, 24, 25, 26, 27, 28, 40, 29]  # forgotten: the next 40 is copied as it is
+
+
+def test_prompt_lookup_two_mismatches_end_a_copy():
+    # the answer follows the block, then leaves it for another passage: the copy survives the first mismatch
+    # (it could be a rename), and after the second the lookup starts over from the new suffix
+    prompt_tokens = [1, 2, 3] + BLOCK + [4, 5] + [60, 61, 62, 63] + [1, 2, 3]
+    answer = BLOCK[:8] + [60, 61, 62, 63]
+    proposals = copy_rounds(prompt_tokens, answer, min_ngram_size=1)
+    assert proposals[0][:9] == BLOCK[:9]
+    assert proposals[1][:3] == [18, 19, 20]  # the copy resumes after the mismatched token
+    assert proposals[2][:3] == [62, 63, 1]  # second mismatch: the lookup of the suffix [60, 61]
+
+
+def test_prompt_lookup_keeps_a_copy_over_a_more_recent_repeat_inside_it():
+    # the block repeats [13, 40]; when the copy reaches the first one, the most recent occurrence of that suffix
+    # is the second, but the copy under way agrees with much more of the text, so it goes on from where it is
+    block = [11, 12, 13, 40, 14, 15, 16, 13, 40, 17, 18, 19]
+    prompt_tokens = [1, 2, 3] + block + [4, 5] + [1, 2, 3]
+    followed = copy_rounds(prompt_tokens, block, num_tokens=3, max_ngram_size=2)
+    assert followed == [[11, 12, 13], [14, 15, 16], [40, 17, 18]]  # every draft right, 3 rounds for 12 tokens
+    fresh = copy_rounds(prompt_tokens, block, num_tokens=3, max_ngram_size=2, follow_copies=False)
+    assert fresh[1] == [17, 18, 19]  # looked up afresh, the most recent [13, 40] jumps ahead
+    assert len(fresh) == 5
+
+
+def test_prompt_lookup_leaves_a_copy_for_a_full_match_after_a_mismatch():
+    # a loop: the copy from the prompt's passage mismatches where the text starts looping, and the new suffix then
+    # fully matches the loop's previous period, so the lookup moves there instead of resuming the copy (which would
+    # leave the loop): copy following proposes what looking up afresh proposes
+    P = [42, 91, 89, 2, 4, 42, 91, 89, 2, 9, 57, 37, 51, 46, 91, 89, 2, 4, 42, 91]
+    A = [89, 2, 4, 84, 59, 42, 91, 89, 2, 4, 42, 91, 89, 2, 4, 42, 91, 89, 2, 4, 42, 91, 89, 2, 4]
+    for follow in (True, False):
+        proposals = copy_rounds(P, A, num_tokens=6, follow_copies=follow)
+        assert proposals[-2:] == [[91, 89, 2, 4, 42, 91], [2, 4, 42, 91, 89, 2]]
+
+
+def markov_target(arch="llama"):
+    """A tiny model whose attention contributes nothing: its next token depends on the current token only, so
+    for a prompt S + C + S, where C is its greedy continuation of S, it writes C again (it returns a block)."""
+    model = tiny_model(arch, seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return hf_specdec.enable(model)
+
+
+@pytest.mark.parametrize("gamma", [4, 16])
+def test_prompt_lookup_renamed_copy_greedy_identity(gamma):
+    target = markov_target()
+    seed = prompt(6, seed=3)
+    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1]:]
+    identifier = int(block.flatten().mode().values)
+    renamed = block.masked_fill(block == identifier, (identifier + 1) % VOCAB)
+    ids = torch.cat([seed, renamed, seed], dim=-1)
+    plain = target.generate(ids, max_new_tokens=40)
+    assert torch.equal(plain[:, ids.shape[1]:], block)  # the target writes the original block back
+    calls = {}
+    for follow in (True, False):
+        out = target.generate(ids, drafter="prompt_lookup", speculative_gamma=gamma, max_new_tokens=40,
+                              drafter_kwargs={"follow_copies": follow}, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain)
+        calls[follow] = out.speculative_stats.target_calls
+    assert calls[True] < calls[False]
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,24 @@ __all__ = ["PromptLookupDrafter"]
 
 
 class _SuffixIndex:
-    """For one row: n-gram -> start of the continuation after its most recent occurrence.
+    """For one row: n-gram -> start of the continuation after its most recent occurrence, and the copy under way.
 
     Grows incrementally: each token is indexed once, when it stops being the last token of the context (the
     continuation of the current suffix is unknown, so the suffix itself must never match itself).
+
+    With `follow_copies`, the position a proposal was copied from is remembered and followed along the tokens the
+    target then writes (one comparison per written token, no rescan). A copy that has predicted at least two
+    tokens in a row survives one mismatch: the written token stands in for the copied one (a renamed identifier, a
+    fixed typo) and the copy resumes after it. If the next token matches again, the substitution is learned and
+    applied to later proposals; it is forgotten when the target writes the original token again. A second mismatch
+    in a row ends the copy, and so does a mismatch after which the new suffix has a full-length match elsewhere (the
+    text moved on to another passage or a loop); the n-gram lookup then starts over (also trying the suffix with
+    learned substitutions undone, so a renamed suffix still finds its original).
     """
 
-    def __init__(self, ngram_sizes: range, source: list[int] | None = None):
+    confirm_after = 2  # tokens a copy must predict in a row before it may survive a mismatch or teach a substitution
+
+    def __init__(self, ngram_sizes: range, source: list[int] | None = None, follow_copies: bool = True):
         self.ngram_sizes = ngram_sizes
         self.tokens: list[int] = []
         self.next_start: dict[tuple[int, ...], int] = {}
@@ -31,6 +42,14 @@ class _SuffixIndex:
             for n in ngram_sizes:
                 if end + 1 >= n:
                     self.source_next_start[tuple(self.source[end + 1 - n : end + 1])] = end + 1
+        self.follow_copies = follow_copies
+        self.copy: tuple[list[int], int] | None = None  # (document, position of the token it predicts next)
+        self.copy_run = 0  # tokens the copy predicted right in a row
+        self.copy_confirmed = False
+        self.pending: tuple[int, int] | None = None  # (copied, written) at a mismatch, learned if the copy resumes
+        self.followed = 0  # written tokens up to here have been compared with the copy
+        self.substitutions: dict[int, int] = {}  # copied token -> the token the target writes in its place
+        self.originals: dict[int, int] = {}  # the inverse, for matching a suffix that contains substitutions
 
     def extend(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
@@ -40,21 +59,92 @@ class _SuffixIndex:
                     self.next_start[tuple(self.tokens[end + 1 - n : end + 1])] = end + 1  # most recent wins
         self.indexed = max(self.indexed, len(self.tokens) - 1)
 
-    def lookup(self, num_tokens: int) -> list[int]:
+    def _follow(self) -> None:
+        """Compares the tokens written since the last proposal with what the copy predicted."""
+        for at in range(self.followed, len(self.tokens)):
+            if self.copy is None:
+                break
+            document, position = self.copy
+            if position >= len(document):  # the source text ended (the output's own copy is periodic instead)
+                self.copy = None
+                break
+            copied, written = document[position], self.tokens[at]
+            if written == self.substitutions.get(copied, copied):
+                if self.pending is not None:  # the copy resumed right after the mismatch: a substitution
+                    self._learn(*self.pending)
+                    self.pending = None
+                self.copy_run += 1
+                self.copy_confirmed |= self.copy_run >= self.confirm_after
+            else:
+                if written == copied:  # the target wrote the original token: the substitution no longer holds
+                    self._learn(copied, written)
+                if not self.copy_confirmed or self.pending is not None:  # unproven, or a second mismatch in a row
+                    self.copy, self.pending = None, None
+                    break
+                self.copy_run, self.pending = 0, (copied, written)
+            self.copy = (document, position + 1)
+        self.followed = len(self.tokens)
+
+    def _learn(self, copied: int, written: int) -> None:
+        old = self.substitutions.pop(copied, None)
+        if old is not None and self.originals.get(old) == copied:
+            del self.originals[old]
+        if written != copied:
+            self.substitutions[copied] = written
+            self.originals[written] = copied
+
+    def _read(self, document: list[int], start: int, num_tokens: int) -> list[int]:
+        if document is self.tokens:
+            # a match close to the end overlaps what it predicts (an overlapping LZ77-style copy): the text
+            # repeats with period len - start, so the copy continues periodically instead of stopping short
+            period = len(self.tokens) - start
+            draft = [self.tokens[start + j % period] for j in range(num_tokens)]
+        else:
+            draft = document[start : start + num_tokens]
+        return [self.substitutions.get(token, token) for token in draft] if self.substitutions else draft
+
+    def _match(self) -> tuple[tuple[list[int], int] | None, int]:
+        """((document, start), n): the continuation of the longest suffix (n tokens) that occurred before, its most
+        recent occurrence first; (None, 0) when none did."""
         for n in reversed(self.ngram_sizes):  # longest suffix first
             if len(self.tokens) < n:
                 continue
             suffix = tuple(self.tokens[-n:])
-            start = self.next_start.get(suffix)
-            if start is None and suffix in self.source_next_start:  # the output's own history is more recent
-                start = self.source_next_start[suffix]
-                return self.source[start : start + num_tokens]
-            if start is not None:
-                # a match close to the end overlaps what it predicts (an overlapping LZ77-style copy): the text
-                # repeats with period len - start, so the copy continues periodically instead of stopping short
-                period = len(self.tokens) - start
-                return [self.tokens[start + j % period] for j in range(num_tokens)]
-        return []
+            candidates = [suffix]
+            if self.originals:
+                undone = tuple(self.originals.get(token, token) for token in suffix)
+                if undone != suffix:
+                    candidates.append(undone)
+            for candidate in candidates:
+                start = self.next_start.get(candidate)
+                if start is not None:
+                    return (self.tokens, start), n
+                if candidate in self.source_next_start:  # the output's own history is more recent
+                    return (self.source, self.source_next_start[candidate]), n
+        return None, 0
+
+    def lookup(self, num_tokens: int) -> list[int]:
+        if not self.follow_copies:
+            match, _ = self._match()
+            return self._read(*match, num_tokens) if match else []
+        self._follow()  # first: it may learn a substitution that the lookup undoes
+        match, length = self._match()
+        copy = self.copy
+        # a copy under way goes on, even where a more recent occurrence of the suffix repeats inside it; but when it
+        # has just mismatched, a full-length match of the new suffix elsewhere says the text moved on (a loop,
+        # another passage) rather than substituted one token
+        if (copy is not None and self.pending is not None and length == self.ngram_sizes[-1]
+                and not (match[0] is copy[0] and match[1] == copy[1])):
+            copy = None
+        if copy is not None:
+            draft = self._read(*copy, num_tokens)
+            if draft:
+                return draft
+        if match is None:
+            self.copy = None
+            return []
+        self.copy, self.copy_run, self.copy_confirmed, self.pending = match, 0, False, None
+        return self._read(*match, num_tokens)
 
 
 class PromptLookupDrafter(Drafter):
@@ -67,6 +157,11 @@ class PromptLookupDrafter(Drafter):
     and continues periodically (the text is repeating with that period). Costs no model forward (c ≈ 0), and
     shines when the output repeats the input: code edits, summaries, extraction, grammar fixes.
 
+    A copy under way is followed (`follow_copies`): the next proposal continues from where the last one left off,
+    even past one token the target wrote differently (a renamed identifier, a corrected word), and a substitution
+    that the copy confirms by matching again right after it is applied to later proposals (the rename's next
+    occurrences are drafted renamed). Two mismatches in a row end the copy, and the n-gram lookup starts over.
+
     The index is built incrementally (each token is indexed once per call). Drafts are deterministic, so when
     sampling q is a point mass and each draft x is accepted with probability p(x): the output distribution stays
     exactly the target's.
@@ -76,6 +171,9 @@ class PromptLookupDrafter(Drafter):
             The longest suffix to match.
         min_ngram_size (`int`, *optional*, defaults to 2):
             The shortest suffix to match. 1 matches any repeated token, which proposes often and is right rarely.
+        follow_copies (`bool`, *optional*, defaults to `True`):
+            Follow a copy through single-token substitutions and apply the substitutions it learned. `False` looks
+            every proposal up afresh (transformers' prompt lookup does that, with the earliest match).
 
     Example:
 
@@ -87,7 +185,7 @@ class PromptLookupDrafter(Drafter):
     ```
     """
 
-    def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 2):
+    def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 2, follow_copies: bool = True):
         for name, value in (("max_ngram_size", max_ngram_size), ("min_ngram_size", min_ngram_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
@@ -95,8 +193,11 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(
                 f"`min_ngram_size` ({min_ngram_size}) must not exceed `max_ngram_size` ({max_ngram_size})."
             )
+        if not isinstance(follow_copies, bool):
+            raise ValueError(f"`follow_copies` must be a bool, got {follow_copies!r}.")
         self.max_ngram_size = max_ngram_size
         self.min_ngram_size = min_ngram_size
+        self.follow_copies = follow_copies
 
     def reset(self, context: DraftContext) -> None:
         sources = None
@@ -112,7 +213,7 @@ class PromptLookupDrafter(Drafter):
 
     def _new_rows(self, batch_size: int, sources: list[list[int]] | None = None) -> list[_SuffixIndex]:
         sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
-        return [_SuffixIndex(sizes, sources[row] if sources else None) for row in range(batch_size)]
+        return [_SuffixIndex(sizes, sources[row] if sources else None, self.follow_copies) for row in range(batch_size)]
 
     def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         if not hasattr(self, "rows"):
