@@ -44,7 +44,7 @@ class _SuffixIndex:
                     self.source_next_start[tuple(self.source[end + 1 - n : end + 1])] = end + 1
         self.follow_copies = follow_copies
         self.copy: tuple[list[int], int] | None = None  # (document, position of the token it predicts next)
-        self.copy_run = 0  # tokens the copy predicted right in a row
+        self.copy_run = 0  # tokens the copy predicted right in a row, until it is confirmed (then it stays so)
         self.copy_confirmed = False
         self.pending: tuple[int, int] | None = None  # (copied, written) at a mismatch, learned if the copy resumes
         self.followed = 0  # written tokens up to here have been compared with the copy
@@ -81,7 +81,7 @@ class _SuffixIndex:
                 if not self.copy_confirmed or self.pending is not None:  # unproven, or a second mismatch in a row
                     self.copy, self.pending = None, None
                     break
-                self.copy_run, self.pending = 0, (copied, written)
+                self.pending = (copied, written)
             self.copy = (document, position + 1)
         self.followed = len(self.tokens)
 
@@ -160,7 +160,8 @@ class PromptLookupDrafter(Drafter):
     A copy under way is followed (`follow_copies`): the next proposal continues from where the last one left off,
     even past one token the target wrote differently (a renamed identifier, a corrected word), and a substitution
     that the copy confirms by matching again right after it is applied to later proposals (the rename's next
-    occurrences are drafted renamed). Two mismatches in a row end the copy, and the n-gram lookup starts over.
+    occurrences are drafted renamed). Two mismatches in a row end the copy, and so does a mismatch after which the
+    new suffix has a full-length match elsewhere (the text moved on); the n-gram lookup then starts over.
 
     The index is built incrementally (each token is indexed once per call). Drafts are deterministic, so when
     sampling q is a point mass and each draft x is accepted with probability p(x): the output distribution stays
