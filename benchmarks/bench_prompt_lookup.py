@@ -25,7 +25,6 @@ all prompts, and reports ours against transformers' best single `prompt_lookup_n
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -34,16 +33,7 @@ import torch
 from transformers import GenerationMixin
 
 import hf_specdec
-from hf_specdec.toy import build_early_exit_pair
-
-
-def copying_target(target):
-    """The same architecture and cost, but attention contributes nothing: a first-order Markov chain."""
-    markov = copy.deepcopy(target)
-    with torch.no_grad():
-        for layer in markov.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return markov
+from hf_specdec.toy import build_early_exit_pair, copying_target
 
 
 def run_case(target, prompts, args, label, sweep=()):
@@ -80,12 +70,12 @@ def run_case(target, prompts, args, label, sweep=()):
                 out = method(ids)
                 seconds[name] += time.perf_counter() - start
                 identical[name] &= torch.equal(out, reference)
-    stats = [target.generate(ids, return_dict_in_generate=True, **ours).speculative_stats for ids in prompts]
-    optimal_stats = [target.generate(ids, return_dict_in_generate=True, **optimal).speculative_stats for ids in prompts]
-    fresh_stats = [target.generate(ids, return_dict_in_generate=True, **optimal_fresh).speculative_stats
-                   for ids in prompts]
-    from_max_stats = [target.generate(ids, return_dict_in_generate=True, **optimal_from_max).speculative_stats
-                      for ids in prompts]
+    configs = {"hf_specdec_prompt_lookup": ours, "hf_specdec_prompt_lookup_optimal": optimal,
+               "hf_specdec_prompt_lookup_optimal_no_follow": optimal_fresh,
+               "hf_specdec_prompt_lookup_optimal_from_max": optimal_from_max}
+    stats_of = {name: [target.generate(ids, return_dict_in_generate=True, **kwargs).speculative_stats
+                       for ids in prompts] for name, kwargs in configs.items()}
+    stats, optimal_stats = stats_of["hf_specdec_prompt_lookup"], stats_of["hf_specdec_prompt_lookup_optimal"]
     transformers_best = min(s for name, s in seconds.items() if name.startswith("transformers"))
     return {
         "case": label,
@@ -103,12 +93,7 @@ def run_case(target, prompts, args, label, sweep=()):
             / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
         "hf_specdec_optimal_from_max_over_transformers_best_fixed": transformers_best / seconds[
             "hf_specdec_prompt_lookup_optimal_from_max"],
-        "target_calls_per_prompt": {
-            "hf_specdec_prompt_lookup": [s.target_calls for s in stats],
-            "hf_specdec_prompt_lookup_optimal": [s.target_calls for s in optimal_stats],
-            "hf_specdec_prompt_lookup_optimal_no_follow": [s.target_calls for s in fresh_stats],
-            "hf_specdec_prompt_lookup_optimal_from_max": [s.target_calls for s in from_max_stats],
-        },
+        "target_calls_per_prompt": {name: [s.target_calls for s in runs] for name, runs in stats_of.items()},
         "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal_stats)
                                / sum(len(s.gamma_history) for s in optimal_stats)),
         "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal_stats)

@@ -13,7 +13,7 @@ import copy
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-__all__ = ["build_early_exit_pair", "decode_ids"]
+__all__ = ["build_early_exit_pair", "copying_target", "decode_ids"]
 
 
 def build_early_exit_pair(
@@ -63,6 +63,18 @@ def build_early_exit_pair(
 
 
 _ALPHABET = "etaoinshrdlucmfwypvbgkqjxz ETAOINSHRDLUCMFWYPVBGKQJXZ.,;:!?'-()0123456789\n"
+
+
+def copying_target(target: PreTrainedModel) -> PreTrainedModel:
+    """A copy of a Llama-style `target` whose attention contributes nothing (output projections zeroed), at the same
+    compute per forward: its next token depends on the current token only. For a prompt S + C + S, where C is its
+    greedy continuation of S, it writes C again, like a model asked to return a block of code. `target` is left
+    as it is."""
+    markov = copy.deepcopy(target)
+    with torch.no_grad():
+        for layer in markov.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return markov
 
 
 def decode_ids(ids) -> str:

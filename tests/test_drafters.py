@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_specdec
+from hf_specdec.toy import copying_target
 from conftest import VOCAB, noisy_copy, prompt, tiny_model
 from test_sampling_distribution import SAMPLES, P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
 
@@ -137,14 +138,10 @@ def test_prompt_lookup_leaves_a_copy_for_a_full_match_after_a_mismatch():
         assert proposals[-2:] == [[91, 89, 2, 4, 42, 91], [2, 4, 42, 91, 89, 2]]
 
 
-def markov_target(arch="llama"):
-    """A tiny model whose attention contributes nothing: its next token depends on the current token only, so
-    for a prompt S + C + S, where C is its greedy continuation of S, it writes C again (it returns a block)."""
-    model = tiny_model(arch, seed=0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return hf_specdec.enable(model)
+def markov_target():
+    """A tiny model whose attention contributes nothing: for a prompt S + C + S, where C is its greedy continuation
+    of S, it writes C again (it returns a block)."""
+    return hf_specdec.enable(copying_target(tiny_model("llama", seed=0)))
 
 
 @pytest.mark.parametrize("gamma", [4, 16])
