@@ -4,6 +4,18 @@ A drafter proposes up to γ tokens per round. A drafter that samples from a dist
 probabilities it sampled from (q in the paper), so that sampling stays exact; a deterministic drafter (prompt
 lookup, a greedy table) returns `probs=None` and the sampler treats q as a point mass on each proposed token.
 "No proposal" is always an empty `[batch, 0]` token tensor, never `None`; the loop then decodes one plain step.
+
+A proposal may be a **token tree** (`DraftProposal.parents`): several candidate continuations that the target
+verifies in one forward, each node seeing the context and its ancestors only. Drafters learn the most nodes a
+round may verify from `DraftContext.tree_budget` (`None`: chains only); `num_tokens` bounds the tree's depth.
+
+What a drafter promises, so that verification stays exact:
+- each proposed token lies in the target's vocabulary, and a node's parent comes before it (`parents[b, i] < i`);
+- `probs[b, i]` is the standardized distribution node i was *sampled* from, given its ancestors, and node i was
+  drawn from it independently of its siblings (the same q for i.i.d. siblings is fine); a node chosen
+  deterministically (argmax, top-k, a table or a copy) has no q: pass `probs=None` for the whole proposal;
+- which nodes a tree has may depend on the drafter's scores of nodes above them, never on the values drawn for
+  the nodes themselves (no pruning of sampled siblings by what they turned out to be).
 """
 
 from __future__ import annotations
@@ -34,6 +46,9 @@ class DraftContext:
     """The call's resolved generation config (read only)."""
     vocab_size: int
     """Width of the target's logits; proposed token ids must lie in [0, vocab_size)."""
+    tree_budget: int | None = None
+    """`speculative_tree_budget`: the most draft nodes one proposal may hold when it is a tree (`None`: the call
+    verifies chains only, so a proposal must not set `parents`)."""
     model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The target's prepared model kwargs at the start of decoding (attention mask, encoder outputs...)."""
     inputs_tensor: torch.Tensor | None = None
@@ -50,6 +65,10 @@ class DraftProposal:
 
     tokens: torch.LongTensor  # [batch, num_drafted]; num_drafted may be 0
     probs: torch.FloatTensor | None = None  # [batch, num_drafted, vocab] standardized q, or None (deterministic)
+    parents: torch.LongTensor | None = None
+    """`[batch, num_drafted]`: for a token tree, the index of each node's parent node, -1 for the children of the
+    last token of the context (a chain is `[-1, 0, 1, ...]`); parents come before their children. `None`: a chain.
+    Trees are verified only when `speculative_tree_budget` is set (then `DraftContext.tree_budget` is not `None`)."""
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device | str) -> "DraftProposal":
@@ -86,11 +105,14 @@ class Drafter:
         input_ids: torch.LongTensor,
         num_accepted: torch.LongTensor,
         attention_mask: torch.LongTensor | None = None,
+        accepted_nodes: torch.LongTensor | None = None,
     ) -> None:
         """Called after each verification: `num_accepted` (`[batch]`) of the last proposal were kept, and
         `input_ids` is the sequence after this round's tokens were appended. Roll back state here. With
         `supports_padded_batches`, `input_ids` is re-padded so that rows end together, described by
-        `attention_mask`."""
+        `attention_mask`. After a tree proposal, `accepted_nodes` (`[batch, num_accepted.max()]`) holds the indices
+        of the nodes on the accepted path, root side first (entries past a row's `num_accepted` are -1); it is
+        passed only after a proposal with `parents`, so chain-only drafters need not declare it."""
 
     def select_rows(self, indices: torch.LongTensor) -> None:
         """With `supports_padded_batches`: keep only these rows of the batch (the others have finished)."""

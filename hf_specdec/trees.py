@@ -1,0 +1,79 @@
+"""Token trees: the structure a tree proposal has and the attention it needs, as pure tensor functions.
+
+A tree of k draft **nodes** is given by `parents` (`[batch, k]`): the index of each node's parent, -1 for the
+children of the **root** (the last token of the context, whose successor the target predicts first). Parents come
+before their children, so index order is a topological order. A chain of k drafts is `[-1, 0, ..., k - 2]`.
+
+The target verifies every node in one forward: each node attends to the cached context, the uncached tail (the
+root and, in the first round, the prompt) and its own ancestors, and sits at position `root_position + depth`,
+where the root's children have depth 1. Nothing here sees a model or a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ancestor_mask", "chain_parents", "check_parents", "tree_attention_bias", "tree_depths"]
+
+
+def chain_parents(batch: int, length: int, device=None) -> torch.LongTensor:
+    """The `parents` of a chain of `length` drafts: `[batch, length]`, each row `[-1, 0, ..., length - 2]`."""
+    return (torch.arange(length, device=device) - 1).expand(batch, length)
+
+
+def check_parents(parents: torch.LongTensor) -> str | None:
+    """Why `parents` (`[batch, k]`) is not a valid tree, or None: each entry in [-1, own index)."""
+    index = torch.arange(parents.shape[1], device=parents.device)
+    if bool(((parents < -1) | (parents >= index)).any()):
+        return "each node's parent must be -1 (the last context token) or an earlier node (parents[b, i] < i)"
+    return None
+
+
+def tree_depths(parents: torch.LongTensor) -> torch.LongTensor:
+    """Depth of each node (`[batch, k]`), 1 for the children of the root; one gather per level of the tree."""
+    depth = torch.ones_like(parents)
+    ancestor = parents
+    for _ in range(parents.shape[1]):
+        has = ancestor >= 0  # [batch, k]
+        if not bool(has.any()):
+            break
+        depth = depth + has.long()
+        ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), ancestor)
+    return depth
+
+
+def ancestor_mask(parents: torch.LongTensor) -> torch.BoolTensor:
+    """`[batch, k, k]`: entry (i, j) is True when node j is node i or one of its ancestors (what node i may see)."""
+    batch, k = parents.shape
+    mask = torch.eye(k, dtype=torch.bool, device=parents.device).expand(batch, k, k).clone()
+    rows = torch.arange(k, device=parents.device)
+    for i in range(k):  # topological order: a parent's row is complete before its children's
+        parent = parents[:, i]  # [batch]
+        has = parent >= 0
+        inherited = mask[torch.arange(batch, device=parents.device), parent.clamp(min=0)]  # [batch, k]
+        mask[:, i] |= inherited & has[:, None] & (rows < i)
+    return mask
+
+
+def tree_attention_bias(
+    parents: torch.LongTensor,  # [batch, k]
+    past_length: int,
+    tail_length: int,
+    dtype: torch.dtype,
+) -> torch.FloatTensor:
+    """The additive 4D attention mask `[batch, 1, tail_length + k, past_length + tail_length + k]` of one tree
+    forward: `past_length` cached tokens, then `tail_length` uncached context tokens (causal among themselves; the
+    last is the root), then the k nodes, each seeing the whole context and its ancestors. 0 where attention is
+    allowed, the dtype's minimum elsewhere (the form both eager and SDPA attention add to their scores)."""
+    batch, k = parents.shape
+    device = parents.device
+    queries, keys = tail_length + k, past_length + tail_length + k
+    allowed = torch.zeros(batch, queries, keys, dtype=torch.bool, device=device)
+    allowed[:, :, :past_length] = True
+    allowed[:, :tail_length, past_length : past_length + tail_length] = torch.ones(
+        tail_length, tail_length, dtype=torch.bool, device=device
+    ).tril()
+    allowed[:, tail_length:, past_length : past_length + tail_length] = True
+    allowed[:, tail_length:, past_length + tail_length :] = ancestor_mask(parents)
+    bias = torch.zeros(batch, 1, queries, keys, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
