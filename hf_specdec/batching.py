@@ -46,9 +46,10 @@ from transformers import (
 from transformers.utils import ModelOutput
 
 from .caches import realign_cache, slice_cache
-from .decoding import _context, _decode_one, checked_tokens, target_logits, verify
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
+from .rounds import checked_proposal, draft_context, standardize, target_logits, verify_round
+from .sequence import decode_sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -102,7 +103,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     text_start = (mask == 0).sum(-1).tolist()  # [batch]: where each row's text starts in its padded prompt
     row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
     draft_processors, padding_aware = _padded_batch_processors(logits_processor)
-    context = _context(model, input_ids, draft_processors, generation_config,
+    context = draft_context(model, input_ids, draft_processors, generation_config,
                        {**model_kwargs, "attention_mask": mask}, inputs_tensor)
     if drafter.supports_padded_batches:
         batch_drafter, row_drafters = drafter.for_call(context), None
@@ -131,13 +132,12 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         if batch_drafter is not None:
             for processor in padding_aware:
                 processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
-            proposal = batch_drafter.propose(ids, gamma, attention_mask=mask)
-            draft_tokens = checked_tokens(proposal, batch_drafter, ids, gamma, vocab_size)  # [rows, k]
-            draft_probs = proposal.probs
+            proposal = checked_proposal(batch_drafter.propose(ids, gamma, attention_mask=mask), batch_drafter, ids,
+                                        gamma, vocab_size)
         else:
             row_ids = [torch.cat([prompts[r, text_start[r]:], generated[r]])[None] for r in rows]
-            draft_tokens, draft_probs = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size,
-                                                       filler, device)
+            proposal = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device)
+        draft_tokens = proposal.tokens  # [rows, k]
         num_drafted = draft_tokens.shape[1]
         verify_start = time.perf_counter()
 
@@ -151,14 +151,14 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         }, first_round)  # [rows, k + 1, vocab]
         scores = logits
         if len(logits_processor):
-            scores = logits.clone()
-            for i, r in enumerate(rows):  # each row with its own prefix, laid out as plain generate lays it out
-                view = torch.cat([prompts[r], generated[r], draft_tokens[i]])[None]  # [1, len + k]
-                for j in range(num_drafted + 1):
-                    scores[i : i + 1, j] = row_processors[r](view[:, : lengths[i] + j], scores[i : i + 1, j])
+            # each row with its own prefix, laid out as plain generate lays it out
+            views = [torch.cat([prompts[r], generated[r], draft_tokens[i]])[None] for i, r in enumerate(rows)]
+            scores = standardize(logits, lambda i: row_processors[rows[i]],
+                                 lambda i, j: views[i][:, : lengths[i] + j])
 
         # 3. verify every row (Algorithm 1)
-        accepted, next_tokens, betas = verify(do_sample, draft_tokens, draft_probs, scores, options)
+        verdict = verify_round(do_sample, proposal, scores, options)
+        accepted, next_tokens, betas = verdict.accepted, verdict.next_tokens, verdict.betas
         new_tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(rows), 1)], dim=-1)  # [rows, k + 1]
         new_tokens[torch.arange(len(rows)), accepted] = next_tokens
 
@@ -298,11 +298,12 @@ def _source_row(inputs_tensor, row: int, batch: int):
 
 
 def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
-    """Each row's own proposal, padded to the longest with filler drafts (rejected unless the target agrees)."""
+    """Each row's own proposal, padded to the longest with filler drafts (rejected unless the target agrees), as one
+    `DraftProposal` for the batch."""
     proposals = []
     for drafter, ids in zip(row_drafters, row_ids):
-        proposal = drafter.propose(ids, gamma)
-        proposals.append((checked_tokens(proposal, drafter, ids, gamma, vocab_size), proposal.probs))
+        proposal = checked_proposal(drafter.propose(ids, gamma), drafter, ids, gamma, vocab_size)
+        proposals.append((proposal.tokens, proposal.probs))
     length = max(tokens.shape[1] for tokens, _ in proposals)
     tokens = torch.full((len(row_ids), length), filler, dtype=torch.long, device=device)
     any_probs = any(probs is not None for _, probs in proposals)
@@ -314,7 +315,7 @@ def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
             probs[i] = torch.nn.functional.one_hot(tokens[i], vocab_size).float()
             if row_probs is not None:
                 probs[i, : row_tokens.shape[1]] = row_probs[0]
-    return tokens, probs
+    return DraftProposal(tokens=tokens, probs=probs)
 
 
 def _assemble(prompts, generated, pad_token_id: int):
@@ -354,9 +355,9 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
         row_kwargs = _slice_kwargs(model_kwargs, row, batch, model)
         row_ids = input_ids[row : row + 1]
         row_processors = processors_for_row(logits_processor, row, batch)
-        row_drafter = drafter.for_call(_context(model, row_ids, row_processors, generation_config, row_kwargs,
+        row_drafter = drafter.for_call(draft_context(model, row_ids, row_processors, generation_config, row_kwargs,
                                                 _source_row(inputs_tensor, row, batch)))
-        sequence, _, _ = _decode_one(model, row_ids, logits_processor=row_processors,
+        sequence, _, _ = decode_sequence(model, row_ids, logits_processor=row_processors,
                                      stopping_criteria=stopping_criteria, drafter=row_drafter, **run, **row_kwargs)
         outputs.append(sequence)
         states.append((row_kwargs, row_processors, row_drafter))
@@ -371,7 +372,7 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
                 row_kwargs = model._update_model_kwargs_for_generation(
                     {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
                 )
-                outputs[row], _, _ = _decode_one(model, outputs[row], logits_processor=row_processors,
+                outputs[row], _, _ = decode_sequence(model, outputs[row], logits_processor=row_processors,
                                                  stopping_criteria=until_stop, drafter=row_drafter, **run,
                                                  **row_kwargs)
     longest = max(s.shape[1] for s in outputs)

@@ -11,6 +11,9 @@ from transformers import GenerationConfig
 __all__ = ["SPECULATIVE_DEFAULTS", "SpeculativeGenerationConfig", "SpeculativeOptions", "resolve_speculative_options"]
 
 
+MAX_TREE_BUDGET = 1024  # a verify forward over more nodes costs more than any tree saves
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeOptions:
     """The speculative settings one `generate` call runs with; built and validated once per call."""
@@ -23,6 +26,8 @@ class SpeculativeOptions:
     """How γ is chosen each round: "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
     speculative_max_gamma: int = 16
     """The largest γ the "heuristic" and "optimal" policies may choose."""
+    speculative_tree_budget: int | None = None
+    """The most draft nodes one round may verify as a token tree (γ stays its depth); None: chains only."""
 
     def __post_init__(self):
         gamma = self.speculative_gamma
@@ -43,6 +48,20 @@ class SpeculativeOptions:
                 f"`speculative_max_gamma` must be a positive int, got {max_gamma!r}. Use for example "
                 "`speculative_max_gamma=16`."
             )
+        budget = self.speculative_tree_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TREE_BUDGET:
+                raise ValueError(
+                    f"`speculative_tree_budget` must be None or an int in [1, {MAX_TREE_BUDGET}], got {budget!r}. Use "
+                    "for example `speculative_tree_budget=12` (choose it from the target's cost of a forward over "
+                    "that many tokens), or `None` for chains."
+                )
+            if self.speculative_lenience != 1.0:
+                raise ValueError(
+                    f"`speculative_lenience={lenience!r}` cannot be combined with `speculative_tree_budget="
+                    f"{budget!r}`: token trees are verified exactly only. Drop one of them."
+                )
+            object.__setattr__(self, "speculative_tree_budget", int(budget))
         from .policies import get_gamma_policy_class
 
         get_gamma_policy_class(self.speculative_gamma_policy)  # raises with the known names
@@ -74,6 +93,12 @@ class SpeculativeGenerationConfig(GenerationConfig):
             drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
         speculative_max_gamma (`int`, *optional*, defaults to 16):
             The largest γ the `"heuristic"` and `"optimal"` policies may choose.
+        speculative_tree_budget (`int`, *optional*):
+            Verify token trees of at most this many draft nodes in one target forward (SpecInfer / EAGLE-2 style):
+            drafters that can branch propose several candidate continuations and the longest accepted path wins;
+            `speculative_gamma` stays the tree's depth. Choose it where a target forward over that many tokens
+            still costs about one token's forward (memory-bound decoding). `None` (the default) verifies chains.
+            Exact for greedy decoding and sampling alike; one sequence at a time, decoder-only targets.
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 

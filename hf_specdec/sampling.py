@@ -15,13 +15,52 @@ the next token come out. Variable names follow the paper:
 Lenience `l` (Appendix A.5) scales q before the comparison: accept with min(1, p / (l q)) and recover from
 norm(max(0, p - l q)). With l = 1 this is exactly Algorithm 1; with l < 1 no token is emitted with probability above
 p(x) / l. The greedy variant accepts a draft token x when p(x) >= l * max(p).
+
+**Trees** (SpecInfer's multi-step speculative sampling, Miao et al., ASPLOS 2024). A proposal of k draft **nodes**
+has `parents` as in `hf_specdec.trees` (-1 for the children of the root, the last context token; parents come
+first). `target_probs[:, 0]` predicts the root's children and `target_probs[:, i + 1]` node i's children;
+`draft_probs[:, i]` is the q that node i was drawn from given its ancestors, or `None` for point masses. The
+**accepted path** is a root path of accepted nodes; the emitted tokens are its tokens, then a recovered token (after
+the last tested children were all rejected) or a bonus token (at an accepted leaf). Starting at the root with p its
+target row, the children are tested in index order: child x (drawn from q) is accepted when r q(x) < p(x); then
+the walk moves to it and p becomes its row. On a rejection p <- norm(max(0, p - q)) and the next sibling is tested
+against that **residual**. With no child left, the next token is drawn from the current p. No lenience for trees.
+
+Why it is exact. At one node, let p_1 = p and p_{j+1} = norm(max(0, p_j - q_j)). Testing sibling j against p_j is
+one step of Algorithm 1 for target p_j and draft q_j. By backward induction over the m siblings (after the last
+one the token is drawn from p_{m+1} itself), the token emitted at this depth once sibling j is tested has law
+min(p_j, q_j) + (1 - β_j) p_{j+1} = p_j, with β_j = sum_x min(p_j(x), q_j(x)); for j = 1 that is p.
+Conditional on the emitted token x coming from an accepted child, the walk continues in that child's subtree with
+its row p(. | prefix, x), whose children were drawn given x only; conditional on x being recovered the round ends.
+So by induction over depth each emitted token, given those before it and given that it is emitted, is distributed
+as the target's p: the emitted sequence is a stopped sample of the target.
+
+For deterministic siblings (q_j a point mass on x_j) the step accepts x_j with probability p_j(x_j) and else leaves
+p_j with x_j removed and renormalized: the siblings try their tokens one by one against p restricted to the tokens
+not yet rejected. A duplicate of a rejected token has p_j = 0 there and is always rejected. This holds for any
+choice of tokens fixed before the test (top-k, deduplicated, pruned): passing `draft_probs=None` is always exact.
+
+Sampled siblings must be drawn independently of each other, each exactly from its q_j. The step of Algorithm 1 at
+sibling j needs P(x_j = x | siblings before it) = q_j(x); a sibling redrawn until it differs from its elder
+siblings (sampling without replacement), or siblings kept or pruned by their values, has another law q'_j, so its
+accepted mass q'_j(x) min(1, p_j(x) / q_j(x)) is not min(p_j(x), q_j(x)) and the sum no longer telescopes to p.
+Such a drafter must report `draft_probs=None` (point masses) instead.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["draft_target_overlap", "sample_tokens", "verify_greedy", "verify_sampling"]
+from .trees import tree_depths
+
+__all__ = [
+    "draft_target_overlap",
+    "sample_tokens",
+    "verify_greedy",
+    "verify_sampling",
+    "verify_tree_greedy",
+    "verify_tree_sampling",
+]
 
 
 def sample_tokens(probs: torch.FloatTensor, generator: torch.Generator | None = None) -> torch.LongTensor:
@@ -133,3 +172,96 @@ def draft_target_overlap(
     if draft_probs is None:
         return p.gather(-1, draft_tokens[..., None]).squeeze(-1)
     return torch.minimum(p, draft_probs).sum(dim=-1)
+
+
+def verify_tree_greedy(
+    draft_tokens: torch.LongTensor,  # [batch, k]
+    parents: torch.LongTensor,  # [batch, k], -1 for the root's children, parents[b, i] < i
+    target_scores: torch.FloatTensor,  # [batch, k + 1, vocab]: row 0 after the root, row i + 1 after node i
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    """Greedy tree verification: the deepest root path of nodes that equal the target's argmax at their parent.
+
+    Returns `(accepted, accepted_nodes, next_tokens)`: `accepted` (`[batch]`) is the length of the accepted path,
+    `accepted_nodes` (`[batch, k]`) its node indices root side first, padded with -1, and `next_tokens` (`[batch]`)
+    the target's argmax after the path's last node (after the root when nothing is accepted). Among paths of equal
+    depth the one ending at the lowest node index wins. With a chain (`parents` `[-1, 0, ..., k - 2]`) this is
+    `verify_greedy`.
+    """
+    batch, k = draft_tokens.shape
+    target_tokens = target_scores.argmax(dim=-1)  # [batch, k + 1]
+    if k == 0:
+        return torch.zeros_like(target_tokens[:, 0]), draft_tokens.clone(), target_tokens[:, 0]
+    right = draft_tokens == target_tokens.gather(1, parents + 1)  # [batch, k]: the argmax at the node's parent
+    depth = tree_depths(parents)  # [batch, k]
+    max_depth = int(depth.max())
+    is_root_child = parents < 0
+    on_path = right  # [batch, k]: right, and so are all ancestors; exact up to depth level + 1 after each pass
+    for _ in range(max_depth - 1):
+        on_path = right & (is_root_child | on_path.gather(1, parents.clamp(min=0)))
+    index = torch.arange(k, device=parents.device)
+    key = torch.where(on_path, depth * (k + 1) + (k - index), -1)  # deepest first, then the lowest index
+    best_key, best = key.max(dim=1)  # [batch]
+    found = best_key >= 0
+    last = torch.where(found, best, -1)  # [batch]: the path's last node, -1 for the root
+    accepted = torch.where(found, depth.gather(1, best[:, None]).squeeze(1), 0)  # [batch]
+    next_tokens = target_tokens.gather(1, (last + 1)[:, None]).squeeze(1)  # [batch]
+    # walk up from the last node, writing each node at its depth - 1; column k collects the writes of finished rows
+    padded = torch.full((batch, k + 1), -1, dtype=torch.long, device=parents.device)  # [batch, k + 1]
+    node = last
+    for level in range(max_depth):
+        write = node >= 0
+        column = torch.where(write, accepted - 1 - level, k)
+        padded.scatter_(1, column[:, None], torch.where(write, node, -1)[:, None])
+        node = torch.where(write, parents.gather(1, node.clamp(min=0)[:, None]).squeeze(1), node)
+    return accepted, padded[:, :k], next_tokens
+
+
+def verify_tree_sampling(
+    draft_tokens: torch.LongTensor,  # [batch, k]
+    parents: torch.LongTensor,  # [batch, k], -1 for the root's children, parents[b, i] < i
+    draft_probs: torch.FloatTensor | None,  # [batch, k, vocab]: q of node i given its ancestors; None: point masses
+    target_probs: torch.FloatTensor,  # [batch, k + 1, vocab]: row 0 after the root, row i + 1 after node i
+    generator: torch.Generator | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    """Multi-step speculative sampling on a tree: the children of the current node are tested in index order, each
+    against the residual left by its rejected elder siblings; an accepted child becomes the current node.
+
+    Returns `(accepted, accepted_nodes, next_tokens)` as `verify_tree_greedy` does; `next_tokens` is the recovered
+    token (drawn from the residual after the last child was rejected) or the bonus token (drawn from an accepted
+    leaf's row). The emitted tokens are distributed exactly as sampling from the target token by token, when sibling
+    nodes were drawn independently from their `draft_probs` (see the module docstring). With a chain this draws
+    the same random numbers as `verify_sampling` and returns the same tokens.
+    """
+    batch, k = draft_tokens.shape
+    device = draft_tokens.device
+    rows = torch.arange(batch, device=device)
+    # one uniform per node, drawn up front like verify_sampling's; a node's is used only if the node is tested
+    r = torch.rand((batch, k), device=device, dtype=target_probs.dtype, generator=generator)  # [batch, k]
+    p = target_probs[:, 0]  # [batch, vocab]: the current node's row, or its residual after rejected children
+    current = torch.full((batch,), -1, dtype=torch.long, device=device)  # [batch]: the last accepted node
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)  # [batch]
+    padded = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)  # [batch, k + 1]; column k: no write
+    # index order reaches every node after its parent and after its elder siblings; a node is tested when its
+    # parent is the current node: its elder siblings were all rejected, and none of its parent's siblings accepted
+    for i in range(k):
+        x = draft_tokens[:, i : i + 1]  # [batch, 1]
+        tested = parents[:, i] == current  # [batch]
+        p_x = p.gather(1, x).squeeze(1)  # [batch]
+        if draft_probs is None:
+            q_x = torch.ones_like(p_x)
+            residual = p.scatter(1, x, 0.0)  # max(0, p - point mass on x)
+        else:
+            q_x = draft_probs[:, i].gather(1, x).squeeze(1)
+            residual = (p - draft_probs[:, i]).clamp(min=0.0)  # [batch, vocab]
+        passed = r[:, i] * q_x < p_x  # [batch]: r < p(x) / q(x) without dividing by q(x) = 0
+        accept = tested & passed
+        reject = tested & ~passed
+        mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+        # mass is 0 only when p == q to float precision, where a rejection has probability ~0: keep p
+        recovered_dist = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
+        p = torch.where(accept[:, None], target_probs[:, i + 1], torch.where(reject[:, None], recovered_dist, p))
+        padded[rows, torch.where(accept, accepted, k)] = torch.where(accept, i, -1)
+        current = torch.where(accept, i, current)
+        accepted = accepted + accept.long()
+    next_tokens = sample_tokens(p, generator)
+    return accepted, padded[:, :k], next_tokens

@@ -22,25 +22,27 @@ class SpeculativeStats:
     """Rounds of one sequence: equal to `target_calls` at batch size 1, `target_calls` x rows for a batch (the
     per-round counts below, `mean_accepted_length` and the histograms count rows' rounds)."""
     drafted_tokens: int = 0
-    """Tokens proposed by the drafter and verified by the target."""
+    """Tokens proposed by the drafter and verified by the target (every node of a token tree)."""
     accepted_tokens: int = 0
-    """Drafted tokens that passed verification."""
+    """Drafted tokens that passed verification (for a tree: the accepted path's length, its accepted depth)."""
     emitted_tokens: int = 0
     """Tokens appended to the output (after stopping criteria cut the last round short, if they did)."""
     beta_sum: float = 0.0
     """Sum of β = sum_x min(p(x), q(x)) over the positions counted in `beta_count`."""
     beta_count: int = 0
-    """Verified positions that entered `beta_sum`: the accepted ones and the first rejected one of each round."""
+    """Verified positions that entered `beta_sum`: the accepted ones and the first rejected one of each round. For
+    a token tree a position is a depth, with β = 1 when some node at that depth was accepted and 0 otherwise, so
+    `alpha` is then the rate at which a reached depth is accepted."""
     accepted_length_histogram: list[int] = dataclasses.field(default_factory=list)
     """`accepted_length_histogram[n]`: rounds that accepted exactly n drafts."""
     position_drafted: list[int] = dataclasses.field(default_factory=list)
-    """`position_drafted[i]`: rounds that drafted a token at position i (0-based)."""
+    """`position_drafted[i]`: rounds that drafted a token at position i (0-based; a tree's depth i + 1)."""
     position_accepted: list[int] = dataclasses.field(default_factory=list)
     """`position_accepted[i]`: rounds whose draft at position i was accepted."""
     gamma_history: list[int] = dataclasses.field(default_factory=list)
     """The γ the policy chose for each round (the drafter may propose fewer; the last round may be capped)."""
     drafted_history: list[int] = dataclasses.field(default_factory=list)
-    """The number of tokens actually drafted in each round."""
+    """The number of tokens actually drafted in each round (a token tree's size: its number of nodes)."""
     lenience: float = 1.0
     """The lenience the call ran with (1.0: exact; below 1: lossy, Appendix A.5)."""
     draft_time_s: float = 0.0
@@ -69,10 +71,13 @@ class SpeculativeStats:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     def record_round(
-        self, gamma: int, drafted: int, accepted: int, betas: list[float], new_forward: bool = True
+        self, gamma: int, drafted: int, accepted: int, betas: list[float], new_forward: bool = True,
+        depth: int | None = None,
     ) -> None:
         """Books one sequence's verified round (`betas`: β of the positions up to and including the first
-        rejection). `new_forward=False` for the other rows of a batch verified in the same forward."""
+        rejection). `new_forward=False` for the other rows of a batch verified in the same forward. For a token
+        tree, `drafted` is its number of nodes and `depth` its depth (positions count depths)."""
+        depth = drafted if depth is None else depth
         self.target_calls += int(new_forward)
         self.row_rounds += 1
         if new_forward:
@@ -84,9 +89,9 @@ class SpeculativeStats:
         self.beta_count += len(betas)
         _grow(self.accepted_length_histogram, accepted + 1)
         self.accepted_length_histogram[accepted] += 1
-        _grow(self.position_drafted, drafted)
-        _grow(self.position_accepted, drafted)
-        for i in range(drafted):
+        _grow(self.position_drafted, depth)
+        _grow(self.position_accepted, depth)
+        for i in range(depth):
             self.position_drafted[i] += 1
         for i in range(accepted):
             self.position_accepted[i] += 1

@@ -24,16 +24,27 @@ def build_early_exit_pair(
     deep_layer_scale: float = 0.05,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_logit_std: float | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel]:
-    """Returns `(target, drafter)`: a `num_layers` Llama target and its 1-layer early-exit drafter."""
+    """Returns `(target, drafter)`: a `num_layers` Llama target and its 1-layer early-exit drafter.
+
+    `intermediate_size`, `num_attention_heads` and `num_key_value_heads` default to `hidden_size * 11 // 4`,
+    `hidden_size // 64` and `hidden_size // 128`. The head is multiplied by 6 to sharpen the next-token
+    distributions; with `head_logit_std` it is instead rescaled so that the target's logits, measured on one forward
+    over seeded random tokens, have that standard deviation (a sharpness that does not depend on the shape: e.g.
+    `head_logit_std=4.0` for the TinyLlama-shaped pair of `benchmarks/bench_memory_bound.py`).
+    """
     config = AutoConfig.for_model(
         "llama",
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 11 // 4,
+        intermediate_size=hidden_size * 11 // 4 if intermediate_size is None else intermediate_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=max(1, hidden_size // 64),
-        num_key_value_heads=max(1, hidden_size // 128),
+        num_attention_heads=max(1, hidden_size // 64) if num_attention_heads is None else num_attention_heads,
+        num_key_value_heads=max(1, hidden_size // 128) if num_key_value_heads is None else num_key_value_heads,
         max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=None,
@@ -44,10 +55,15 @@ def build_early_exit_pair(
     target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
         # a sharper head gives the peaked next-token distributions of a trained model
-        target.lm_head.weight.mul_(6.0)
+        if head_logit_std is None:
+            target.lm_head.weight.mul_(6.0)
         for layer in target.model.layers[1:]:
             layer.self_attn.o_proj.weight.mul_(deep_layer_scale)
             layer.mlp.down_proj.weight.mul_(deep_layer_scale)
+        if head_logit_std is not None:
+            probe = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed))
+            logit_std = target(probe.to(target.device), use_cache=False).logits.float().std()
+            target.lm_head.weight.mul_(head_logit_std / float(logit_std))
     drafter_config = copy.deepcopy(config)
     drafter_config.num_hidden_layers = 1
     drafter_config.layer_types = None

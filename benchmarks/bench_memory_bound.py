@@ -1,0 +1,570 @@
+"""The headline benchmark: a 1.1B-parameter Llama in bfloat16 on the CPU, the memory-bound regime.
+
+Why this regime: a cached forward over a few tokens costs about one token's forward here (reading the weights
+dominates, not the arithmetic), which is what Theorem 3.8 assumes and what real targets on real accelerators look
+like. The older benchmarks (`bench_early_exit.py` and friends: an 8-layer fp32 toy, hidden 768) are compute-bound:
+there a forward over 6 tokens costs ~2x one token's, which eats the gain before any overhead does.
+
+The pair: TinyLlama's shape built from a config (hidden 2048, 22 layers, intermediate 5632, 32 heads, 4 KV heads,
+vocab 32000, untied head), seeded random weights in bfloat16, the deeper layers' (1..21) `o_proj` and `down_proj`
+scaled by 0.05, the head rescaled so that the logits' std is 4; the drafter is its 1-layer early exit (embedding,
+layer 0, final norm, head). In one process, greedy, batch 1, seeded random prompts, every method interleaved per
+prompt and repeated, wall times summarized by medians (and totals):
+
+- plain `GenerationMixin.generate`;
+- transformers' assisted generation with the same drafter (constant `num_assistant_tokens` = γ, no confidence cut);
+- ours with constant γ, with `speculative_gamma_policy="optimal"`, and with a token tree
+  (`speculative_gamma` = tree depth, `speculative_tree_budget` = nodes) for each budget in `--tree-budgets`.
+
+For each: speedup over plain, over transformers, tokens per target call (target forwards are counted by a hook, the
+same way for every method; ours also report `speculative_stats`), α, and whether each output equals plain greedy
+(where it does not, the first differing position and the target's top-2 logit gap there: bf16 near ties).
+
+Costs, measured in the same process: v(k) = a cached target forward over k new tokens at context ~96 / a one-token
+forward (causal, and with an explicit 4D tree mask for the tree sizes), and the drafter's cost c over a frontier of
+1/2/4/8 tokens relative to a target step; Theorem 3.8 at v = 1 and priced at the measured v, and how much of each
+we get. Batched throughput (transformers' assisted generation refuses batches): plain batched `generate` against
+ours (`optimal`, and constant γ = `--batch-gamma`) on left-padded prompts of mixed lengths, with the bound from the
+measured batch costs. Speed is measured here, never asserted in tests.
+
+    python benchmarks/bench_memory_bound.py                      # full run, 2 threads
+    python benchmarks/bench_memory_bound.py --quick --tree-budgets "" --threads 1 --output /tmp/mb_quick.json
+    python benchmarks/bench_memory_bound.py [--gamma 5] [--tree-depth 6] [--tree-budgets 8,12,16] [--prompts 4]
+        [--repeats 3] [--prompt-length 64] [--max-new-tokens 64] [--batches 1,4,8,16] [--skip-batch] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache, GenerationMixin
+
+import hf_specdec
+from hf_specdec.theory import expected_tokens_per_round, optimal_gamma
+from hf_specdec.toy import build_early_exit_pair
+from hf_specdec.trees import tree_attention_bias, tree_depths
+
+PAD = 0  # prompts draw their tokens from 1 .. vocab - 1
+
+# TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
+FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
+QUICK_PAIR = dict(num_layers=4, hidden_size=256, intermediate_size=704, num_key_value_heads=2, vocab_size=2048)
+QUICK_DEFAULTS = dict(prompts=2, repeats=1, prompt_length=16, max_new_tokens=16, cost_repeats=3, batch_repeats=1,
+                      batches="1,4", tree_depth=3)
+DEFAULT_OUTPUT = Path(__file__).parent / "results" / "memory_bound_cpu_bf16_tinyllama.json"
+
+CAUSAL_SIZES = (1, 2, 3, 4, 6, 8, 11, 12, 16, 24, 32, 48)
+DRAFTER_FRONTIERS = (1, 2, 4, 8)
+BATCH_SIZES_PER_ROW = (1, 2, 3, 4, 6)
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# costs
+
+
+@torch.no_grad()
+def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter_frontiers, repeats: int,
+                batch: int = 1, seed: int = 0) -> dict:
+    """Median ms of cached forwards, all measured interleaved (each repeat visits every size once): the target over
+    k causal tokens, the target over a random tree of k - 1 nodes plus its root (explicit 4D mask, positions by
+    depth), and the drafter over a causal frontier of k tokens. Every forward keeps the logits of all its tokens,
+    as verification and tree drafting do."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    device = target.device
+    largest = max([*causal_sizes, *tree_sizes, *drafter_frontiers])
+    tokens = torch.randint(1, vocab, (batch, largest), generator=generator).to(device)
+    prefix = torch.randint(1, vocab, (batch, context), generator=generator).to(device)
+    target_cache = DynamicCache(config=target.config)
+    drafter_cache = DynamicCache(config=drafter.config)
+    target(prefix, past_key_values=target_cache, use_cache=True)
+    drafter(prefix, past_key_values=drafter_cache, use_cache=True)
+
+    trees = {}
+    for size in tree_sizes:  # a random valid tree of size - 1 nodes under the root (the last context token)
+        nodes = size - 1
+        parents = torch.tensor([[int(torch.randint(-1, i, (1,), generator=generator)) if i else -1
+                                 for i in range(nodes)]]).expand(batch, nodes).to(device)  # [batch, nodes]
+        bias = tree_attention_bias(parents, past_length=context, tail_length=1, dtype=target.dtype)
+        depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), tree_depths(parents)], dim=1)
+        trees[size] = (bias, context + depths)  # [batch, 1, size, context + size], [batch, size]
+
+    def target_causal(k):
+        target(tokens[:, :k], past_key_values=target_cache, use_cache=True, logits_to_keep=k)
+        target_cache.crop(-k)
+
+    def target_tree(k):
+        bias, positions = trees[k]
+        target(tokens[:, :k], attention_mask=bias, position_ids=positions, past_key_values=target_cache,
+               use_cache=True, logits_to_keep=k)
+        target_cache.crop(-k)
+
+    def drafter_causal(k):
+        drafter(tokens[:, :k], past_key_values=drafter_cache, use_cache=True, logits_to_keep=k)
+        drafter_cache.crop(-k)
+
+    jobs = ([("target", k, target_causal) for k in causal_sizes] + [("tree", k, target_tree) for k in tree_sizes]
+            + [("drafter", k, drafter_causal) for k in drafter_frontiers])
+    times = {(kind, k): [] for kind, k, _ in jobs}
+    for kind, k, job in jobs:  # warm-up
+        job(k)
+    for _ in range(repeats):
+        for kind, k, job in jobs:
+            start = time.perf_counter()
+            job(k)
+            times[kind, k].append(time.perf_counter() - start)
+    ms = {key: 1000 * statistics.median(values) for key, values in times.items()}
+    step = ms["target", 1]
+    return {
+        "batch": batch,
+        "context": context,
+        "target_step_ms": step,
+        "target_ms": {k: ms["target", k] for k in causal_sizes},
+        "v_causal": {k: ms["target", k] / step for k in causal_sizes},
+        "v_tree_mask": {k: ms["tree", k] / step for k in tree_sizes},
+        "drafter_ms": {k: ms["drafter", k] for k in drafter_frontiers},
+        "c_frontier": {k: ms["drafter", k] / step for k in drafter_frontiers},
+    }
+
+
+def interpolate(points: dict[int, float], k: float) -> float:
+    """Piecewise-linear v(k) through the measured points (clamped to the largest one measured)."""
+    keys = sorted(points)
+    if k <= keys[0]:
+        return points[keys[0]]
+    for low, high in zip(keys, keys[1:]):
+        if k <= high:
+            return points[low] + (points[high] - points[low]) * (k - low) / (high - low)
+    return points[keys[-1]]
+
+
+def priced_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
+    """Theorem 3.8 with the verify forward priced at its measured cost v(γ + 1) instead of 1."""
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + v)
+
+
+def best_constant(alpha: float, c: float, v_of, gammas) -> tuple[int, float]:
+    """max over γ in `gammas` of the priced Theorem 3.8 (γ = 0: plain decoding, 1.0)."""
+    candidates = [(gamma, priced_speedup(alpha, gamma, c, v_of(gamma + 1))) for gamma in gammas]
+    return max([(0, 1.0), *candidates], key=lambda item: item[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# outputs
+
+
+class ForwardCounter:
+    """Counts the target's forwards (a pre-hook: the same count for plain, transformers and ours)."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+@torch.no_grad()
+def divergence(target, prompt_row, plain_new, other_new) -> dict | None:
+    """Where `other_new` (`[new]`) first leaves plain greedy's `plain_new` (`[new]`) after `prompt_row`
+    (`[prompt]`, padding removed), and the target's top-2 logit gap there (one plain bf16 forward over the prefix):
+    a gap of a fraction of a bf16 ulp is a near tie that a forward over a different number of tokens may break
+    the other way. None when they are equal."""
+    different = (plain_new != other_new).nonzero()
+    if len(different) == 0:
+        return None
+    position = int(different[0])
+    prefix = torch.cat([prompt_row, plain_new[:position]])[None]  # [1, prompt + position]
+    logits = target(prefix, use_cache=False, logits_to_keep=1).logits[0, -1]  # [vocab], the model's dtype
+    top = logits.float().topk(2)
+    return {
+        "first_differing_position": position,
+        "plain_token": int(plain_new[position]),
+        "method_token": int(other_new[position]),
+        "top2_logit_gap": float(top.values[0] - top.values[1]),
+        "method_token_is_top2": int(other_new[position]) == int(top.indices[1]),
+    }
+
+
+def time_summary(seconds: list[list[float]], plain: list[list[float]]) -> dict:
+    """`seconds[repeat][prompt]`: medians, totals, and the speedups over plain they give."""
+    flat, plain_flat = [s for row in seconds for s in row], [s for row in plain for s in row]
+    return {
+        "seconds": seconds,
+        "median_s": statistics.median(flat),
+        "total_s": sum(flat),
+        "speedup_ratio_of_medians": statistics.median(plain_flat) / statistics.median(flat),
+        "speedup_ratio_of_totals": sum(plain_flat) / sum(flat),
+        "speedup_median_of_paired_ratios": statistics.median(p / s for p, s in zip(plain_flat, flat)),
+    }
+
+
+def merged_stats(stats_list) -> dict:
+    """Acceptance statistics summed over runs."""
+    target_calls = sum(s.target_calls for s in stats_list)
+    row_rounds = sum(s.row_rounds for s in stats_list)
+    drafted_history = [d for s in stats_list for d in s.drafted_history]
+    gamma_history = [g for s in stats_list for g in s.gamma_history]
+    return {
+        "target_calls": target_calls,
+        "emitted_tokens": sum(s.emitted_tokens for s in stats_list),
+        "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, target_calls),
+        "mean_accepted_length": (sum(s.accepted_tokens for s in stats_list) + row_rounds) / max(1, row_rounds),
+        "alpha": sum(s.beta_sum for s in stats_list) / max(1, sum(s.beta_count for s in stats_list)),
+        "acceptance_rate": (sum(s.accepted_tokens for s in stats_list)
+                            / max(1, sum(s.drafted_tokens for s in stats_list))),
+        "mean_drafted_per_round": sum(drafted_history) / max(1, len(drafted_history)),
+        "max_drafted_per_round": max(drafted_history, default=0),
+        "mean_gamma": sum(gamma_history) / max(1, len(gamma_history)),
+        "drafted_history_first_run": stats_list[0].drafted_history if stats_list else [],
+        "gamma_history_first_run": stats_list[0].gamma_history if stats_list else [],
+        "draft_time_s": sum(s.draft_time_s for s in stats_list),
+        "verify_time_s": sum(s.verify_time_s for s in stats_list),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# batch 1
+
+
+def run_batch1(target, drafter, assistant, args, counter) -> dict:
+    vocab = target.config.vocab_size
+    generator = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(1, vocab, (1, args.prompt_length), generator=generator) for _ in range(args.prompts)]
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    ours = dict(assistant_model=drafter, **common)
+    methods = {
+        "plain": lambda ids, **kw: GenerationMixin.generate(target, ids, **{**common, **kw}),
+        "transformers_assisted": lambda ids, **kw: GenerationMixin.generate(
+            target, ids, assistant_model=assistant, **{**common, **kw}),
+        f"ours_constant_{args.gamma}": lambda ids, **kw: target.generate(
+            ids, speculative_gamma=args.gamma, **{**ours, **kw}),
+        "ours_optimal": lambda ids, **kw: target.generate(
+            ids, speculative_gamma=args.gamma, speculative_gamma_policy="optimal", **{**ours, **kw}),
+    }
+    for budget in args.tree_budgets:
+        methods[f"ours_tree_{budget}"] = (lambda budget: lambda ids, **kw: target.generate(
+            ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget, **{**ours, **kw}))(budget)
+    names = list(methods)
+    for name in names:  # warm-up (also runs the tree-attention probe outside the timings)
+        methods[name](prompts[0][:, :8], max_new_tokens=min(8, args.max_new_tokens))
+
+    seconds = {name: [[0.0] * args.prompts for _ in range(args.repeats)] for name in names}
+    forwards = {name: 0 for name in names}
+    outputs = {name: [[None] * args.repeats for _ in range(args.prompts)] for name in names}
+    stats = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]  # rotate: no method always goes first
+        for index, ids in enumerate(prompts):
+            for name in order:
+                before = counter.count
+                start = time.perf_counter()
+                out = methods[name](ids)
+                seconds[name][repeat][index] = time.perf_counter() - start
+                forwards[name] += counter.count - before
+                outputs[name][index][repeat] = out.sequences[0, args.prompt_length:]
+                if getattr(out, "speculative_stats", None) is not None:
+                    stats[name].append(out.speculative_stats)
+
+    runs = args.prompts * args.repeats
+    results = {}
+    for name in names:
+        per_prompt = []
+        for index, ids in enumerate(prompts):
+            reference = outputs["plain"][index][0]
+            same = [torch.equal(o, reference) for o in outputs[name][index]]
+            entry = {"identical_repeats": sum(same), "repeats": len(same)}
+            if not all(same):
+                entry["divergence"] = divergence(target, ids[0], reference, outputs[name][index][same.index(False)])
+            per_prompt.append(entry)
+        row = time_summary(seconds[name], seconds["plain"])
+        row.update(
+            identical_prompts=sum(p["identical_repeats"] == p["repeats"] for p in per_prompt),
+            prompts=args.prompts,
+            per_prompt=per_prompt,
+            target_forwards_per_run=forwards[name] / runs,
+            tokens_per_target_forward=args.max_new_tokens * runs / max(1, forwards[name]),
+        )
+        if stats[name]:
+            row["speculative_stats"] = merged_stats(stats[name])
+        results[name] = row
+    for name in names:
+        results[name]["speedup_over_transformers_ratio_of_medians"] = (
+            results["transformers_assisted"]["median_s"] / results[name]["median_s"])
+        results[name]["speedup_over_transformers_ratio_of_totals"] = (
+            results["transformers_assisted"]["total_s"] / results[name]["total_s"])
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# batches
+
+
+def padded_prompts(batch: int, vocab: int, longest: int, seed: int):
+    """Left-padded random prompts of lengths in [longest / 2, longest]: ids and attention mask `[batch, longest']`."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, longest // 2), longest + 1, (batch,), generator=generator).tolist()
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+def run_batches(target, drafter, args, counter) -> list[dict]:
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                  pad_token_id=PAD)
+    methods = {
+        "plain": lambda ids, mask: GenerationMixin.generate(target, ids, attention_mask=mask, **common),
+        "ours_optimal": lambda ids, mask: target.generate(
+            ids, attention_mask=mask, assistant_model=drafter, speculative_gamma_policy="optimal", **common),
+        f"ours_constant_{args.batch_gamma}": lambda ids, mask: target.generate(
+            ids, attention_mask=mask, assistant_model=drafter, speculative_gamma=args.batch_gamma, **common),
+    }
+    names = list(methods)
+    context = args.prompt_length + args.max_new_tokens // 2
+    rows = []
+    for batch in args.batches:
+        ids, mask = padded_prompts(batch, target.config.vocab_size, args.prompt_length, seed=args.seed + batch)
+        width = ids.shape[1]
+        for name in names:  # warm-up at this batch size
+            methods[name](ids[:, -8:], mask[:, -8:].clone().fill_(1))
+        seconds = {name: [] for name in names}
+        forwards = {name: 0 for name in names}
+        outputs, stats = {}, {name: [] for name in names}
+        for repeat in range(args.batch_repeats):
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            for name in order:
+                before = counter.count
+                start = time.perf_counter()
+                out = methods[name](ids, mask)
+                seconds[name].append(time.perf_counter() - start)
+                forwards[name] += counter.count - before
+                outputs.setdefault(name, []).append(out.sequences[:, width:])
+                if getattr(out, "speculative_stats", None) is not None:
+                    stats[name].append(out.speculative_stats)
+        tokens = batch * args.max_new_tokens
+        row = {"batch": batch, "prompt_lengths": mask.sum(-1).tolist(), "methods": {}}
+        reference = outputs["plain"][0]
+        for name in names:
+            differing = sorted({r for out in outputs[name] for r in range(batch)
+                                if not torch.equal(out[r], reference[r])})
+            entry = {
+                "median_s": statistics.median(seconds[name]),
+                "seconds": seconds[name],
+                "tokens_per_s": tokens / statistics.median(seconds[name]),
+                "target_forwards_per_run": forwards[name] / args.batch_repeats,
+                "identical": not differing,
+                "differing_rows": differing,
+                "divergences": [],
+            }
+            for r in differing[:4]:
+                out = next(o for o in outputs[name] if not torch.equal(o[r], reference[r]))
+                prompt_row = ids[r][mask[r].bool()]  # padding removed
+                entry["divergences"].append({"row": r, **divergence(target, prompt_row, reference[r], out[r])})
+            if stats[name]:
+                entry["speculative_stats"] = merged_stats(stats[name])
+            row["methods"][name] = entry
+        for name in names:
+            row["methods"][name]["ratio_over_plain"] = (row["methods"][name]["tokens_per_s"]
+                                                       / row["methods"]["plain"]["tokens_per_s"])
+        costs = cost_curves(target, drafter, context, BATCH_SIZES_PER_ROW, (), (1,), args.cost_repeats,
+                            batch=batch, seed=args.seed)
+        alpha = row["methods"][f"ours_constant_{args.batch_gamma}"]["speculative_stats"]["alpha"]
+        c_batch = costs["c_frontier"][1]
+        bounds = {gamma: priced_speedup(alpha, gamma, c_batch, costs["v_causal"][gamma + 1])
+                  for gamma in (k - 1 for k in BATCH_SIZES_PER_ROW if k > 1)}
+        best_gamma = max(bounds, key=bounds.get)
+        row["costs"] = costs
+        row["alpha"] = alpha
+        row["theorem_3_8_measured_costs"] = bounds
+        row["bound"] = max(1.0, bounds[best_gamma])
+        row["bound_gamma"] = best_gamma if bounds[best_gamma] > 1.0 else 0
+        for name in names[1:]:
+            row["methods"][name]["fraction_of_bound"] = row["methods"][name]["ratio_over_plain"] / row["bound"]
+        rows.append(row)
+        print(f"batch {batch}: plain {row['methods']['plain']['tokens_per_s']:.1f} tok/s, "
+              + ", ".join(f"{n} {row['methods'][n]['ratio_over_plain']:.2f}x" for n in names[1:])
+              + f", bound {row['bound']:.2f}x", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def theory(batch1: dict, costs: dict, args) -> dict:
+    ours = batch1[f"ours_constant_{args.gamma}"]
+    alpha = ours["speculative_stats"]["alpha"]
+    c = costs["c_frontier"][1]
+    v_measured = {1: 1.0, **costs["v_causal"]}
+
+    def v_of(k):
+        return interpolate(v_measured, k)
+
+    at_v1 = hf_specdec.expected_speedup(alpha, args.gamma, c)
+    at_v = priced_speedup(alpha, args.gamma, c, v_of(args.gamma + 1))
+    best_gamma, best = best_constant(alpha, c, v_of, range(1, max(v_measured)))
+    speedup = ours["speedup_ratio_of_medians"]
+    optimal = batch1["ours_optimal"]["speedup_ratio_of_medians"]
+    out = {
+        "alpha": alpha,
+        "c": c,
+        "gamma": args.gamma,
+        "v_gamma_plus_1": v_of(args.gamma + 1),
+        "theorem_3_8_at_v1": at_v1,
+        "theorem_3_8_at_measured_v": at_v,
+        "ours_constant_fraction_of_theorem_at_v1": speedup / at_v1,
+        "ours_constant_fraction_of_theorem_at_measured_v": speedup / at_v,
+        "best_constant_gamma_at_v1": optimal_gamma(alpha, c),
+        "best_constant_theorem_at_v1": hf_specdec.expected_speedup(alpha, optimal_gamma(alpha, c), c),
+        "best_constant_gamma_at_measured_v": best_gamma,
+        "best_constant_theorem_at_measured_v": best,
+        "ours_optimal_fraction_of_best_constant_theorem": optimal / best,
+        "ours_optimal_over_ours_constant": optimal / speedup,
+        "trees": {},
+    }
+    for budget in args.tree_budgets:
+        row = batch1[f"ours_tree_{budget}"]
+        out["trees"][budget] = {
+            "v_tree_mask_budget_plus_1": costs["v_tree_mask"][budget + 1],
+            "speedup_over_transformers": row["speedup_over_transformers_ratio_of_medians"],
+            "speedup_over_ours_constant": ours["median_s"] / row["median_s"],
+        }
+    return out
+
+
+def markdown(batch1: dict, batches: list[dict], args) -> str:
+    lines = ["| method | speedup | vs transformers | tokens / call | α | identical |", "|---|---|---|---|---|---|"]
+    labels = {"plain": "plain `generate`", "transformers_assisted": f"transformers assisted (γ = {args.gamma})",
+              f"ours_constant_{args.gamma}": f"ours, γ = {args.gamma}", "ours_optimal": "ours, `optimal`"}
+    for name, row in batch1.items():
+        label = labels.get(name) or f"ours, tree depth {args.tree_depth}, {name.rsplit('_', 1)[1]} nodes"
+        stats = row.get("speculative_stats")
+        alpha = f"{stats['alpha']:.2f}" if stats else "–"
+        lines.append(f"| {label} | {row['speedup_ratio_of_medians']:.2f}x "
+                     f"| {row['speedup_over_transformers_ratio_of_medians']:.2f}x "
+                     f"| {row['tokens_per_target_forward']:.2f} | {alpha} "
+                     f"| {row['identical_prompts']}/{row['prompts']} |")
+    if batches:
+        gamma = args.batch_gamma
+        lines += ["", f"| batch | plain tok/s | ours `optimal` | ours γ = {gamma} | bound (γ) | identical |",
+                  "|---|---|---|---|---|---|"]
+        for row in batches:
+            methods = row["methods"]
+            same = all(m["identical"] for m in methods.values())
+            lines.append(f"| {row['batch']} | {methods['plain']['tokens_per_s']:.1f} "
+                         f"| {methods['ours_optimal']['ratio_over_plain']:.2f}x "
+                         f"| {methods[f'ours_constant_{gamma}']['ratio_over_plain']:.2f}x "
+                         f"| {row['bound']:.2f}x ({row['bound_gamma']}) | {same} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a small model (4 layers, hidden 256, vocab 2048) and few tokens: a smoke test")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--gamma", type=int, default=5, help="γ of the constant methods and of transformers")
+    parser.add_argument("--tree-depth", type=int, default=6, help="speculative_gamma of the tree methods")
+    parser.add_argument("--tree-budgets", type=parse_ints, default="8,12,16",
+                        help='speculative_tree_budget values, comma-separated ("" skips the tree rows)')
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--cost-repeats", type=int, default=9, help="repeats of each cost forward")
+    parser.add_argument("--batches", type=parse_ints, default="1,4,8,16", help="batch sizes, comma-separated")
+    parser.add_argument("--batch-gamma", type=int, default=2, help="γ of the constant method in batches")
+    parser.add_argument("--batch-repeats", type=int, default=3)
+    parser.add_argument("--skip-batch", action="store_true", help="batch 1 only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="write the results as JSON here")
+    if parser.parse_known_args()[0].quick:
+        parser.set_defaults(**QUICK_DEFAULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    shape = QUICK_PAIR if args.quick else FULL_PAIR
+    start = time.perf_counter()
+    target, drafter = build_early_exit_pair(**shape, head_logit_std=4.0, dtype=torch.bfloat16, seed=args.seed)
+    build_s = time.perf_counter() - start
+    target = hf_specdec.enable(target)
+    # transformers reads the draft length from the assistant's own generation config: set it on a copy
+    assistant = copy.copy(drafter)
+    assistant.generation_config = copy.deepcopy(drafter.generation_config)
+    assistant.generation_config.num_assistant_tokens = args.gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    counter = ForwardCounter(target)
+    print(f"built the pair in {build_s:.1f} s: {sum(p.numel() for p in target.parameters()) / 1e9:.3f}B parameters,"
+          f" {torch.get_num_threads()} threads", flush=True)
+
+    context = args.prompt_length + args.max_new_tokens // 2
+    tree_sizes = sorted({args.gamma + 1, *(budget + 1 for budget in args.tree_budgets)})
+    causal_sizes = sorted({*CAUSAL_SIZES, args.gamma + 1})
+    costs = cost_curves(target, drafter, context, causal_sizes, tree_sizes, DRAFTER_FRONTIERS, args.cost_repeats,
+                        seed=args.seed)
+    print(f"target step {costs['target_step_ms']:.1f} ms; v: "
+          + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_causal"].items())
+          + "; tree mask: " + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
+          + "; c: " + " ".join(f"{k}:{v:.3f}" for k, v in costs["c_frontier"].items()), flush=True)
+
+    batch1 = run_batch1(target, drafter, assistant, args, counter)
+    predictions = theory(batch1, costs, args)
+    batches = [] if args.skip_batch else run_batches(target, drafter, args, counter)
+
+    with torch.no_grad():
+        probe = torch.randint(1, target.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+        logit_std = float(target(probe, use_cache=False).logits.float().std())
+    results = {
+        "benchmark": "memory_bound",
+        "quick": args.quick,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "pair": {**shape, "num_attention_heads": target.config.num_attention_heads, "dtype": "bfloat16",
+                 "deep_layer_scale": 0.05, "head_logit_std_target": 4.0, "head_logit_std_measured": logit_std,
+                 "target_parameters": sum(p.numel() for p in target.parameters()),
+                 "drafter_parameters": sum(p.numel() for p in drafter.parameters()), "build_s": build_s},
+        "environment": {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "hf_specdec": hf_specdec.__version__,
+                        "machine": platform.machine(), "processor": platform.processor()},
+        "costs": costs,
+        "batch1": batch1,
+        "theory": predictions,
+        "batches": batches,
+        "transformers_batches": "not measured: transformers' assisted generation refuses batch size > 1 "
+                                "(ValueError: assisted generate is only supported for batch_size = 1)",
+    }
+    table = markdown(batch1, batches, args)
+    results["markdown"] = table
+    print()
+    print(table)
+    print()
+    p = predictions
+    print(f"α {p['alpha']:.3f}, c {p['c']:.3f}, v(γ+1) {p['v_gamma_plus_1']:.2f}: Theorem 3.8 "
+          f"{p['theorem_3_8_at_v1']:.2f}x at v = 1, {p['theorem_3_8_at_measured_v']:.2f}x at measured v; "
+          f"ours γ = {args.gamma} gets {p['ours_constant_fraction_of_theorem_at_v1']:.0%} / "
+          f"{p['ours_constant_fraction_of_theorem_at_measured_v']:.0%}; best constant γ = "
+          f"{p['best_constant_gamma_at_measured_v']} ({p['best_constant_theorem_at_measured_v']:.2f}x), `optimal` "
+          f"gets {p['ours_optimal_fraction_of_best_constant_theorem']:.0%} of it")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

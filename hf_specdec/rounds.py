@@ -1,0 +1,225 @@
+"""One speculative round, shared by every layout (one sequence or a padded batch; a chain or a token tree).
+
+A round is: the drafter proposes (`checked_proposal` validates it at the boundary) → the target runs one forward
+over its uncached tail and the drafts (`target_logits`, with the layout's mask and positions) → the target's logits
+processors standardize each position with its own prefix (`standardize`) → `verify_round` applies Algorithm 1 (a
+chain) or multi-candidate rejection (a tree) from `hf_specdec.sampling` → the caller emits the tokens through the
+stopping criteria and rolls the cache back.
+
+What differs between layouts sits behind one small seam, `ChainLayout` / `TreeLayout`: the prefix each drafted
+position is conditioned on, the extra forward inputs (a tree's 4D attention mask and depth-based positions), and
+how the target's cache keeps the accepted drafts (a chain crops its tail; a tree compacts the accepted path's keys
+and values into place). The loops (`sequence.py` for one sequence, `batching.py` for padded batches) only order
+these steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .caches import compact_cache
+from .configuration import SpeculativeOptions
+from .drafters.base import DraftContext, DraftProposal, Drafter
+from .drafters.model import logits_width
+from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+from .trees import ancestor_mask, check_parents, tree_attention_bias, tree_depths
+
+__all__ = ["ChainLayout", "TreeLayout", "Verdict", "checked_proposal", "draft_context", "layout_for", "standardize",
+           "target_logits", "verify_round"]
+
+
+def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
+                  tree_budget: int | None = None) -> DraftContext:
+    return DraftContext(
+        target=model,
+        input_ids=input_ids,
+        logits_processor=logits_processor,
+        generation_config=generation_config,
+        vocab_size=logits_width(model),
+        tree_budget=tree_budget,
+        model_kwargs=model_kwargs,
+        inputs_tensor=inputs_tensor,
+    )
+
+
+def checked_proposal(
+    proposal: DraftProposal, drafter: Drafter, input_ids: torch.LongTensor, gamma: int, vocab_size: int,
+    tree_budget: int | None = None,
+) -> DraftProposal:
+    """Validates a proposal at the boundary, so a faulty drafter fails here rather than deep inside torch; returns
+    it with its tokens (and parents) as long tensors on the target's device."""
+    name = type(drafter).__name__
+    if not isinstance(proposal, DraftProposal):
+        raise TypeError(f"{name}.propose must return a `hf_specdec.DraftProposal`, got {type(proposal).__name__}.")
+    tokens = proposal.tokens
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != input_ids.shape[0]:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"{name}.propose must return tokens of shape [batch={input_ids.shape[0]}, k], got {shape}.")
+    parents = proposal.parents
+    if parents is None and tokens.shape[1] > gamma:
+        raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
+    if tokens.shape[1] and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise ValueError(
+            f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
+            f"{tokens.tolist()}. Build the drafter for the target's tokenizer."
+        )
+    if proposal.probs is not None and tuple(proposal.probs.shape) != (*tokens.shape, vocab_size):
+        raise ValueError(
+            f"{name}.propose returned probs of shape {tuple(proposal.probs.shape)}, expected "
+            f"{(*tokens.shape, vocab_size)} ([batch, k, vocab]) or None."
+        )
+    tokens = tokens.to(device=input_ids.device, dtype=torch.long)
+    if parents is not None:
+        if tree_budget is None:
+            raise ValueError(
+                f"{name}.propose returned a token tree (`parents`), but this call verifies chains only. Pass "
+                "`speculative_tree_budget=N` to verify trees of up to N nodes."
+            )
+        if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):
+            shape = tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__
+            raise ValueError(f"{name}.propose returned parents of shape {shape}, expected {tuple(tokens.shape)}.")
+        if tokens.shape[1] > tree_budget:
+            raise ValueError(
+                f"{name}.propose returned a tree of {tokens.shape[1]} nodes, more than speculative_tree_budget="
+                f"{tree_budget}."
+            )
+        parents = parents.to(device=input_ids.device, dtype=torch.long)
+        problem = check_parents(parents)
+        if problem is not None:
+            raise ValueError(f"{name}.propose returned invalid parents {parents.tolist()}: {problem}.")
+        if tokens.shape[1] and int(tree_depths(parents).max()) > gamma:
+            raise ValueError(f"{name}.propose returned a tree deeper than the {gamma} tokens asked for.")
+        if bool((parents == torch.arange(tokens.shape[1], device=parents.device) - 1).all()):
+            parents = None  # a chain: verified without a tree mask
+    return DraftProposal(tokens=tokens, probs=proposal.probs, parents=parents)
+
+
+def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,
+                  overrides: dict | None = None) -> torch.FloatTensor:
+    """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
+    `overrides` replaces prepared inputs (a tree's attention mask and position ids)."""
+    cache = model_kwargs["past_key_values"]
+    model_inputs = model.prepare_inputs_for_generation(
+        candidate_ids,
+        next_sequence_length=candidate_ids.shape[1] - cache.get_seq_length(),
+        is_first_iteration=first_round,
+        **model_kwargs,
+    )
+    if "logits_to_keep" in model_inputs:
+        model_inputs["logits_to_keep"] = num_drafted + 1
+    if overrides:
+        model_inputs.update(overrides)
+    outputs = model(**model_inputs, return_dict=True)
+    return outputs.logits[:, -num_drafted - 1 :].to(  # [batch, k + 1, vocab]
+        dtype=torch.float32, device=candidate_ids.device, copy=True
+    )
+
+
+def standardize(logits: torch.FloatTensor, processors, prefix) -> torch.FloatTensor:
+    """Applies the target's logits processors to `logits` (`[rows, k + 1, vocab]`), each position with its own
+    prefix: `processors(row)` gives a row's processors, `prefix(row, j)` the `[1, len]` ids position j follows."""
+    scores = logits.clone()
+    for row in range(logits.shape[0]):
+        row_processors = processors(row)
+        for j in range(logits.shape[1]):
+            scores[row : row + 1, j] = row_processors(prefix(row, j), scores[row : row + 1, j])
+    return scores
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What verification decided for each row."""
+
+    accepted: torch.LongTensor  # [batch]: drafts kept (the accepted path's length, for a tree)
+    next_tokens: torch.LongTensor  # [batch]: the recovered or bonus token
+    accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node indices, -1 padded); chains: None
+    betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
+
+
+def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor,
+                 options: SpeculativeOptions) -> Verdict:
+    """Algorithm 1 on a chain, multi-candidate rejection on a tree, on standardized scores `[batch, k + 1, vocab]`."""
+    tokens, probs, parents = proposal.tokens, proposal.probs, proposal.parents
+    num_drafted = tokens.shape[1]
+    if parents is not None:
+        if do_sample:
+            accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, probs, target_scores.softmax(dim=-1))
+        else:
+            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores)
+        depth = int(tree_depths(parents).max())
+        positions = torch.arange(depth, device=tokens.device)[None, :]
+        betas = (positions < accepted[:, None]).float()  # [batch, depth]
+        return Verdict(accepted, next_tokens, nodes, betas)
+    if do_sample:
+        target_probs = target_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
+        accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)
+        betas = draft_target_overlap(tokens, probs, target_probs)  # [batch, k]
+    else:
+        accepted, next_tokens = verify_greedy(tokens, target_scores, lenience=options.speculative_lenience)
+        betas = (tokens == target_scores[:, :num_drafted].argmax(dim=-1)).float()  # [batch, k]
+    return Verdict(accepted, next_tokens, None, betas)
+
+
+class ChainLayout:
+    """Drafts in a row after the context: the model's own causal mask, and a crop rolls the cache back."""
+
+    def __init__(self, proposal: DraftProposal):
+        self.proposal = proposal
+        self.depth = proposal.tokens.shape[1]
+
+    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype) -> dict:
+        return {}
+
+    def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:
+        """The ids that position j (0: after the context, i: after draft i - 1) follows, `[rows, len]`."""
+        return candidate_ids[:, : context_length + j]
+
+    def accepted_tokens(self, verdict: Verdict) -> torch.LongTensor:
+        """`[1, accepted + 1]` of row 0: its accepted drafts, then the next token."""
+        n = int(verdict.accepted[0])
+        return torch.cat([self.proposal.tokens[:1, :n], verdict.next_tokens[:1, None]], dim=-1)
+
+    def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
+        """Leaves the cache holding the context and the first `kept` accepted drafts, nothing after."""
+        cache.crop(-(cache.get_seq_length() - (context_length + kept)))
+
+
+class TreeLayout(ChainLayout):
+    """A token tree after the context: a 4D mask lets each node see the context and its ancestors, positions go by
+    depth, and the accepted path's keys and values are compacted into place."""
+
+    def __init__(self, proposal: DraftProposal):
+        super().__init__(proposal)
+        parents = proposal.parents  # [1, k]
+        self.depths = tree_depths(parents)  # [1, k]
+        self.depth = int(self.depths.max())
+        self.sees = ancestor_mask(parents)[0]  # [k, k]: node i sees node j (an ancestor, or itself)
+
+    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype) -> dict:
+        tail = context_length - cache_length
+        positions = torch.cat([
+            torch.arange(cache_length, context_length, device=self.depths.device)[None, :],
+            context_length - 1 + self.depths,
+        ], dim=-1)  # [1, tail + k]
+        bias = tree_attention_bias(self.proposal.parents, cache_length, tail, dtype)
+        return {"attention_mask": bias, "position_ids": positions}
+
+    def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:
+        if j == 0:
+            return candidate_ids[:, :context_length]
+        path = self.proposal.tokens[:, self.sees[j - 1]]  # [1, depth of node j - 1]: root side first
+        return torch.cat([candidate_ids[:, :context_length], path], dim=-1)
+
+    def accepted_tokens(self, verdict: Verdict) -> torch.LongTensor:
+        n = int(verdict.accepted[0])
+        path = self.proposal.tokens[:1, verdict.accepted_nodes[0, :n]]
+        return torch.cat([path, verdict.next_tokens[:1, None]], dim=-1)
+
+    def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
+        compact_cache(cache, context_length, verdict.accepted_nodes[0, :kept])
+
+
+def layout_for(proposal: DraftProposal) -> ChainLayout:
+    return ChainLayout(proposal) if proposal.parents is None else TreeLayout(proposal)

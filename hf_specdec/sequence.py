@@ -1,0 +1,140 @@
+"""The speculative loop for one sequence (batches: `batching.py`), in chains or token trees.
+
+Each round (see `rounds.py` for the shared stages):
+
+1. the drafter proposes up to γ tokens, or a tree of at most `speculative_tree_budget` nodes and depth γ;
+2. the target runs one forward over its uncached tail plus the drafts (a tree with its 4D mask and depth-based
+   positions) and standardizes the distributions with its own logits processors, each with its exact prefix;
+3. `hf_specdec.sampling` decides which drafts are accepted and draws the recovered or bonus token;
+4. the new tokens are appended one at a time through the stopping criteria (EOS, max length, stop strings, custom
+   criteria, max time), so the output stops exactly where plain `generate` would;
+5. the target's `DynamicCache` keeps the accepted drafts (a crop for a chain, a compaction for a tree) and the
+   drafter is told what was kept.
+
+Invariant between rounds: the target cache holds every token of `input_ids` but the last.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from .configuration import SpeculativeOptions
+from .drafters.base import Drafter
+from .drafters.model import logits_width
+from .rounds import checked_proposal, layout_for, standardize, target_logits, verify_round
+from .stats import SpeculativeStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.generation.streamers import BaseStreamer
+
+__all__ = ["decode_sequence"]
+
+
+def decode_sequence(
+    model: "PreTrainedModel",
+    input_ids: torch.LongTensor,  # [1, prompt_len]
+    *,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    drafter: Drafter,
+    options: SpeculativeOptions,
+    policy,
+    stats: SpeculativeStats,
+    streamer: "BaseStreamer | None" = None,
+    **model_kwargs,
+):
+    """The loop for one sequence; `drafter` is already reset for it. Returns (sequences, scores, logits)."""
+    cache = model_kwargs["past_key_values"]
+    cache.activate_past_recording()
+    vocab_size = logits_width(model)
+    tree_budget = options.speculative_tree_budget
+    do_sample = bool(generation_config.do_sample)
+    return_dict = bool(generation_config.return_dict_in_generate)
+    output_scores = return_dict and bool(generation_config.output_scores)
+    output_logits = return_dict and bool(generation_config.output_logits)
+    scores = () if output_scores else None
+    raw_logits = () if output_logits else None
+    is_encoder_decoder = model.config.is_encoder_decoder
+    max_length = generation_config.max_length
+    first_round = True
+    finished = False
+
+    while not finished:
+        cur_len = input_ids.shape[1]
+        chosen_gamma = policy.next_gamma()
+        # never emit past max_length: a round emits at most gamma + 1 tokens
+        gamma = max(0, min(chosen_gamma, max_length - cur_len - 1))
+
+        # 1. draft
+        draft_start = time.perf_counter()
+        proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
+                                    tree_budget)
+        layout = layout_for(proposal)
+        num_drafted = proposal.tokens.shape[1]
+        verify_start = time.perf_counter()
+
+        # 2. one target forward over the uncached tail and the drafts
+        candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
+        forward_kwargs = model_kwargs
+        if num_drafted:
+            forward_kwargs = model._update_model_kwargs_for_generation(
+                {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
+            )
+        overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype)
+        new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
+                                   overrides)  # [1, k + 1, V]
+        new_scores = new_logits
+        if len(logits_processor):
+            new_scores = standardize(new_logits, lambda row: logits_processor,
+                                     lambda row, j: layout.prefix(candidate_ids, cur_len, j))
+
+        # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
+        verdict = verify_round(do_sample, proposal, new_scores, options)
+        num_accepted = int(verdict.accepted[0])
+        stats.record_round(chosen_gamma, num_drafted, num_accepted,
+                           verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)
+
+        # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
+        # middle of an accepted block, and plain generate checks after every token
+        new_tokens = layout.accepted_tokens(verdict)  # [1, n + 1]
+        # the scores of the emitted positions: the root's, then each accepted node's
+        positions = [0] + ([] if verdict.accepted_nodes is None else
+                           (verdict.accepted_nodes[0, :num_accepted] + 1).tolist())
+        round_ids = torch.cat([input_ids, new_tokens], dim=-1)
+        emitted = 0
+        while emitted < num_accepted + 1 and not finished:
+            position = positions[emitted] if verdict.accepted_nodes is not None else emitted
+            if output_scores:
+                scores += (new_scores[:, position],)
+            if output_logits:
+                raw_logits += (new_logits[:, position],)
+            emitted += 1
+            finished = bool(stopping_criteria(round_ids[:, : cur_len + emitted], scores).any())
+        input_ids = round_ids[:, : cur_len + emitted]
+        stats.emitted_tokens += emitted
+        if streamer is not None:
+            for token in new_tokens[:, :emitted].cpu().unbind(dim=1):
+                streamer.put(token)
+
+        # 5. the cache keeps everything but the newest token (a crop still trims sliding windows)
+        layout.keep_accepted(cache, cur_len, verdict, emitted - 1)
+        model_kwargs = model._update_model_kwargs_for_generation(
+            {}, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=emitted
+        )
+        if verdict.accepted_nodes is None:
+            drafter.on_verified(input_ids, verdict.accepted)
+        else:
+            drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=verdict.accepted_nodes[:, :num_accepted])
+        verify_end = time.perf_counter()
+        stats.draft_time_s += verify_start - draft_start
+        stats.verify_time_s += verify_end - verify_start
+        policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=verify_start - draft_start,
+                       verify_time_s=verify_end - verify_start, first_round=first_round)
+        first_round = False
+    return input_ids, scores, raw_logits

@@ -1,0 +1,272 @@
+"""Token trees end to end: structure and mask tables, cache compaction, greedy identity with plain `generate` for
+every built-in drafter on several architectures, sampling in distribution, and the clear errors."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import hf_specdec
+from conftest import ARCHITECTURES, VOCAB, noisy_copy, prompt, tiny_model, tiny_seq2seq
+from test_sampling_distribution import exact_two_token_distribution, goodness_of_fit, sample_pairs
+from hf_specdec.caches import compact_cache
+from hf_specdec.trees import ancestor_mask, chain_parents, tree_attention_bias, tree_depths
+
+NEW_TOKENS = 24
+
+
+class TreeScript(hf_specdec.Drafter):
+    """Three branches of depth γ; branch `right_branch` follows the target's greedy output for `right_depth` tokens,
+    the others (and the rest of it) are wrong. Deterministic (q is a point mass)."""
+
+    def __init__(self, reference, right_branch: int = 1, right_depth: int = 3, branches: int = 3):
+        self.reference, self.right_branch, self.right_depth, self.branches = reference, right_branch, right_depth, branches
+
+    def propose(self, input_ids, num_tokens):
+        start = input_ids.shape[1]
+        reference = self.reference[0, start : start + num_tokens].tolist()
+        tokens, parents = [], []
+        for branch in range(self.branches):
+            parent = -1
+            for depth, right_token in enumerate(reference):
+                token = right_token
+                if branch != self.right_branch or depth >= self.right_depth:
+                    token = (right_token + 1 + branch) % VOCAB
+                    if depth == 0 and token == reference[0]:
+                        token = (token + 1) % VOCAB
+                tokens.append(token)
+                parents.append(parent)
+                parent = len(tokens) - 1
+        return hf_specdec.DraftProposal(tokens=torch.tensor([tokens], dtype=torch.long),
+                                        parents=torch.tensor([parents], dtype=torch.long).reshape(1, -1))
+
+
+# ----- structure tables -----------------------------------------------------------------------------------------
+
+def test_depths_and_ancestors_of_a_hand_built_tree():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \     |
+    #    2   3    4
+    #    |
+    #    5
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2]])
+    assert tree_depths(parents).tolist() == [[1, 1, 2, 2, 2, 3]]
+    assert ancestor_mask(parents)[0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],
+        [0, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ]
+    assert tree_depths(chain_parents(1, 4)).tolist() == [[1, 2, 3, 4]]
+
+
+def test_tree_attention_bias_table():
+    parents = torch.tensor([[-1, -1, 0]])
+    bias = tree_attention_bias(parents, past_length=2, tail_length=2, dtype=torch.float32)
+    assert bias.shape == (1, 1, 5, 7)
+    allowed = (bias[0, 0] == 0).int().tolist()
+    assert allowed == [
+        # past  tail   nodes
+        [1, 1, 1, 0, 0, 0, 0],  # tail token 1
+        [1, 1, 1, 1, 0, 0, 0],  # tail token 2 (the root)
+        [1, 1, 1, 1, 1, 0, 0],  # node 0
+        [1, 1, 1, 1, 0, 1, 0],  # node 1: not its sibling
+        [1, 1, 1, 1, 1, 0, 1],  # node 2: its parent, node 0
+    ]
+    assert bias[0, 0, 3, 4] == torch.finfo(torch.float32).min
+
+
+def test_compact_cache_moves_the_accepted_path_into_place():
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                                  num_key_value_heads=1, vocab_size=VOCAB)
+    cache = DynamicCache(config=config)
+    columns = torch.arange(9, dtype=torch.float32)  # 4 context columns, then 5 nodes
+    for layer in range(2):
+        keys = columns[None, None, :, None].expand(1, 1, 9, 4).clone()
+        cache.update(keys, keys + 100, layer)
+    compact_cache(cache, start=4, kept=torch.tensor([1, 3]))
+    for layer in cache.layers:
+        assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 5, 7]
+        assert layer.values[0, 0, :, 0].tolist() == [100, 101, 102, 103, 105, 107]
+    compact_cache(cache, start=4, kept=torch.tensor([0]))  # already in place: a crop
+    assert cache.get_seq_length() == 5 and cache.layers[0].keys[0, 0, -1, 0] == 5
+
+
+# ----- greedy identity ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_target(request):
+    target = hf_specdec.enable(tiny_model(request.param))
+    ids = prompt(8, seed=3)
+    reference = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return request.param, target, ids, reference
+
+
+def generate_tree(target, ids, budget=12, gamma=4, **kwargs):
+    return target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, speculative_gamma=gamma,
+                           speculative_tree_budget=budget, return_dict_in_generate=True, **kwargs)
+
+
+@pytest.mark.parametrize("right_branch, right_depth", [(0, 9), (1, 2), (2, 0), (2, 9)])
+def test_scripted_tree_greedy_identity(arch_target, right_branch, right_depth):
+    _, target, ids, reference = arch_target
+    out = generate_tree(target, ids, drafter=TreeScript(reference, right_branch, right_depth))
+    assert torch.equal(out.sequences, reference)
+    stats = out.speculative_stats
+    if right_depth == 0:
+        assert stats.accepted_tokens == 0
+    if right_depth == 9:  # always right on one branch: every round accepts the full depth (or what is left)
+        assert stats.target_calls <= -(-NEW_TOKENS // 5) + 1
+    assert max(stats.drafted_history) == 12  # three branches of depth 4
+
+
+def repeated_ngram_prompt(reference):
+    """A prompt whose suffix occurred before with different continuations, so prompt lookup builds a trie."""
+    generated = reference[0, 8:].tolist()
+    pieces = [generated[:2] + [t] + generated[2:6] for t in (5, 17, 29)]
+    return torch.tensor([sum(pieces, []) + generated[:2]])
+
+
+@pytest.mark.parametrize("drafter_kind", ["model_right", "model_partly", "model_wrong", "prompt_lookup", "ngram"])
+def test_builtin_drafters_greedy_identity_with_trees(arch_target, drafter_kind):
+    arch, target, ids, reference = arch_target
+    kwargs = {}
+    if drafter_kind == "model_right":
+        kwargs["assistant_model"] = target
+    elif drafter_kind == "model_partly":
+        kwargs["assistant_model"] = noisy_copy(target, 0.5)
+    elif drafter_kind == "model_wrong":
+        kwargs["assistant_model"] = tiny_model(arch, seed=7)
+    elif drafter_kind == "prompt_lookup":
+        ids = repeated_ngram_prompt(reference)
+        reference = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        kwargs.update(drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1})
+    else:
+        corpus = [reference[0].tolist(), prompt(40, seed=9)[0].tolist()]
+        kwargs["drafter"] = hf_specdec.NGramDrafter.from_corpus(corpus, n=3, vocab_size=VOCAB, top_k=4)
+    out = generate_tree(target, ids, budget=10, gamma=4, **kwargs)
+    assert torch.equal(out.sequences, reference), drafter_kind
+    stats = out.speculative_stats
+    if drafter_kind == "model_right":
+        assert stats.acceptance_rate > 0 and stats.mean_accepted_length >= 4.0
+    if drafter_kind in ("model_right", "model_partly", "ngram"):
+        assert max(stats.drafted_history) > 4, "the budget should make the tree branch"
+
+
+def test_trees_keep_scores_and_logits_of_plain_generate():
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(8, seed=3)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                            output_scores=True, output_logits=True)
+    out = target.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                          output_logits=True, drafter=TreeScript(plain.sequences, 2, 9), speculative_gamma=3,
+                          speculative_tree_budget=9)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert len(out.scores) == len(plain.scores) == 12
+    for ours, theirs in zip(out.logits, plain.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+# ----- sampling -------------------------------------------------------------------------------------------------
+
+SAMPLING = dict(temperature=0.9, top_k=4)
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    return hf_specdec.enable(tiny_model("llama", seed=0))
+
+
+def test_point_mass_tree_samples_follow_target(sampling_target):
+    target = sampling_target
+    ids = prompt(6, seed=11)
+    table = exact_two_token_distribution(target, ids, SAMPLING)
+    # the three likeliest first tokens as siblings, each with the likeliest second token after it (deterministic)
+    firsts = {}
+    for (x1, x2), p in sorted(table.items(), key=lambda item: -item[1]):
+        if x1 not in firsts and len(firsts) < 3:
+            firsts[x1] = x2
+
+    class Siblings(hf_specdec.Drafter):
+        def propose(self, input_ids, num_tokens):
+            if num_tokens < 2:
+                return hf_specdec.DraftProposal.empty(1, input_ids.device)
+            tokens = [t for pair in firsts.items() for t in pair]
+            parents = [p for i in range(len(firsts)) for p in (-1, 2 * i)]
+            return hf_specdec.DraftProposal(tokens=torch.tensor([tokens]), parents=torch.tensor([parents]))
+
+    samples = sample_pairs(target, ids, SAMPLING, 2000, drafter=Siblings(), speculative_gamma=2,
+                           speculative_tree_budget=6)
+    assert goodness_of_fit(table, samples) > 1e-3
+    # power: emitting the drafted paths as they are fails the same test
+    wrong = [list(firsts.items())[i % 3] for i in range(2000)]
+    assert goodness_of_fit(table, wrong) < 1e-3
+
+
+def test_sampled_tree_samples_follow_target(sampling_target):
+    """Siblings drawn i.i.d. from a drafter's q (with q passed along) are verified exactly."""
+    target = sampling_target
+    drafter_model = tiny_model("llama", seed=1)
+    ids = prompt(6, seed=11)
+    table = exact_two_token_distribution(target, ids, SAMPLING)
+
+    class IidSiblings(hf_specdec.Drafter):
+        def reset(self, context):
+            self.processors = context.logits_processor
+
+        def propose(self, input_ids, num_tokens):
+            if num_tokens < 1:
+                return hf_specdec.DraftProposal.empty(1, input_ids.device)
+            logits = drafter_model(input_ids).logits[:, -1].float()
+            q = self.processors(input_ids, logits).softmax(-1)  # [1, vocab]
+            children = torch.multinomial(q, 3, replacement=True)  # [1, 3]: independent draws
+            return hf_specdec.DraftProposal(tokens=children, probs=q[:, None].expand(1, 3, -1).clone(),
+                                            parents=torch.full((1, 3), -1))
+
+    samples = sample_pairs(target, ids, SAMPLING, 2000, drafter=IidSiblings(), speculative_gamma=1,
+                           speculative_tree_budget=3)
+    assert goodness_of_fit(table, samples) > 1e-3
+
+
+# ----- errors -----------------------------------------------------------------------------------------------------
+
+def test_tree_errors_are_clear():
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(6)
+    with pytest.raises(ValueError, match=r"speculative_tree_budget.*got 0"):
+        target.generate(ids, assistant_model=target, speculative_tree_budget=0)
+    with pytest.raises(ValueError, match=r"speculative_lenience=0.5.*speculative_tree_budget=8"):
+        target.generate(ids, assistant_model=target, speculative_tree_budget=8, speculative_lenience=0.5)
+    with pytest.raises(ValueError, match=r"batch of 2.*Drop `speculative_tree_budget`"):
+        target.generate(ids.repeat(2, 1), assistant_model=target, speculative_tree_budget=8)
+    reference = target.generate(ids, max_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match=r"token tree \(`parents`\), but this call verifies chains only"):
+        target.generate(ids, drafter=TreeScript(reference), max_new_tokens=6)
+    with pytest.raises(ValueError, match=r"tree of 9 nodes, more than speculative_tree_budget=4"):
+        target.generate(ids, drafter=TreeScript(reference), speculative_gamma=3, speculative_tree_budget=4,
+                        max_new_tokens=6)
+
+    class BadParents(hf_specdec.Drafter):
+        def propose(self, input_ids, num_tokens):
+            return hf_specdec.DraftProposal(tokens=torch.tensor([[1, 2]]), parents=torch.tensor([[-1, 1]]))
+
+    with pytest.raises(ValueError, match=r"invalid parents \[\[-1, 1\]\].*parents\[b, i\] < i"):
+        target.generate(ids, drafter=BadParents(), speculative_tree_budget=4, max_new_tokens=6)
+
+
+def test_trees_refuse_encoder_decoder_sliding_windows_and_models_without_4d_masks():
+    t5 = hf_specdec.enable(tiny_seq2seq("t5"))
+    with pytest.raises(ValueError, match=r"decoder-only targets.*T5ForConditionalGeneration"):
+        t5.generate(prompt(6, seed=1) + 3, assistant_model=t5, speculative_tree_budget=8, max_new_tokens=4)
+    mistral = hf_specdec.enable(tiny_model("mistral", sliding_window=4))
+    with pytest.raises(ValueError, match=r"MistralForCausalLM has sliding-window"):
+        mistral.generate(prompt(8), drafter="prompt_lookup", speculative_tree_budget=8, max_new_tokens=4)
+    # BLOOM (ALiBi) takes no `position_ids`: a tree's depth-based positions cannot reach it
+    config = AutoConfig.for_model("bloom", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    bloom = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
+    bloom.generation_config.eos_token_id = bloom.generation_config.pad_token_id = None
+    with pytest.raises(ValueError, match=r"BloomForCausalLM does not compute a token tree"):
+        bloom.generate(prompt(6), drafter="prompt_lookup", speculative_tree_budget=8, max_new_tokens=4)
