@@ -139,8 +139,9 @@ class Verdict:
 
 
 def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor,
-                 options: SpeculativeOptions) -> Verdict:
-    """Algorithm 1 on a chain, multi-candidate rejection on a tree, on standardized scores `[batch, k + 1, vocab]`."""
+                 options: SpeculativeOptions, depth: int | None = None) -> Verdict:
+    """Algorithm 1 on a chain, multi-candidate rejection on a tree (`depth`: the tree's depth), on standardized
+    scores `[batch, k + 1, vocab]`."""
     tokens, probs, parents = proposal.tokens, proposal.probs, proposal.parents
     num_drafted = tokens.shape[1]
     if parents is not None:
@@ -148,7 +149,6 @@ def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.
             accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, probs, target_scores.softmax(dim=-1))
         else:
             accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores)
-        depth = int(tree_depths(parents).max())
         positions = torch.arange(depth, device=tokens.device)[None, :]
         betas = (positions < accepted[:, None]).float()  # [batch, depth]
         return Verdict(accepted, next_tokens, nodes, betas)

@@ -95,7 +95,7 @@ def decode_sequence(
                                      lambda row, j: layout.prefix(candidate_ids, cur_len, j))
 
         # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
-        verdict = verify_round(do_sample, proposal, new_scores, options)
+        verdict = verify_round(do_sample, proposal, new_scores, options, layout.depth)
         num_accepted = int(verdict.accepted[0])
         stats.record_round(chosen_gamma, num_drafted, num_accepted,
                            verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestor_mask", "chain_parents", "check_parents", "tree_attention_bias", "tree_depths"]
+__all__ = ["ancestor_mask", "best_subtree", "chain_parents", "check_parents", "tree_attention_bias", "tree_depths"]
 
 
 def chain_parents(batch: int, length: int, device=None) -> torch.LongTensor:
@@ -77,3 +77,24 @@ def tree_attention_bias(
     allowed[:, tail_length:, past_length + tail_length :] = ancestor_mask(parents)
     bias = torch.zeros(batch, 1, queries, keys, dtype=dtype, device=device)
     return bias.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
+def best_subtree(parents: torch.LongTensor, scores: torch.FloatTensor, budget: int):
+    """The `budget` best nodes of a tree by score, as a tree of their own (EAGLE-2's rerank).
+
+    `parents` (`[batch, k]`, topological) and `scores` (`[batch, k]`) must have scores that never increase from a
+    node to its children (cumulative log-probabilities do). Ties go to the earlier node, so a parent always ranks
+    before its children and the kept set holds every kept node's ancestors. Returns `(kept, kept_parents)`, both
+    `[batch, min(budget, k)]`: the kept nodes' indices in increasing (topological) order, and their parents
+    reindexed into `kept` (-1 for children of the root)."""
+    batch, k = parents.shape
+    size = min(budget, k)
+    # a stable sort leaves tied nodes in index order: a parent before a child of equal score
+    best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :size]  # [batch, size]
+    kept = best.sort(dim=-1).values  # [batch, size]
+    new_index = torch.full_like(parents, -1).scatter_(
+        1, kept, torch.arange(size, device=parents.device).expand(batch, size).contiguous()
+    )  # [batch, k]
+    old_parents = parents.gather(1, kept)  # [batch, size]
+    kept_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), old_parents)
+    return kept, kept_parents

@@ -1,4 +1,10 @@
-"""`ModelDrafter`: a smaller causal LM drafts γ tokens autoregressively (the paper's M_q)."""
+"""`ModelDrafter`: a smaller causal LM drafts γ tokens autoregressively (the paper's M_q), or a token tree.
+
+The tree follows EAGLE-2's dynamic tree: every node's **score** is the sum of log q along its path (its cumulative
+log-probability under the drafter's standardized q); each depth expands the best-scoring nodes of the depth before
+(the **frontier**) with their top-k tokens, in one drafter forward per depth, and the proposal keeps the best
+`tree_budget` nodes of everything grown (the **rerank**).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 
 from ..caches import realign_cache, slice_cache
 from ..sampling import sample_tokens
+from ..tree_attention import check_tree_attention
+from ..trees import best_subtree
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["ModelDrafter"]
@@ -32,10 +40,25 @@ class ModelDrafter(Drafter):
     drafts that were rejected. Its logits go through the target's own logits processors with the same prefix, so
     q is standardized exactly like p (section 2.2).
 
+    When the call verifies token trees (`speculative_tree_budget` set, one sequence, a decoder-only target), the
+    drafter grows a dynamic tree instead of a chain (EAGLE-2): the `tree_top_k` most likely tokens after the context
+    are the first depth; each further depth, up to the round's γ, expands the `tree_top_k` best nodes of the depth
+    before (by cumulative log q along their path, and only nodes that can still make the budget) with their own
+    `tree_top_k` most likely tokens, all in one drafter forward with a tree attention mask; the proposal keeps the
+    `speculative_tree_budget` best nodes. Nodes are chosen deterministically (top-k), so the proposal has no q
+    (`probs=None`) also when sampling, and sampling stays exact: the verifier treats each node as a point mass and
+    tries siblings in turn, which samples the target's distribution restricted to the siblings not yet rejected.
+    The drafter model must take a custom 4D attention mask with `position_ids` (most decoder-only models in
+    transformers do); otherwise a tree budget is refused with a clear error. Padded batches and encoder-decoder
+    targets always get chains.
+
     Args:
         model ([`~transformers.PreTrainedModel`]):
             A causal LM with the same vocabulary as the target. It may sit on another device or use another dtype:
             its inputs and logits are moved for it. It is never modified.
+        tree_top_k (`int`, *optional*, defaults to 4):
+            With `speculative_tree_budget`: how many children each expanded node gets, and how many nodes of each
+            depth are expanded. Unused for chains.
 
     Example:
 
@@ -53,13 +76,19 @@ class ModelDrafter(Drafter):
 
     supports_padded_batches = True
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"`assistant_model` must be a transformers `PreTrainedModel`, got {type(model).__name__}. "
                 "Load it with `AutoModelForCausalLM.from_pretrained(...)`."
             )
+        if isinstance(tree_top_k, bool) or not isinstance(tree_top_k, int) or tree_top_k < 1:
+            raise ValueError(
+                f"`tree_top_k` must be a positive int (children per expanded tree node), got {tree_top_k!r}. "
+                "Use `tree_top_k=4` (the default), or any int >= 1."
+            )
         self.model = model
+        self.tree_top_k = tree_top_k
 
     def reset(self, context: DraftContext) -> None:
         model = self.model
@@ -103,6 +132,16 @@ class ModelDrafter(Drafter):
                 "drafts could not be undone. Use a drafter with standard (full or sliding-window) attention."
             )
         self.cache = cache
+        # trees: one sequence of a decoder-only target (the loop verifies no trees for encoder-decoder targets);
+        # padded batches get chains
+        one_sequence = self.encoder_inputs is None and context.input_ids.shape[0] == 1
+        self.tree_budget = context.tree_budget if one_sequence else None
+        self.tree_context_length = None  # cache length before the last tree's nodes, until `on_verified`
+        if self.tree_budget is not None:
+            check_tree_attention(model, "speculative_tree_budget")
+            # a single prompt may still carry left padding: its nodes must not see it, and positions skip it
+            mask = self.attention_mask
+            self.tree_padding = 0 if mask is None else int((mask == 0).sum())
 
     def _encoder_inputs(self, context: DraftContext, forward_params) -> dict:
         """The source for a drafter of an encoder-decoder target, computed once per call."""
@@ -157,6 +196,8 @@ class ModelDrafter(Drafter):
             self.attention_mask = attention_mask  # [batch, seq_len]: a left-padded batch
         if num_tokens == 0:
             return DraftProposal.empty(input_ids.shape[0], input_ids.device)
+        if self.tree_budget is not None and attention_mask is None and input_ids.shape[0] == 1:
+            return self._propose_tree(input_ids, num_tokens)
         start = input_ids.shape[1]
         ids = input_ids  # [batch, seq_len + drafted so far], on the target's device
         probs = []
@@ -176,10 +217,16 @@ class ModelDrafter(Drafter):
         input_ids: torch.LongTensor,
         num_accepted: torch.LongTensor,
         attention_mask: torch.LongTensor | None = None,
+        accepted_nodes: torch.LongTensor | None = None,
     ) -> None:
         if attention_mask is None:
-            # everything but the newest token (the target's, never fed to the drafter) may stay in the cache
-            excess = self.cache.get_seq_length() - (input_ids.shape[1] - 1)
+            # everything but the newest token (the target's, never fed to the drafter) may stay in the cache; a
+            # tree's nodes sit after the context in expansion order, not in sequence order, so they all go and the
+            # accepted ones are fed again as the next round's uncached tail
+            keep = input_ids.shape[1] - 1
+            if self.tree_context_length is not None:
+                keep, self.tree_context_length = min(keep, self.tree_context_length), None
+            excess = self.cache.get_seq_length() - keep
             if excess > 0:
                 self.cache.crop(-excess)
             return
@@ -206,6 +253,81 @@ class ModelDrafter(Drafter):
     def select_rows(self, indices: torch.LongTensor) -> None:
         self.cache.batch_select_indices(indices.to(self.device))
         self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
+
+    def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
+        """EAGLE-2's dynamic tree for one sequence (`input_ids`: `[1, seq_len]`), at most `num_tokens` deep.
+
+        Nodes are numbered in the order they are grown (depth by depth), which is topological. Scores stay on the
+        device; the one host sync per depth is the choice of the frontier (its size)."""
+        budget = self.tree_budget
+        device = self.device
+        target_device = self.target_device
+        # depth 1: the chain's own first step over the uncached tail
+        logits = self._next_logits(input_ids)  # [1, vocab]
+        context_length = input_ids.shape[1]  # every context token is cached now
+        self.tree_context_length = context_length
+        log_q = self.logits_processor(input_ids, logits).log_softmax(dim=-1)  # [1, vocab]
+        top_k = min(self.tree_top_k, log_q.shape[-1])
+        child_log_q, child_tokens = log_q.topk(top_k, dim=-1)  # [1, top_k]
+        node_tokens = child_tokens[0]  # [n]
+        node_parents = torch.full((top_k,), -1, dtype=torch.long, device=target_device)  # [n]
+        node_scores = child_log_q[0].clamp(max=0.0)  # [n]: cumulative log q, never increasing along a path
+        newest_start = 0  # the newest depth's nodes are node_tokens[newest_start:]
+        newest_paths = child_tokens.reshape(-1, 1)  # [newest, depth]: each newest node's path below the root
+
+        # the tree nodes fed to the drafter's cache (the expanded ones), in cache order: visible[r] says which of
+        # them the node of row r may see (itself and its ancestors); row 0 is the root, which sees none
+        visible = torch.zeros(1, 0, dtype=torch.bool, device=device)  # [1 + fed, fed]
+        node_row = torch.zeros(top_k, dtype=torch.long, device=device)  # [n]: a fed node's row in visible
+        root_position = context_length - 1 - self.tree_padding
+        context_visible = torch.ones(context_length, dtype=torch.bool, device=device)  # [context_length]
+        if self.tree_padding:
+            context_visible[: self.attention_mask.shape[1]] = self.attention_mask[0].to(device) != 0
+        dtype = self.model.dtype
+
+        for depth in range(1, num_tokens):  # expand the nodes at `depth`
+            # only a node among the best `budget` so far can be kept (its children rank below it); taken in rank
+            # order, the newest nodes that can are the best of their depth
+            ranked = node_scores.sort(descending=True, stable=True).indices[:budget]  # [<= budget]
+            frontier = ranked[ranked >= newest_start][:top_k]  # [f]: host sync
+            frontier_size = frontier.shape[0]
+            if frontier_size == 0:
+                break
+            # attention of the frontier: the context, the fed ancestors and itself
+            parents = node_parents[frontier].to(device)  # [f]
+            parent_rows = torch.where(parents >= 0, node_row[parents.clamp(min=0)], 0)  # [f]
+            fed = visible.shape[1]
+            new_rows = torch.cat([visible[parent_rows], torch.eye(frontier_size, dtype=torch.bool, device=device)],
+                                 dim=1)  # [f, fed + f]
+            visible = torch.cat([torch.cat([visible, visible.new_zeros(1 + fed, frontier_size)], dim=1), new_rows])
+            node_row[frontier.to(device)] = torch.arange(1 + fed, 1 + fed + frontier_size, device=device)
+            allowed = torch.cat([context_visible.expand(frontier_size, -1), new_rows], dim=1)  # [f, keys]
+            bias = torch.zeros(1, 1, *allowed.shape, dtype=dtype, device=device)
+            bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)  # [1, 1, f, context_length + fed + f]
+            position = min(root_position + depth, self.max_position)
+            logits = self.model(
+                input_ids=node_tokens[frontier][None].to(device),
+                attention_mask=bias,
+                position_ids=torch.full((1, frontier_size), position, dtype=torch.long, device=device),
+                past_key_values=self.cache,
+                use_cache=True,
+            ).logits[0]  # [f, vocab]
+            logits = logits.to(device=target_device, dtype=torch.float32, copy=True)
+            # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
+            paths = newest_paths[frontier - newest_start]  # [f, depth]
+            prefixes = torch.cat([input_ids.expand(frontier_size, -1), paths], dim=-1)  # [f, seq_len + depth]
+            log_q = self.logits_processor(prefixes, logits).log_softmax(dim=-1)  # [f, vocab]
+            child_log_q, child_tokens = log_q.topk(top_k, dim=-1)  # [f, top_k]
+            child_scores = node_scores[frontier][:, None] + child_log_q.clamp(max=0.0)  # [f, top_k]
+            newest_start = node_tokens.shape[0]
+            newest_paths = torch.cat([paths.repeat_interleave(top_k, dim=0), child_tokens.reshape(-1, 1)], dim=-1)
+            node_tokens = torch.cat([node_tokens, child_tokens.reshape(-1)])
+            node_parents = torch.cat([node_parents, frontier.repeat_interleave(top_k)])
+            node_scores = torch.cat([node_scores, child_scores.reshape(-1)])
+            node_row = torch.cat([node_row, node_row.new_zeros(frontier_size * top_k)])
+
+        kept, parents = best_subtree(node_parents[None], node_scores[None], budget)  # [1, k] each
+        return DraftProposal(tokens=node_tokens[kept], parents=parents)
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
