@@ -160,7 +160,10 @@ def test_builtin_drafters_greedy_identity_with_trees(arch_target, drafter_kind):
         reference = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         kwargs.update(drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1})
     else:
-        corpus = [reference[0].tolist(), prompt(40, seed=9)[0].tolist()]
+        # the target's own text and a corrupted copy: contexts with two continuations, so the table branches
+        corrupted = reference[0].clone()
+        corrupted[2::3] = (corrupted[2::3] + 1) % VOCAB
+        corpus = [reference[0].tolist(), corrupted.tolist(), prompt(40, seed=9)[0].tolist()]
         kwargs["drafter"] = hf_specdec.NGramDrafter.from_corpus(corpus, n=3, vocab_size=VOCAB, top_k=4)
     out = generate_tree(target, ids, budget=10, gamma=4, **kwargs)
     assert torch.equal(out.sequences, reference), drafter_kind
@@ -169,7 +172,7 @@ def test_builtin_drafters_greedy_identity_with_trees(arch_target, drafter_kind):
         # the drafter's greedy path is the target's, but a budget of 10 may rank deep nodes of it below shallow
         # siblings, so not every round reaches the full depth
         assert stats.mean_accepted_length >= 2.5
-    if drafter_kind in ("model_right", "model_partly", "ngram"):
+    if drafter_kind in ("model_right", "model_partly", "prompt_lookup", "ngram"):
         assert max(stats.drafted_history) > 4, "the budget should make the tree branch"
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -14,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..sampling import sample_tokens
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .tree_builder import TokenTree
 
 __all__ = ["NGramDrafter"]
 
@@ -40,6 +43,15 @@ class NGramDrafter(
     its argmax (`draft_mode="greedy"`, deterministic) or a sample from it (`draft_mode="sample"`, q is passed to
     the sampler, which then accepts with min(1, p/q)).
 
+    With `speculative_tree_budget` set, the proposal is a token tree grown best-first, as in EAGLE-2: each node's
+    candidate children are its context's continuations ranked by standardized q (the target's processors applied
+    with the node's own prefix), and the tree takes, one node at a time, the candidate with the highest product of
+    q along its path, until it holds `tree_budget` nodes or no candidate is left within depth `num_tokens`. These
+    are the `tree_budget` most probable paths' nodes under q. Tree nodes are chosen deterministically in both draft
+    modes (`probs=None`): in `draft_mode="sample"` the sampler then tries the siblings one by one, accepting each
+    with the target's residual probability, which keeps sampling exact. A tree without branches is proposed as a
+    chain.
+
     Build one with [`~NGramDrafter.from_corpus`] (token ids) or [`~NGramDrafter.from_texts`] (texts and a
     tokenizer), save it with `save_pretrained` (safetensors, `config.json`, a `README.md` model card), load it
     with `from_pretrained` (a directory or a Hub repo id; nothing is unpickled), share it with `push_to_hub`.
@@ -51,8 +63,14 @@ class NGramDrafter(
     >>> table = hf_specdec.NGramDrafter.from_corpus([[1, 2, 3, 1, 2, 3, 1, 2]], n=3, vocab_size=8)
     >>> table.propose_for([[1, 2]], num_tokens=4).tokens
     tensor([[3, 1, 2, 3]])
+    >>> table = hf_specdec.NGramDrafter.from_corpus([[1, 2, 3, 1, 2, 3, 1, 2, 4]], n=3, vocab_size=8)
+    >>> tree = table.propose_for([[1, 2]], num_tokens=2, tree_budget=3)
+    >>> tree.tokens, tree.parents  # after [1, 2]: 3 (q = 2/3), then its child 1 (2/3 * 1), then 4 (1/3)
+    (tensor([[3, 1, 4]]), tensor([[-1,  0, -1]]))
     ```
     """
+
+    tree_budget: int | None = None  # set per call by `reset`
 
     def __init__(
         self,
@@ -235,6 +253,7 @@ class NGramDrafter(
             )
         self.logits_processor = context.logits_processor
         self.sample = self.draft_mode == "sample"  # sampled drafts carry q (ignored when the target is greedy)
+        self.tree_budget = context.tree_budget
 
     def distribution(self, context_tokens: Sequence[int]) -> tuple[torch.LongTensor, torch.FloatTensor]:
         """The continuations and their probabilities (renormalized) after the longest known suffix of the context."""
@@ -252,8 +271,10 @@ class NGramDrafter(
         batch = input_ids.shape[0]
         if num_tokens == 0:
             return DraftProposal.empty(batch, input_ids.device)
+        if self.tree_budget is not None and batch == 1:  # trees are verified at batch size 1 only: chains otherwise
+            return self._propose_tree(input_ids, num_tokens, self.tree_budget)
         ids = input_ids
-        contexts = input_ids[:, input_ids.shape[1] - self.n + 1 :].tolist() if self.n > 1 else [[]] * batch
+        contexts = input_ids[:, max(0, input_ids.shape[1] - self.n + 1) :].tolist() if self.n > 1 else [[]] * batch
         drafted, probs = [], []
         for _ in range(num_tokens):
             q_logits = torch.full((batch, self.vocab_size), float("-inf"), device=input_ids.device)
@@ -277,12 +298,51 @@ class NGramDrafter(
             return DraftProposal.empty(batch, input_ids.device)
         return DraftProposal(tokens=torch.cat(drafted, dim=-1), probs=torch.stack(probs, 1) if probs else None)
 
-    def propose_for(self, input_ids, num_tokens: int) -> DraftProposal:
-        """One stand-alone proposal (no target processors), handy for inspecting or comparing tables."""
+    def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, budget: int) -> DraftProposal:
+        """Best-first by the sum of log q along the path (ties: the earlier candidate). A node's children are
+        looked up only once nothing left is more probable than the node itself (its children are at most as
+        probable), so the nodes that end up as leaves cost no lookup and no processor call."""
+        tree = TokenTree(budget, num_tokens)
+        recent = input_ids[0, -(self.n - 1) :].tolist() if self.n > 1 else []  # the n-gram context of the root
+        # heap of (-path log q, order, node, token): a candidate `token` under parent `node`, or with token None,
+        # `node` (already in the tree) waiting for its children to be looked up
+        heap: list[tuple[float, int, int, int | None]] = []
+        order = itertools.count()
+
+        def push_children(node: int, path_log_q: float) -> None:
+            path = tree.path(node)
+            context = (recent + path)[-(self.n - 1) :] if self.n > 1 else []
+            tokens, token_probs = self.distribution(context)
+            q_logits = torch.full((1, self.vocab_size), float("-inf"), device=input_ids.device)
+            q_logits[0, tokens.to(input_ids.device)] = token_probs.log().to(input_ids.device)
+            ids = torch.cat([input_ids, torch.tensor([path], dtype=torch.long, device=input_ids.device)], dim=-1)
+            scores = self.logits_processor(ids, q_logits)[0]  # [vocab]: q standardized like p, given this path
+            log_q = scores.log_softmax(dim=-1)
+            # tokens the processors ruled out are no candidates; the others are argmax-ranked (a stable sort of
+            # ascending ids: ties go to the lower id, like argmax), and more than the budget left could never join
+            finite = (scores > float("-inf")).nonzero()[:, 0]  # [candidates], ascending token ids
+            ranked = finite[torch.sort(scores[finite], descending=True, stable=True).indices][: budget - len(tree)]
+            for token, token_log_q in zip(ranked.tolist(), log_q[ranked].tolist()):
+                heapq.heappush(heap, (-(path_log_q + token_log_q), next(order), node, token))
+
+        push_children(-1, 0.0)
+        while heap and not tree.full:
+            negative_log_q, _, node, token = heapq.heappop(heap)
+            if token is None:
+                push_children(node, -negative_log_q)
+                continue
+            child = tree.add(node, token)
+            if tree.depths[child] < num_tokens:
+                heapq.heappush(heap, (negative_log_q, next(order), child, None))
+        return tree.proposal(input_ids.device)
+
+    def propose_for(self, input_ids, num_tokens: int, tree_budget: int | None = None) -> DraftProposal:
+        """One stand-alone proposal (no target processors), handy for inspecting or comparing tables; a token tree
+        of at most `tree_budget` nodes when it is given."""
         from transformers import LogitsProcessorList
 
         drafter = copy.copy(self)
-        drafter.logits_processor, drafter.sample = LogitsProcessorList(), False
+        drafter.logits_processor, drafter.sample, drafter.tree_budget = LogitsProcessorList(), False, tree_budget
         return drafter.propose(torch.as_tensor(input_ids, dtype=torch.long), num_tokens)
 
     @classmethod

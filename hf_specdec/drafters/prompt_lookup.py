@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .tree_builder import TokenTree
 
 __all__ = ["PromptLookupDrafter"]
 
@@ -25,23 +27,33 @@ class _SuffixIndex:
     in a row ends the copy, and so does a mismatch after which the new suffix has a full-length match elsewhere (the
     text moved on to another passage or a loop); the n-gram lookup then starts over (also trying the suffix with
     learned substitutions undone, so a renamed suffix still finds its original).
+
+    With `max_occurrences > 0` (token trees), it also remembers the starts of that many most recent occurrences of
+    each n-gram (`starts`, `source_starts`), for `continuations`; chains never pay for these lists.
     """
 
     confirm_after = 2  # tokens a copy must predict in a row before it may survive a mismatch or teach a substitution
 
-    def __init__(self, ngram_sizes: range, source: list[int] | None = None, follow_copies: bool = True):
+    def __init__(self, ngram_sizes: range, source: list[int] | None = None, follow_copies: bool = True,
+                 max_occurrences: int = 0):
         self.ngram_sizes = ngram_sizes
         self.tokens: list[int] = []
         self.next_start: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `next_start`
+        self.max_occurrences = max_occurrences
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> starts of its latest continuations, oldest first
         # an encoder-decoder target's source text: a separate document (no n-gram spans into the output), indexed
         # once; its continuations stop at its end
         self.source = source or []
         self.source_next_start: dict[tuple[int, ...], int] = {}
+        self.source_starts: dict[tuple[int, ...], list[int]] = {}
         for end in range(len(self.source) - 1):
             for n in ngram_sizes:
                 if end + 1 >= n:
-                    self.source_next_start[tuple(self.source[end + 1 - n : end + 1])] = end + 1
+                    key = tuple(self.source[end + 1 - n : end + 1])
+                    self.source_next_start[key] = end + 1
+                    if max_occurrences:
+                        self._remember(self.source_starts, key, end + 1)
         self.follow_copies = follow_copies
         self.copy: tuple[list[int], int] | None = None  # (document, position of the token it predicts next)
         self.copy_run = 0  # tokens the copy predicted right in a row, until it is confirmed (then it stays so)
@@ -51,12 +63,29 @@ class _SuffixIndex:
         self.substitutions: dict[int, int] = {}  # copied token -> the token the target writes in its place
         self.originals: dict[int, int] = {}  # the inverse, for matching a suffix that contains substitutions
 
+    def _remember(self, starts: dict[tuple[int, ...], list[int]], key: tuple[int, ...], start: int) -> None:
+        known = starts.get(key)
+        if known is None:
+            starts[key] = [start]
+        else:
+            known.append(start)
+            if len(known) > self.max_occurrences:
+                del known[0]
+
     def extend(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
-        for end in range(self.indexed, len(self.tokens) - 1):  # every position but the newest
-            for n in self.ngram_sizes:
-                if end + 1 >= n:
-                    self.next_start[tuple(self.tokens[end + 1 - n : end + 1])] = end + 1  # most recent wins
+        if self.max_occurrences:
+            for end in range(self.indexed, len(self.tokens) - 1):
+                for n in self.ngram_sizes:
+                    if end + 1 >= n:
+                        key = tuple(self.tokens[end + 1 - n : end + 1])
+                        self.next_start[key] = end + 1
+                        self._remember(self.starts, key, end + 1)
+        else:  # the chain case: one dict write per n-gram
+            for end in range(self.indexed, len(self.tokens) - 1):  # every position but the newest
+                for n in self.ngram_sizes:
+                    if end + 1 >= n:
+                        self.next_start[tuple(self.tokens[end + 1 - n : end + 1])] = end + 1  # most recent wins
         self.indexed = max(self.indexed, len(self.tokens) - 1)
 
     def _follow(self) -> None:
@@ -109,19 +138,38 @@ class _SuffixIndex:
         for n in reversed(self.ngram_sizes):  # longest suffix first
             if len(self.tokens) < n:
                 continue
-            suffix = tuple(self.tokens[-n:])
-            candidates = [suffix]
-            if self.originals:
-                undone = tuple(self.originals.get(token, token) for token in suffix)
-                if undone != suffix:
-                    candidates.append(undone)
-            for candidate in candidates:
+            for candidate in self._suffix_candidates(n):
                 start = self.next_start.get(candidate)
                 if start is not None:
                     return (self.tokens, start), n
                 if candidate in self.source_next_start:  # the output's own history is more recent
                     return (self.source, self.source_next_start[candidate]), n
         return None, 0
+
+    def _suffix_candidates(self, n: int) -> list[tuple[int, ...]]:
+        suffix = tuple(self.tokens[-n:])
+        candidates = [suffix]
+        if self.originals:
+            undone = tuple(self.originals.get(token, token) for token in suffix)
+            if undone != suffix:
+                candidates.append(undone)
+        return candidates
+
+    def continuations(self, num_tokens: int) -> Iterator[list[int]]:
+        """With `max_occurrences`: the continuations (up to `num_tokens` each) of the remembered earlier occurrences
+        of the context's suffix, longest suffix first, then the most recent occurrence first (the output's own
+        history before the source text); each occurrence once, even when several suffix sizes end there."""
+        seen: set[tuple[bool, int]] = set()
+        for n in reversed(self.ngram_sizes):
+            if len(self.tokens) < n:
+                continue
+            for candidate in self._suffix_candidates(n):
+                for document, starts in ((self.tokens, self.starts), (self.source, self.source_starts)):
+                    for start in reversed(starts.get(candidate, ())):
+                        where = (document is self.tokens, start)
+                        if where not in seen:
+                            seen.add(where)
+                            yield self._read(document, start, num_tokens)
 
     def lookup(self, num_tokens: int) -> list[int]:
         if not self.follow_copies:
@@ -163,9 +211,16 @@ class PromptLookupDrafter(Drafter):
     occurrences are drafted renamed). Two mismatches in a row end the copy, and so does a mismatch after which the
     new suffix has a full-length match elsewhere (the text moved on); the n-gram lookup then starts over.
 
+    With `speculative_tree_budget` set, the proposal is a token tree (a trie of copies): its main branch is the
+    chain above, truncated to the budget; then the continuations of the other remembered occurrences (the
+    `max_occurrences` most recent of each n-gram) of the longest matched suffix, and then of shorter suffixes, are
+    merged in, most recent first: a continuation that starts like a branch already in the tree adds only the tail
+    where it differs, as a sub-branch. Each continuation is cut where the budget runs out, and none is longer than
+    `num_tokens`. A tree without branches (every occurrence continues alike) is proposed as a chain.
+
     The index is built incrementally (each token is indexed once per call). Drafts are deterministic, so when
     sampling q is a point mass and each draft x is accepted with probability p(x): the output distribution stays
-    exactly the target's.
+    exactly the target's (for a tree, the sampler tries the siblings one by one against the target's residual).
 
     Args:
         max_ngram_size (`int`, *optional*, defaults to 3):
@@ -183,8 +238,15 @@ class PromptLookupDrafter(Drafter):
     >>> drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1)
     >>> drafter.propose_for(torch.tensor([[5, 6, 7, 8, 5, 6]]), num_tokens=3).tokens
     tensor([[7, 8, 5]])
+    >>> tree = drafter.propose_for(torch.tensor([[1, 2, 3, 4, 1, 2, 5, 6, 1, 2]]), num_tokens=2, tree_budget=4)
+    >>> tree.tokens, tree.parents  # after [1, 2]: 5 6 (the latest), or 3 4
+    (tensor([[5, 6, 3, 4]]), tensor([[-1,  0, -1,  2]]))
     ```
     """
+
+    max_occurrences = 8
+    """Tree proposals: how many of the most recent occurrences of each n-gram the index remembers."""
+    tree_budget: int | None = None  # set per call by `reset`
 
     def __init__(self, max_ngram_size: int = 3, min_ngram_size: int = 2, follow_copies: bool = True):
         for name, value in (("max_ngram_size", max_ngram_size), ("min_ngram_size", min_ngram_size)):
@@ -210,11 +272,14 @@ class PromptLookupDrafter(Drafter):
             sources = [
                 row[mask[i].bool()].tolist() if mask is not None else row.tolist() for i, row in enumerate(source)
             ]
+        self.tree_budget = context.tree_budget
         self.rows = self._new_rows(context.input_ids.shape[0], sources)
 
     def _new_rows(self, batch_size: int, sources: list[list[int]] | None = None) -> list[_SuffixIndex]:
         sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
-        return [_SuffixIndex(sizes, sources[row] if sources else None, self.follow_copies) for row in range(batch_size)]
+        occurrences = self.max_occurrences if self.tree_budget is not None else 0
+        return [_SuffixIndex(sizes, sources[row] if sources else None, self.follow_copies, occurrences)
+                for row in range(batch_size)]
 
     def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         if not hasattr(self, "rows"):
@@ -222,7 +287,17 @@ class PromptLookupDrafter(Drafter):
         batch = input_ids.shape[0]
         if num_tokens == 0:
             return DraftProposal.empty(batch, input_ids.device)
-        drafts = []
+        if self.tree_budget is not None and batch == 1:
+            index = self.rows[0]
+            index.extend(input_ids[0, len(index.tokens):].tolist())
+            tree = TokenTree(self.tree_budget, num_tokens)
+            if tree.insert(index.lookup(num_tokens)):  # the main branch: exactly the chain proposal
+                for continuation in index.continuations(num_tokens):
+                    if tree.full:
+                        break
+                    tree.insert(continuation)
+            return tree.proposal(input_ids.device)
+        drafts = []  # chains (trees are proposed at batch size 1 only, the only size the loop verifies them at)
         for row, index in enumerate(self.rows):
             index.extend(input_ids[row, len(index.tokens):].tolist())  # only the tokens added since last round
             drafts.append(index.lookup(num_tokens))
@@ -231,10 +306,14 @@ class PromptLookupDrafter(Drafter):
         tokens = torch.tensor([d[:length] for d in drafts], dtype=torch.long).reshape(batch, length)
         return DraftProposal(tokens=tokens.to(input_ids.device))
 
-    def propose_for(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
-        """One stand-alone proposal for `input_ids` (a fresh index), handy for inspecting the drafter."""
+    def propose_for(
+        self, input_ids: torch.LongTensor, num_tokens: int, tree_budget: int | None = None
+    ) -> DraftProposal:
+        """One stand-alone proposal for `input_ids` (a fresh index), handy for inspecting the drafter; a token tree
+        of at most `tree_budget` nodes when it is given."""
         drafter = copy.copy(self)
-        drafter.rows = self._new_rows(input_ids.shape[0])
+        drafter.tree_budget = tree_budget
+        drafter.rows = drafter._new_rows(input_ids.shape[0])
         return drafter.propose(input_ids, num_tokens)
 
 
