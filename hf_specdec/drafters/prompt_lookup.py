@@ -74,18 +74,13 @@ class _SuffixIndex:
 
     def extend(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
-        if self.max_occurrences:
-            for end in range(self.indexed, len(self.tokens) - 1):
-                for n in self.ngram_sizes:
-                    if end + 1 >= n:
-                        key = tuple(self.tokens[end + 1 - n : end + 1])
-                        self.next_start[key] = end + 1
+        for end in range(self.indexed, len(self.tokens) - 1):  # every position but the newest
+            for n in self.ngram_sizes:
+                if end + 1 >= n:
+                    key = tuple(self.tokens[end + 1 - n : end + 1])
+                    self.next_start[key] = end + 1  # most recent wins
+                    if self.max_occurrences:  # trees only: chains never pay for the occurrence lists
                         self._remember(self.starts, key, end + 1)
-        else:  # the chain case: one dict write per n-gram
-            for end in range(self.indexed, len(self.tokens) - 1):  # every position but the newest
-                for n in self.ngram_sizes:
-                    if end + 1 >= n:
-                        self.next_start[tuple(self.tokens[end + 1 - n : end + 1])] = end + 1  # most recent wins
         self.indexed = max(self.indexed, len(self.tokens) - 1)
 
     def _follow(self) -> None:
