@@ -14,7 +14,8 @@ Methods: transformers' prompt lookup with `prompt_lookup_num_tokens=--gamma` (10
 recommend) and at each `--transformers-sweep` value (so the ratio over transformers' best fixed setting is reported
 too); hf_specdec with the same constant γ, with `speculative_gamma_policy="optimal"` (section 3.5: γ chosen online
 from measured acceptance and costs, starting at `--gamma`, up to `--max-gamma`), the configuration we recommend for
-copy drafters, and the same with `follow_copies=False` (every proposal looked up afresh: the ablation of copy
+copy drafters, the same with token trees (`speculative_tree_budget=--tree-budget`: the copy is the main branch,
+continuations of other earlier matches are branches), and the same with `follow_copies=False` (every proposal looked up afresh: the ablation of copy
 following and learned substitutions), and `optimal` starting at `--max-gamma` (compared with transformers at that
 number, which is where both start). `mixed_workload` adds the three cases up, each method with one setting for
 all prompts, and reports ours against transformers' best single `prompt_lookup_num_tokens` over that mix.
@@ -43,6 +44,9 @@ def run_case(target, prompts, args, label, sweep=()):
     optimal = dict(ours, speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma)
     optimal_fresh = dict(optimal, drafter_kwargs={**drafter_kwargs, "follow_copies": False})
     optimal_from_max = dict(optimal, speculative_gamma=args.max_gamma)  # its first round drafts up to max_gamma
+    # token trees: the copy as the main branch, other earlier matches as branches (a budget above max_gamma keeps
+    # the longest copy whole)
+    optimal_tree = dict(optimal_from_max, speculative_tree_budget=args.tree_budget)
 
     def transformers_lookup(num_tokens):
         return lambda ids: GenerationMixin.generate(
@@ -58,6 +62,7 @@ def run_case(target, prompts, args, label, sweep=()):
         # ablation: the same, with every proposal looked up afresh (no copy following, no learned substitutions)
         "hf_specdec_prompt_lookup_optimal_no_follow": lambda ids: target.generate(ids, **optimal_fresh),
         "hf_specdec_prompt_lookup_optimal_from_max": lambda ids: target.generate(ids, **optimal_from_max),
+        "hf_specdec_prompt_lookup_optimal_tree": lambda ids: target.generate(ids, **optimal_tree),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
     references = [methods["plain"](ids) for ids in prompts]
@@ -72,7 +77,8 @@ def run_case(target, prompts, args, label, sweep=()):
                 identical[name] &= torch.equal(out, reference)
     configs = {"hf_specdec_prompt_lookup": ours, "hf_specdec_prompt_lookup_optimal": optimal,
                "hf_specdec_prompt_lookup_optimal_no_follow": optimal_fresh,
-               "hf_specdec_prompt_lookup_optimal_from_max": optimal_from_max}
+               "hf_specdec_prompt_lookup_optimal_from_max": optimal_from_max,
+               "hf_specdec_prompt_lookup_optimal_tree": optimal_tree}
     stats_of = {name: [target.generate(ids, return_dict_in_generate=True, **kwargs).speculative_stats
                        for ids in prompts] for name, kwargs in configs.items()}
     stats, optimal_stats = stats_of["hf_specdec_prompt_lookup"], stats_of["hf_specdec_prompt_lookup_optimal"]
@@ -93,6 +99,8 @@ def run_case(target, prompts, args, label, sweep=()):
             / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
         "hf_specdec_optimal_from_max_over_transformers_best_fixed": transformers_best / seconds[
             "hf_specdec_prompt_lookup_optimal_from_max"],
+        "hf_specdec_optimal_tree_over_transformers_best_fixed": transformers_best / seconds[
+            "hf_specdec_prompt_lookup_optimal_tree"],
         "target_calls_per_prompt": {name: [s.target_calls for s in runs] for name, runs in stats_of.items()},
         "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal_stats)
                                / sum(len(s.gamma_history) for s in optimal_stats)),
@@ -120,6 +128,8 @@ def mixed_workload(cases):
             transformers[best] / seconds["hf_specdec_prompt_lookup_optimal"]),
         "hf_specdec_optimal_from_max_over_transformers_best_single_setting": (
             transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
+        "hf_specdec_optimal_tree_over_transformers_best_single_setting": (
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_tree"]),
     }
 
 
@@ -129,6 +139,8 @@ def main() -> None:
     parser.add_argument("--max-gamma", type=int, default=64, help="speculative_max_gamma of the optimal policy")
     parser.add_argument("--transformers-sweep", default="5,10,20,40,64",
                         help="prompt_lookup_num_tokens values also timed for transformers")
+    parser.add_argument("--tree-budget", type=int, default=72,
+                        help="speculative_tree_budget of the token-tree row (optimal policy from --max-gamma)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -160,6 +172,7 @@ def main() -> None:
         "hidden_size": args.hidden_size,
         "threads": torch.get_num_threads(),
         "max_gamma": args.max_gamma,
+        "tree_budget": args.tree_budget,
         "cases": [run_case(copier, copy_prompts, args, "copy-heavy", sweep=sweep),
                   run_case(copier, renamed_prompts, args, "copy-heavy-renamed", sweep=sweep),
                   run_case(target, random_prompts, args, "no-match", sweep=sweep)],
