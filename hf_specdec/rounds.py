@@ -24,7 +24,7 @@ from .configuration import SpeculativeOptions
 from .drafters.base import DraftContext, DraftProposal, Drafter
 from .drafters.model import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
-from .trees import ancestor_mask, check_parents, tree_attention_bias, tree_depths
+from .trees import ancestor_mask, check_parents, tree_attention_bias
 
 __all__ = ["ChainLayout", "TreeLayout", "Verdict", "checked_proposal", "draft_context", "layout_for", "standardize",
            "target_logits", "verify_round"]
@@ -58,8 +58,6 @@ def checked_proposal(
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"{name}.propose must return tokens of shape [batch={input_ids.shape[0]}, k], got {shape}.")
     parents = proposal.parents
-    if parents is None and tokens.shape[1] > gamma:
-        raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
     if tokens.shape[1] and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
         raise ValueError(
             f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
@@ -72,27 +70,28 @@ def checked_proposal(
         )
     tokens = tokens.to(device=input_ids.device, dtype=torch.long)
     if parents is not None:
+        if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):
+            shape = tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__
+            raise ValueError(f"{name}.propose returned parents of shape {shape}, expected {tuple(tokens.shape)}.")
+        parents = parents.to(device=input_ids.device, dtype=torch.long)
+        if bool((parents == torch.arange(tokens.shape[1], device=parents.device) - 1).all()):
+            parents = None  # a chain: verified as one, without a tree mask
+    if parents is not None:
         if tree_budget is None:
             raise ValueError(
                 f"{name}.propose returned a token tree (`parents`), but this call verifies chains only. Pass "
                 "`speculative_tree_budget=N` to verify trees of up to N nodes."
             )
-        if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):
-            shape = tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__
-            raise ValueError(f"{name}.propose returned parents of shape {shape}, expected {tuple(tokens.shape)}.")
         if tokens.shape[1] > tree_budget:
             raise ValueError(
                 f"{name}.propose returned a tree of {tokens.shape[1]} nodes, more than speculative_tree_budget="
                 f"{tree_budget}."
             )
-        parents = parents.to(device=input_ids.device, dtype=torch.long)
         problem = check_parents(parents)
         if problem is not None:
             raise ValueError(f"{name}.propose returned invalid parents {parents.tolist()}: {problem}.")
-        if tokens.shape[1] and int(tree_depths(parents).max()) > gamma:
-            raise ValueError(f"{name}.propose returned a tree deeper than the {gamma} tokens asked for.")
-        if bool((parents == torch.arange(tokens.shape[1], device=parents.device) - 1).all()):
-            parents = None  # a chain: verified without a tree mask
+    elif tokens.shape[1] > gamma:
+        raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
     return DraftProposal(tokens=tokens, probs=proposal.probs, parents=parents)
 
 
@@ -139,17 +138,17 @@ class Verdict:
 
 
 def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor,
-                 options: SpeculativeOptions, depth: int | None = None) -> Verdict:
-    """Algorithm 1 on a chain, multi-candidate rejection on a tree (`depth`: the tree's depth), on standardized
-    scores `[batch, k + 1, vocab]`."""
+                 options: SpeculativeOptions, depths: torch.LongTensor | None = None) -> Verdict:
+    """Algorithm 1 on a chain, multi-candidate rejection on a tree (`depths`: `[batch, k]`, its nodes' depths), on
+    standardized scores `[batch, k + 1, vocab]`."""
     tokens, probs, parents = proposal.tokens, proposal.probs, proposal.parents
     num_drafted = tokens.shape[1]
     if parents is not None:
         if do_sample:
             accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, probs, target_scores.softmax(dim=-1))
         else:
-            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores)
-        positions = torch.arange(depth, device=tokens.device)[None, :]
+            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, depths)
+        positions = torch.arange(int(depths.max()), device=tokens.device)[None, :]
         betas = (positions < accepted[:, None]).float()  # [batch, depth]
         return Verdict(accepted, next_tokens, nodes, betas)
     if do_sample:
@@ -165,11 +164,20 @@ def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.
 class ChainLayout:
     """Drafts in a row after the context: the model's own causal mask, and a crop rolls the cache back."""
 
+    prefills_context = False
+    """Whether an uncached context longer than the root is prefilled by a forward of its own first (a tree's mask
+    then stays `[1 + k, context + k]`, and the prompt keeps the model's causal fast path)."""
+
     def __init__(self, proposal: DraftProposal):
         self.proposal = proposal
         self.depth = proposal.tokens.shape[1]
+        self.depths = None  # [1, k] for a tree
 
-    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype) -> dict:
+    def verify(self, do_sample: bool, target_scores: torch.FloatTensor, options: SpeculativeOptions) -> Verdict:
+        return verify_round(do_sample, self.proposal, target_scores, options, self.depths)
+
+    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
+                          context_mask: torch.LongTensor | None = None) -> dict:
         return {}
 
     def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:
@@ -190,26 +198,30 @@ class TreeLayout(ChainLayout):
     """A token tree after the context: a 4D mask lets each node see the context and its ancestors, positions go by
     depth, and the accepted path's keys and values are compacted into place."""
 
+    prefills_context = True
+
     def __init__(self, proposal: DraftProposal):
         super().__init__(proposal)
-        parents = proposal.parents  # [1, k]
-        self.depths = tree_depths(parents)  # [1, k]
+        self.sees = ancestor_mask(proposal.parents)  # [1, k, k]: node i sees node j (an ancestor, or itself)
+        self.depths = self.sees.sum(dim=-1)  # [1, k]
         self.depth = int(self.depths.max())
-        self.sees = ancestor_mask(parents)[0]  # [k, k]: node i sees node j (an ancestor, or itself)
 
-    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype) -> dict:
-        tail = context_length - cache_length
-        positions = torch.cat([
-            torch.arange(cache_length, context_length, device=self.depths.device)[None, :],
-            context_length - 1 + self.depths,
-        ], dim=-1)  # [1, tail + k]
-        bias = tree_attention_bias(self.proposal.parents, cache_length, tail, dtype)
-        return {"attention_mask": bias, "position_ids": positions}
+    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
+                          context_mask: torch.LongTensor | None = None) -> dict:
+        """The 4D mask and positions of a forward over the uncached context tail and the nodes; `context_mask`
+        (`[1, context_length]`, 0 on left padding) as plain `generate` has it: padding is neither seen nor counted."""
+        if context_mask is None:
+            context_mask = torch.ones(1, context_length, dtype=torch.long, device=self.depths.device)
+        context_positions = (context_mask.long().cumsum(-1) - 1).clamp(min=0)  # [1, context_length]
+        positions = torch.cat([context_positions[:, cache_length:], context_positions[:, -1:] + self.depths], dim=-1)
+        bias = tree_attention_bias(self.proposal.parents, cache_length, context_length - cache_length, dtype,
+                                   sees=self.sees, context_mask=context_mask)
+        return {"attention_mask": bias, "position_ids": positions}  # [1, 1, tail + k, context + k], [1, tail + k]
 
     def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:
         if j == 0:
             return candidate_ids[:, :context_length]
-        path = self.proposal.tokens[:, self.sees[j - 1]]  # [1, depth of node j - 1]: root side first
+        path = self.proposal.tokens[:, self.sees[0, j - 1]]  # [1, depth of node j - 1]: root side first
         return torch.cat([candidate_ids[:, :context_length], path], dim=-1)
 
     def accepted_tokens(self, verdict: Verdict) -> torch.LongTensor:
@@ -221,5 +233,15 @@ class TreeLayout(ChainLayout):
         compact_cache(cache, context_length, verdict.accepted_nodes[0, :kept])
 
 
-def layout_for(proposal: DraftProposal) -> ChainLayout:
-    return ChainLayout(proposal) if proposal.parents is None else TreeLayout(proposal)
+def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLayout:
+    """The layout of a checked proposal; a tree deeper than the `gamma` tokens asked for is refused here, where its
+    depth is known."""
+    if proposal.parents is None:
+        return ChainLayout(proposal)
+    layout = TreeLayout(proposal)
+    if layout.depth > gamma:
+        raise ValueError(
+            f"{type(drafter).__name__}.propose returned a tree {layout.depth} nodes deep, deeper than the {gamma} "
+            "tokens asked for: `num_tokens` bounds a tree's depth."
+        )
+    return layout

@@ -149,13 +149,17 @@ def verify_sampling(
         q_next[rows, draft_tokens[rows, rejected_at]] = 1.0
     else:
         q_next = draft_probs[rows, rejected_at]  # [batch, vocab]
-    residual = (p_next - lenience * q_next).clamp(min=0.0)  # [batch, vocab]
-    mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
-    # mass is 0 only when p == q to float precision, where a rejection has probability ~0: fall back to p
-    recovered_dist = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
+    recovered_dist = _normalized_residual((p_next - lenience * q_next).clamp(min=0.0), p_next)  # [batch, vocab]
     next_dist = torch.where((accepted < gamma)[:, None], recovered_dist, p_next)
     next_tokens = sample_tokens(next_dist, generator)
     return accepted, next_tokens
+
+
+def _normalized_residual(residual: torch.FloatTensor, p: torch.FloatTensor) -> torch.FloatTensor:
+    """norm(`residual`) per row (`[batch, vocab]`), or `p` where the residual has no mass: that happens only when
+    p == q to float precision, where a rejection has probability ~0."""
+    mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
 
 
 def draft_target_overlap(
@@ -178,6 +182,7 @@ def verify_tree_greedy(
     draft_tokens: torch.LongTensor,  # [batch, k]
     parents: torch.LongTensor,  # [batch, k], -1 for the root's children, parents[b, i] < i
     target_scores: torch.FloatTensor,  # [batch, k + 1, vocab]: row 0 after the root, row i + 1 after node i
+    depths: torch.LongTensor | None = None,  # [batch, k]: tree_depths(parents), when the caller has them
 ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
     """Greedy tree verification: the deepest root path of nodes that equal the target's argmax at their parent.
 
@@ -192,7 +197,7 @@ def verify_tree_greedy(
     if k == 0:
         return torch.zeros_like(target_tokens[:, 0]), draft_tokens.clone(), target_tokens[:, 0]
     right = draft_tokens == target_tokens.gather(1, parents + 1)  # [batch, k]: the argmax at the node's parent
-    depth = tree_depths(parents)  # [batch, k]
+    depth = tree_depths(parents) if depths is None else depths  # [batch, k]
     max_depth = int(depth.max())
     is_root_child = parents < 0
     on_path = right  # [batch, k]: right, and so are all ancestors; exact up to depth level + 1 after each pass
@@ -256,9 +261,7 @@ def verify_tree_sampling(
         passed = r[:, i] * q_x < p_x  # [batch]: r < p(x) / q(x) without dividing by q(x) = 0
         accept = tested & passed
         reject = tested & ~passed
-        mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
-        # mass is 0 only when p == q to float precision, where a rejection has probability ~0: keep p
-        recovered_dist = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
+        recovered_dist = _normalized_residual(residual, p)  # [batch, vocab]
         p = torch.where(accept[:, None], target_probs[:, i + 1], torch.where(reject[:, None], recovered_dist, p))
         padded[rows, torch.where(accept, accepted, k)] = torch.where(accept, i, -1)
         current = torch.where(accept, i, current)

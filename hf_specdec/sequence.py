@@ -25,7 +25,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .drafters.model import logits_width
-from .rounds import checked_proposal, layout_for, standardize, target_logits, verify_round
+from .rounds import checked_proposal, layout_for, standardize, target_logits
 from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
@@ -75,18 +75,25 @@ def decode_sequence(
         draft_start = time.perf_counter()
         proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
                                     tree_budget)
-        layout = layout_for(proposal)
+        layout = layout_for(proposal, drafter, gamma)
         num_drafted = proposal.tokens.shape[1]
         verify_start = time.perf_counter()
 
         # 2. one target forward over the uncached tail and the drafts
+        context_mask = model_kwargs.get("attention_mask")  # [1, cur_len] or None
+        if layout.prefills_context and cur_len - cache.get_seq_length() > 1:
+            # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
+            # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
+            prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
+                              and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
+            target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
         candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
         forward_kwargs = model_kwargs
         if num_drafted:
             forward_kwargs = model._update_model_kwargs_for_generation(
                 {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
             )
-        overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype)
+        overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype, context_mask)
         new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
                                    overrides)  # [1, k + 1, V]
         new_scores = new_logits
@@ -95,7 +102,7 @@ def decode_sequence(
                                      lambda row, j: layout.prefix(candidate_ids, cur_len, j))
 
         # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
-        verdict = verify_round(do_sample, proposal, new_scores, options, layout.depth)
+        verdict = layout.verify(do_sample, new_scores, options)
         num_accepted = int(verdict.accepted[0])
         stats.record_round(chosen_gamma, num_drafted, num_accepted,
                            verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)

@@ -24,35 +24,38 @@ def chain_parents(batch: int, length: int, device=None) -> torch.LongTensor:
 def check_parents(parents: torch.LongTensor) -> str | None:
     """Why `parents` (`[batch, k]`) is not a valid tree, or None: each entry in [-1, own index)."""
     index = torch.arange(parents.shape[1], device=parents.device)
-    if bool(((parents < -1) | (parents >= index)).any()):
-        return "each node's parent must be -1 (the last context token) or an earlier node (parents[b, i] < i)"
+    bad = (parents < -1) | (parents >= index)
+    if bool(bad.any()):
+        row, node = (int(i) for i in bad.nonzero()[0])
+        return (f"node {node} of row {row} has parent {int(parents[row, node])}, but each node's parent must be -1 "
+                "(the last context token) or an earlier node (parents[b, i] < i)")
     return None
 
 
 def tree_depths(parents: torch.LongTensor) -> torch.LongTensor:
     """Depth of each node (`[batch, k]`), 1 for the children of the root; one gather per level of the tree."""
-    depth = torch.ones_like(parents)
-    ancestor = parents
-    for _ in range(parents.shape[1]):
-        has = ancestor >= 0  # [batch, k]
-        if not bool(has.any()):
-            break
-        depth = depth + has.long()
-        ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), ancestor)
-    return depth
+    return ancestor_mask(parents).sum(dim=-1)
 
 
 def ancestor_mask(parents: torch.LongTensor) -> torch.BoolTensor:
-    """`[batch, k, k]`: entry (i, j) is True when node j is node i or one of its ancestors (what node i may see)."""
+    """`[batch, k, k]`: entry (i, j) is True when node j is node i or one of its ancestors (what node i may see).
+    One gather per level of the tree: every node climbs one ancestor at a time."""
     batch, k = parents.shape
-    mask = torch.eye(k, dtype=torch.bool, device=parents.device).expand(batch, k, k).clone()
-    rows = torch.arange(k, device=parents.device)
-    for i in range(k):  # topological order: a parent's row is complete before its children's
-        parent = parents[:, i]  # [batch]
-        has = parent >= 0
-        inherited = mask[torch.arange(batch, device=parents.device), parent.clamp(min=0)]  # [batch, k]
-        mask[:, i] |= inherited & has[:, None] & (rows < i)
-    return mask
+    # column k collects the writes of nodes that have climbed past the root
+    mask = torch.eye(k, k + 1, dtype=torch.bool, device=parents.device).expand(batch, k, k + 1).clone()
+    ancestor = parents  # [batch, k]: each node's ancestor at the current height, -1 past the root
+    for _ in range(k):  # a valid tree is at most k deep
+        has = ancestor >= 0  # [batch, k]
+        if not bool(has.any()):
+            break
+        mask.scatter_(2, torch.where(has, ancestor, k)[..., None], True)
+        ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), ancestor)
+    return mask[..., :k]
+
+
+def additive_bias(allowed: torch.BoolTensor, dtype: torch.dtype) -> torch.FloatTensor:
+    """0 where `allowed`, the dtype's minimum elsewhere: the mask form both eager and SDPA attention add to scores."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def tree_attention_bias(
@@ -60,23 +63,27 @@ def tree_attention_bias(
     past_length: int,
     tail_length: int,
     dtype: torch.dtype,
+    sees: torch.BoolTensor | None = None,  # [batch, k, k]: ancestor_mask(parents), when already computed
+    context_mask: torch.LongTensor | None = None,  # [batch, past_length + tail_length]: 0 on (left) padding
 ) -> torch.FloatTensor:
     """The additive 4D attention mask `[batch, 1, tail_length + k, past_length + tail_length + k]` of one tree
     forward: `past_length` cached tokens, then `tail_length` uncached context tokens (causal among themselves; the
-    last is the root), then the k nodes, each seeing the whole context and its ancestors. 0 where attention is
-    allowed, the dtype's minimum elsewhere (the form both eager and SDPA attention add to their scores)."""
+    last is the root), then the k nodes, each seeing the whole context and its ancestors; context columns that
+    `context_mask` marks as padding are seen by none."""
     batch, k = parents.shape
     device = parents.device
-    queries, keys = tail_length + k, past_length + tail_length + k
+    context = past_length + tail_length
+    queries, keys = tail_length + k, context + k
     allowed = torch.zeros(batch, queries, keys, dtype=torch.bool, device=device)
     allowed[:, :, :past_length] = True
-    allowed[:, :tail_length, past_length : past_length + tail_length] = torch.ones(
+    allowed[:, :tail_length, past_length:context] = torch.ones(
         tail_length, tail_length, dtype=torch.bool, device=device
     ).tril()
-    allowed[:, tail_length:, past_length : past_length + tail_length] = True
-    allowed[:, tail_length:, past_length + tail_length :] = ancestor_mask(parents)
-    bias = torch.zeros(batch, 1, queries, keys, dtype=dtype, device=device)
-    return bias.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+    allowed[:, tail_length:, past_length:context] = True
+    allowed[:, tail_length:, context:] = ancestor_mask(parents) if sees is None else sees
+    if context_mask is not None:
+        allowed[:, :, :context] &= context_mask[:, None, :].bool()
+    return additive_bias(allowed[:, None], dtype)
 
 
 def best_subtree(parents: torch.LongTensor, scores: torch.FloatTensor, budget: int):

@@ -198,7 +198,8 @@ class MaskIgnoringLlama(LlamaForCausalLM):
 def test_drafter_without_tree_attention_is_refused():
     torch.manual_seed(0)
     model = MaskIgnoringLlama(tiny_config("llama")).eval()
-    with pytest.raises(ValueError, match="`speculative_tree_budget` needs a model that takes a custom 4D attention"):
+    with pytest.raises(ValueError, match=r"`speculative_tree_budget` needs models that take a custom 4D attention .* "
+                                         r"the drafter model \(`assistant_model`\)"):
         tree_drafter(model, prompt(4), 8)
     assert tree_drafter(model, prompt(4), None).propose(prompt(4), 2).tokens.shape == (1, 2)  # chains still work
 

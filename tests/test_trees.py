@@ -190,6 +190,23 @@ def test_trees_keep_scores_and_logits_of_plain_generate():
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary and learned absolute positions
+def test_left_padded_prompt_with_trees(arch):
+    """Padding is neither seen nor counted by the tree forward, as in plain generate (logits to 1e-4, not only the
+    argmax, so a shifted position cannot hide behind a wide margin)."""
+    target = hf_specdec.enable(tiny_model(arch))
+    ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(6, seed=4)], dim=-1)
+    mask = (torch.arange(9) >= 3).long()[None]
+    common = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
+                  return_dict_in_generate=True, output_logits=True)
+    plain = target.generate(ids, **common)
+    for drafter in (dict(assistant_model=target), dict(drafter=TreeScript(plain.sequences, 1, 2))):
+        out = target.generate(ids, speculative_gamma=3, speculative_tree_budget=9, **drafter, **common)
+        assert torch.equal(out.sequences, plain.sequences)
+        for ours, theirs in zip(out.logits, plain.logits):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 # ----- sampling -------------------------------------------------------------------------------------------------
 
 SAMPLING = dict(temperature=0.9, top_k=4)
@@ -288,5 +305,23 @@ def test_trees_refuse_encoder_decoder_sliding_windows_and_models_without_4d_mask
     config = AutoConfig.for_model("bloom", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
     bloom = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
     bloom.generation_config.eos_token_id = bloom.generation_config.pad_token_id = None
-    with pytest.raises(ValueError, match=r"BloomForCausalLM does not compute a token tree"):
+    with pytest.raises(ValueError, match=r"the target \(BloomForCausalLM\) does not compute a token tree"):
         bloom.generate(prompt(6), drafter="prompt_lookup", speculative_tree_budget=8, max_new_tokens=4)
+
+
+def test_probe_refuses_a_model_that_takes_positions_from_cache_slots():
+    """A model that ignores `position_ids` (positions from cache slots) would put every node after the last one:
+    the functional check must see it even on a default-initialized model, whose logits move little with position."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_config
+    from hf_specdec.tree_attention import supports_tree_attention
+
+    class SlotPositions(LlamaForCausalLM):
+        def forward(self, *args, position_ids=None, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    assert supports_tree_attention(LlamaForCausalLM(tiny_config("llama")).eval())
+    torch.manual_seed(0)
+    assert not supports_tree_attention(SlotPositions(tiny_config("llama")).eval())

@@ -112,7 +112,8 @@ class Drafter:
         `supports_padded_batches`, `input_ids` is re-padded so that rows end together, described by
         `attention_mask`. After a tree proposal, `accepted_nodes` (`[batch, num_accepted.max()]`) holds the indices
         of the nodes on the accepted path, root side first (entries past a row's `num_accepted` are -1); it is
-        passed only after a proposal with `parents`, so chain-only drafters need not declare it."""
+        passed only after a proposal verified as a tree (one whose `parents` form a chain is verified, and
+        reported, as a chain), so chain-only drafters need not declare it."""
 
     def select_rows(self, indices: torch.LongTensor) -> None:
         """With `supports_padded_batches`: keep only these rows of the batch (the others have finished)."""

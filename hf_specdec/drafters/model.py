@@ -16,7 +16,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from ..caches import realign_cache, slice_cache
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
-from ..trees import best_subtree
+from ..trees import additive_bias, best_subtree
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 
 __all__ = ["ModelDrafter"]
@@ -138,7 +138,7 @@ class ModelDrafter(Drafter):
         self.tree_budget = context.tree_budget if one_sequence else None
         self.tree_context_length = None  # cache length before the last tree's nodes, until `on_verified`
         if self.tree_budget is not None:
-            check_tree_attention(model, "speculative_tree_budget")
+            check_tree_attention(model, "speculative_tree_budget", role="the drafter model (`assistant_model`)")
             # a single prompt may still carry left padding: its nodes must not see it, and positions skip it
             mask = self.attention_mask
             self.tree_padding = 0 if mask is None else int((mask == 0).sum())
@@ -302,8 +302,7 @@ class ModelDrafter(Drafter):
             visible = torch.cat([torch.cat([visible, visible.new_zeros(1 + fed, frontier_size)], dim=1), new_rows])
             node_row[frontier.to(device)] = torch.arange(1 + fed, 1 + fed + frontier_size, device=device)
             allowed = torch.cat([context_visible.expand(frontier_size, -1), new_rows], dim=1)  # [f, keys]
-            bias = torch.zeros(1, 1, *allowed.shape, dtype=dtype, device=device)
-            bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)  # [1, 1, f, context_length + fed + f]
+            bias = additive_bias(allowed[None, None], dtype)  # [1, 1, f, context_length + fed + f]
             position = min(root_position + depth, self.max_position)
             logits = self.model(
                 input_ids=node_tokens[frontier][None].to(device),
