@@ -8,19 +8,30 @@ The `optimal` policy generalizes section 3.5 of the paper. Theorem 3.8 picks γ 
 E[tokens per round] / (γ c + 1) under i.i.d. acceptance and a verify forward as cheap as one decoding step. Here:
 
 - E[tokens per round](γ) = 1 + sum_{i=1..γ} prod_{j<=i} a_j, with a_j the acceptance rate at draft position j given
-  that position was reached (Beta-smoothed towards the pooled rate, with exponential forgetting), so acceptance that
-  falls off along the draft is accounted for;
-- the round's cost is γ t_draft + t_verify(γ), with t_draft the measured seconds per drafted token and t_verify(γ)
-  the median of the last verify times of rounds that drafted γ tokens (per γ, because on CPUs the cost of a k-token
-  forward is jagged in k; a median, so stalls do not count), shrunk towards a line fitted to all rounds (weighted
-  least squares, slope >= 0, ridged towards slope 0), which alone serves γ not tried yet. With t_verify flat this is exactly Theorem 3.8 with c = t_draft / t_verify(0).
+  that position was reached (Beta-smoothed towards the pooled rate, with exponential forgetting per drafting round:
+  plain steps say nothing about acceptance, so they do not age it), so acceptance that falls off along the draft is
+  accounted for;
+- the round's cost is γ t_draft + t_verify(γ), with t_draft the median of the last measured seconds per drafted
+  token and t_verify(γ) the median of the last verify times of rounds that drafted γ tokens (per γ, because on CPUs
+  the cost of a k-token forward is jagged in k), shrunk towards a line fitted to all rounds (weighted least squares,
+  slope >= 0, ridged towards slope 0), which alone serves γ not tried yet. A verify time above 1.5x its estimate (a
+  stall: another process, a page fault) counts as 1.5x, and a plain step is never estimated dearer than a verify
+  forward (over more tokens). With t_verify flat this is exactly Theorem 3.8 with c = t_draft / t_verify(0).
 
-It picks γ in {0, ..., speculative_max_gamma} maximising tokens per second, and drafts at all only when that is
-predicted to beat a plain step by 3% (so timing noise cannot make it flip-flop). The first round includes the prompt's
-prefill: it trains the acceptance estimates and gives a first c (drafting time / verifying time), with which the
-second round applies Theorem 3.8 directly (or takes a plain step, measuring its cost, if nothing was accepted). Every 8th round it tries a neighbour of its choice (γ ± 1) to keep the
-cost estimates of nearby γ fresh. When it settles on γ = 0 it probes γ = 1 after 32, 64, 128, ... plain steps, so
-a drafter that becomes useful again is noticed while a useless one costs almost nothing.
+It drafts the γ in {1, ..., speculative_max_gamma} maximising tokens per second when that is predicted to beat a
+plain step by 3% (so timing noise cannot make it flip-flop). Otherwise it stops drafting (γ = 0) only when that is
+sure, on measurements rather than the fitted line: γ = 1 has been measured three times (a median one stall cannot
+move) and, at the median costs of its rounds and of plain steps, would not beat a plain step by 3% even if one more of
+its first drafts had been accepted than were. Until then it drafts 1 token, the cheapest way to learn more, so one
+unlucky round (all drafts rejected, a stall, a line fitted to a stall) cannot switch drafting off.
+
+The first round drafts the user's γ and includes the prompt's prefill in both models: it trains the acceptance
+estimates and gives a first c (drafting time / verifying time), but no costs. The second round applies Theorem 3.8
+with that c, up to twice the user's γ (or takes a plain step, measuring its cost, if nothing was accepted). If it
+drafted k tokens, the third drafts k // 2: a line through one point is flat, which would make long drafts look free.
+Every 8th round it tries a neighbour of its choice (γ ± 1) to keep the cost estimates of nearby γ fresh. When it
+settles on γ = 0 it probes γ = 1 after 32, 64, 128, ... plain steps, so a drafter that becomes useful again is noticed
+while a useless one costs almost nothing.
 """
 
 from __future__ import annotations
@@ -63,18 +74,19 @@ class HeuristicGammaPolicy(GammaPolicy):
 class OptimalGammaPolicy(GammaPolicy):
     """Maximises expected tokens per second from online estimates of acceptance per position and of costs."""
 
-    decay = 0.95  # forgetting per round: acceptance and costs drift along a generation
+    decay = 0.95  # forgetting per drafting round (costs: per round): acceptance and costs drift along a generation
     prior_strength = 2.0  # pseudo-rounds pulling each position's rate towards the pooled rate
     explore_every = 8  # rounds between probes of a neighbour of the chosen γ
     first_probe_after = 32  # plain steps before the first probe of γ = 1 (then doubled each time)
     min_gain = 1.03  # draft only when predicted to beat a plain step by this factor: hysteresis against timing noise
+    max_jump = 1.5  # a verify time counts for at most this times its current estimate: one stall moves it little
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
         self.reached = [0.0] * max_gamma  # decayed count of rounds whose draft reached position i
         self.accepted = [0.0] * max_gamma
         self.prior_c = None  # drafter / target time of the first round (both include the prompt)
-        self.draft_s = None  # seconds per drafted token (EMA)
+        self.draft_s = collections.deque(maxlen=5)  # seconds per drafted token of the last drafting rounds
         self.verify_s: dict[int, collections.deque] = {}  # k -> last verify times of rounds drafting k (jagged in k)
         self.fit = [0.0] * 5  # decayed weighted sums for the fallback line t_verify(k) = a + b k: w, wk, wkk, wt, wkt
         self.rounds = 0
@@ -117,37 +129,57 @@ class OptimalGammaPolicy(GammaPolicy):
             return fitted
         return (len(recent) * statistics.median(recent) + 2.0 * fitted) / (len(recent) + 2.0)  # 2 pseudo-rounds
 
+    def round_seconds(self) -> list[float]:
+        """Expected seconds of a round for γ = 0 ... max_gamma."""
+        line = self.verify_line()
+        # a plain step is a forward over fewer tokens than any verify: a stall must not make it look dearer than one
+        measured = [statistics.median(times) for drafted, times in self.verify_s.items() if drafted]
+        plain = max(min([self.verify_seconds(0, line), self.verify_seconds(1, line), *measured]), 1e-9)
+        # until a drafting round is measured, the first round's cost ratio stands in for the drafter's cost
+        draft = statistics.median(self.draft_s) if self.draft_s else (self.prior_c or 0.0) * plain
+        return [plain] + [gamma * draft + max(self.verify_seconds(gamma, line), 1e-9)
+                          for gamma in range(1, self.max_gamma + 1)]
+
     def tokens_per_second(self, rates: list[float]) -> list[float]:
         """Expected tokens per second for γ = 0 ... max_gamma."""
-        line = self.verify_line()
-        return [tokens / (gamma * self.draft_s + max(self.verify_seconds(gamma, line), 1e-9))
-                for gamma, tokens in enumerate(self.expected_tokens(rates))]
+        return [tokens / seconds for tokens, seconds in zip(self.expected_tokens(rates), self.round_seconds())]
+
+    def drafting_hopeless(self) -> bool:
+        """Whether to stop drafting: only on measured costs (medians of plain steps and of at least three γ = 1 rounds:
+        a stall, or a line fitted to one, cannot decide), and only if γ = 1 would not beat a plain step even with one
+        more accepted first draft than seen."""
+        plain, one_draft = self.verify_s.get(0, ()), self.verify_s.get(1, ())
+        if not plain or len(one_draft) < 3:
+            return False
+        optimistic = (self.accepted[0] + 1.0) / (self.reached[0] + 1.0)
+        one_draft_s = statistics.median(self.draft_s) + statistics.median(one_draft)
+        plain_s = min(statistics.median(plain), statistics.median(one_draft))  # never dearer than γ = 1's forward
+        return (1.0 + optimistic) / one_draft_s < self.min_gain / plain_s
 
     def next_gamma(self) -> int:
-        if self.draft_s is None:
-            if self.prior_c is None:
-                return self.gamma  # nothing measured yet: the user's γ
+        if self.prior_c is None:
+            return self.gamma  # nothing measured yet: the user's γ
+        if not self.fit[0]:  # only the first round seen: its costs include the prompt's prefill, so only c is usable
             if sum(self.accepted) == 0:
-                return 0  # the first drafts all failed: take a plain step, which also measures its cost
-            # one round seen: Theorem 3.8 with the first round's cost ratio
+                return 0  # its drafts all failed: take a plain step, which also measures its cost
+            # Theorem 3.8, at most doubling the user's γ: a few drafts and prefill-laden costs extrapolate poorly
             speedups = [tokens / (gamma * self.prior_c + 1.0)
                         for gamma, tokens in enumerate(self.expected_tokens(self.acceptance_rates()))]
-            return max(range(self.max_gamma + 1), key=lambda g: (speedups[g], -g))
-        if self.plain_rounds:  # plain steps teach nothing about drafting: keep γ = 0 until the next probe
-            best = 0
-        else:
-            rate = self.tokens_per_second(self.acceptance_rates())
-            best = max(range(self.max_gamma + 1), key=lambda g: (rate[g], -g))
-            if rate[best] < self.min_gain * rate[0]:
-                best = 0
-        if best == 0:
+            return max(range(min(2 * self.gamma, self.max_gamma) + 1), key=lambda g: (speedups[g], -g))
+        if self.rounds == 2 and 0 not in self.verify_s:  # one measured γ = k: the fitted line is flat
+            return next(iter(self.verify_s)) // 2  # measure a second point (k = 1: a plain step) before trusting it
+        rate = self.tokens_per_second(self.acceptance_rates())
+        best = max(range(1, self.max_gamma + 1), key=lambda g: (rate[g], -g))
+        if rate[best] < self.min_gain * rate[0]:  # drafting seems not to pay
             if 0 not in self.verify_s:
-                return 0  # a plain step's cost was extrapolated: measure one before settling on γ = 0
-            self.plain_rounds += 1
-            if self.plain_rounds >= self.probe_after:  # is the drafter useful again?
-                self.plain_rounds, self.probe_after = 0, self.probe_after * 2
-                return 1
-            return 0
+                return 0  # a plain step's cost was extrapolated: measure one
+            if self.drafting_hopeless():
+                self.plain_rounds += 1
+                if self.plain_rounds >= self.probe_after:  # is the drafter useful again?
+                    self.plain_rounds, self.probe_after = 0, self.probe_after * 2
+                    return 1
+                return 0
+            best = 1  # but that is not sure yet: the cheapest draft measures more
         self.plain_rounds, self.probe_after = 0, self.first_probe_after
         if self.rounds % self.explore_every == self.explore_every - 1:  # try a neighbour, alternating sides
             side = 1 if (self.rounds // self.explore_every) % 2 == 0 else -1
@@ -156,25 +188,21 @@ class OptimalGammaPolicy(GammaPolicy):
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
         self.rounds += 1
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for position in range(min(accepted + 1, drafted)):
-            self.reached[position] += 1.0
-        for position in range(accepted):
-            self.accepted[position] += 1.0
+        if drafted:  # plain steps say nothing about acceptance, so they do not age what is known about it
+            self.reached = [r * self.decay for r in self.reached]
+            self.accepted = [a * self.decay for a in self.accepted]
+            for position in range(min(accepted + 1, drafted)):
+                self.reached[position] += 1.0
+            for position in range(accepted):
+                self.accepted[position] += 1.0
         if first_round:  # its times include the prompt's prefill, in both models: only their ratio is usable
             self.prior_c = draft_time_s / verify_time_s / max(drafted, 1) if verify_time_s > 0 else 0.0
             return
         if drafted:
-            per_token = draft_time_s / drafted
-            if self.draft_s is not None:  # a stall (another process, a page fault) counts for at most 3x
-                per_token = min(per_token, 3.0 * self.draft_s)
-            self.draft_s = per_token if self.draft_s is None else 0.8 * self.draft_s + 0.2 * per_token
-        elif self.draft_s is None:
-            self.draft_s = (self.prior_c or 0.0) * verify_time_s
+            self.draft_s.append(draft_time_s / drafted)
+        if self.fit[0] > 0:  # a stall (another process, a page fault) moves the per-γ median and the line little
+            verify_time_s = min(verify_time_s, self.max_jump * self.verify_seconds(drafted))
         self.verify_s.setdefault(drafted, collections.deque(maxlen=5)).append(verify_time_s)
-        if self.fit[0] > 0:
-            verify_time_s = min(verify_time_s, 3.0 * self.verify_seconds(drafted))  # stalls count for at most 3x
         k, t = float(drafted), verify_time_s
         self.fit = [v * self.decay for v in self.fit]
         for index, value in enumerate((1.0, k, k * k, t, k * t)):
