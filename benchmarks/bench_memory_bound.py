@@ -187,14 +187,18 @@ def divergence(target, prompt_row, plain_new, other_new) -> dict | None:
         return None
     position = int(different[0])
     prefix = torch.cat([prompt_row, plain_new[:position]])[None]  # [1, prompt + position]
-    logits = target(prefix, use_cache=False, logits_to_keep=1).logits[0, -1]  # [vocab], the model's dtype
-    top = logits.float().topk(2)
+    logits = target(prefix, use_cache=False, logits_to_keep=1).logits[0, -1].float()  # [vocab]
+    top = logits.topk(2)
+    plain_token, method_token = int(plain_new[position]), int(other_new[position])
     return {
         "first_differing_position": position,
-        "plain_token": int(plain_new[position]),
-        "method_token": int(other_new[position]),
+        "plain_token": plain_token,
+        "method_token": method_token,
         "top2_logit_gap": float(top.values[0] - top.values[1]),
-        "method_token_is_top2": int(other_new[position]) == int(top.indices[1]),
+        "method_token_is_top2": method_token == int(top.indices[1]),
+        # this forward over the whole prefix rounds differently again: the two contested tokens' logits in it
+        "plain_minus_method_logit": float(logits[plain_token] - logits[method_token]),
+        "method_token_rank": int((logits > logits[method_token]).sum()),
     }
 
 
