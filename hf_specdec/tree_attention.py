@@ -82,5 +82,7 @@ def _probe(model) -> bool:
     except Exception:  # any failure means "cannot": the caller raises a clear error naming the model
         return False
     # rounding differs between a tree forward and a plain one (more in half precision), but far less than what a
-    # wrong position or a sibling seen through the mask changes
-    return sensitivity > 0 and max(errors) <= 0.1 * sensitivity
+    # wrong position or a sibling seen through the mask changes; a model whose output does not depend on them at
+    # all (attention switched off) is exact when it agrees to rounding
+    noise = (1e-5 if model.dtype == torch.float32 else 1e-2) * float(want.abs().max().clamp(min=1.0))
+    return max(errors) <= max(0.1 * sensitivity, noise)

@@ -325,3 +325,16 @@ def test_probe_refuses_a_model_that_takes_positions_from_cache_slots():
     assert supports_tree_attention(LlamaForCausalLM(tiny_config("llama")).eval())
     torch.manual_seed(0)
     assert not supports_tree_attention(SlotPositions(tiny_config("llama")).eval())
+
+
+def test_a_target_that_ignores_its_context_serves_trees():
+    """With attention switched off (hf_specdec.toy.copying_target) positions and masks change nothing, and the check
+    must not refuse a model that computes trees exactly."""
+    from hf_specdec.toy import copying_target
+
+    target = hf_specdec.enable(copying_target(tiny_model("llama")))
+    ids = prompt(8, seed=3)
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, drafter=TreeScript(reference, 1, 2), speculative_gamma=3, speculative_tree_budget=9,
+                          max_new_tokens=12, do_sample=False)
+    assert torch.equal(out, reference)
