@@ -243,6 +243,21 @@ def test_point_mass_tree_samples_follow_target(sampling_target):
     assert goodness_of_fit(table, wrong) < 1e-3
 
 
+def test_model_drafter_tree_samples_follow_target(sampling_target):
+    """ModelDrafter's top-k tree (deterministic nodes, probs=None) under sampling, with a drafter that is partly
+    right; power: the drafter's own samples fail the same test."""
+    target = sampling_target
+    drafter = tiny_model("llama", seed=1)
+    ids = prompt(6, seed=11)
+    table = exact_two_token_distribution(target, ids, SAMPLING)
+    samples = sample_pairs(target, ids, SAMPLING, 2000, assistant_model=drafter, speculative_gamma=2,
+                           speculative_tree_budget=6)
+    assert goodness_of_fit(table, samples) > 1e-3
+    drafter_samples = sample_pairs(hf_specdec.enable(drafter), ids, SAMPLING, 2000)
+    assert (any(sample not in table for sample in drafter_samples)
+            or goodness_of_fit(table, drafter_samples) < 1e-3)
+
+
 def test_sampled_tree_samples_follow_target(sampling_target):
     """Siblings drawn i.i.d. from a drafter's q (with q passed along) are verified exactly."""
     target = sampling_target
