@@ -41,6 +41,17 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int = 15, batch: i
     return 1000 * statistics.median(times)
 
 
+def assistant_with_gamma(drafter, gamma: int):
+    """A shallow copy of `drafter` for transformers' assisted generation, which reads the draft length from the
+    assistant's own generation config: constant `gamma`, no confidence cut-off (the user's drafter is untouched)."""
+    assistant = copy.copy(drafter)
+    assistant.generation_config = copy.deepcopy(drafter.generation_config)
+    assistant.generation_config.num_assistant_tokens = gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
 def timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -64,11 +75,7 @@ def main() -> None:
     target, drafter = target.to(args.device), drafter.to(args.device)
     target = hf_specdec.enable(target)
     # transformers reads the draft length from the assistant's own generation config: set it on a copy
-    assistant = copy.copy(drafter)
-    assistant.generation_config = copy.deepcopy(drafter.generation_config)
-    assistant.generation_config.num_assistant_tokens = args.gamma
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
+    assistant = assistant_with_gamma(drafter, args.gamma)
 
     vocab = target.config.vocab_size
     generator = torch.Generator().manual_seed(0)

@@ -36,7 +36,6 @@ measured batch costs. Speed is measured here, never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
@@ -45,6 +44,8 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
+from bench_early_exit import assistant_with_gamma
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
@@ -52,7 +53,6 @@ from hf_specdec.theory import expected_tokens_per_round, optimal_gamma
 from hf_specdec.toy import build_early_exit_pair
 from hf_specdec.trees import tree_attention_bias, tree_depths
 
-PAD = 0  # prompts draw their tokens from 1 .. vocab - 1
 
 # TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
 FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
@@ -316,19 +316,6 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
 # batches
 
 
-def padded_prompts(batch: int, vocab: int, longest: int, seed: int):
-    """Left-padded random prompts of lengths in [longest / 2, longest]: ids and attention mask `[batch, longest']`."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(max(1, longest // 2), longest + 1, (batch,), generator=generator).tolist()
-    width = max(lengths)
-    ids = torch.full((batch, width), PAD)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(1, vocab, (length,), generator=generator)
-        mask[row, width - length:] = 1
-    return ids, mask
-
-
 def run_batches(target, drafter, args, counter) -> list[dict]:
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True,
                   pad_token_id=PAD)
@@ -343,7 +330,8 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
     context = args.prompt_length + args.max_new_tokens // 2
     rows = []
     for batch in args.batches:
-        ids, mask = padded_prompts(batch, target.config.vocab_size, args.prompt_length, seed=args.seed + batch)
+        ids, mask = padded_prompts(batch, target.config.vocab_size, seed=args.seed + batch,
+                                   shortest=max(1, args.prompt_length // 2), longest=args.prompt_length)
         width = ids.shape[1]
         for name in names:  # warm-up at this batch size
             methods[name](ids[:, -8:], mask[:, -8:].clone().fill_(1))
@@ -509,11 +497,7 @@ def main() -> None:
     build_s = time.perf_counter() - start
     target = hf_specdec.enable(target)
     # transformers reads the draft length from the assistant's own generation config: set it on a copy
-    assistant = copy.copy(drafter)
-    assistant.generation_config = copy.deepcopy(drafter.generation_config)
-    assistant.generation_config.num_assistant_tokens = args.gamma
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
+    assistant = assistant_with_gamma(drafter, args.gamma)
     counter = ForwardCounter(target)
     print(f"built the pair in {build_s:.1f} s: {sum(p.numel() for p in target.parameters()) / 1e9:.3f}B parameters,"
           f" {torch.get_num_threads()} threads", flush=True)

@@ -25,7 +25,6 @@ different amounts of work. Speed is measured, never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from hf_specdec import NGramDrafter, zoo
 from hf_specdec.theory import expected_speedup
 from hf_specdec.zoo.tasks import TASKS, load_prompts
 
-from bench_early_exit import timed  # the benchmark scripts sit together in benchmarks/
+from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 
 EXACT_MATCH = Path(__file__).resolve().parent / "metrics" / "exact_match" / "exact_match.py"
 DRAFTERS = ("unigram", "bigram", "trigram", "prompt_lookup", "distilled")
@@ -49,16 +48,6 @@ def lower_order(table: NGramDrafter, n: int, draft_mode: str) -> NGramDrafter:
     argmax (`"greedy"`, for T=0) or sampling from its distribution (`"sample"`, for T=1: q enters the test)."""
     tables = {name: tensor for name, tensor in table.tables.items() if int(name.split(".")[0][6:]) <= n}
     return NGramDrafter(tables, n=n, vocab_size=table.vocab_size, top_k=table.top_k, draft_mode=draft_mode)
-
-
-def assistant_with_gamma(model, gamma: int):
-    """A shallow copy whose generation config asks transformers for exactly `gamma` drafts (the user's is untouched)."""
-    assistant = copy.copy(model)
-    assistant.generation_config = copy.deepcopy(model.generation_config)
-    assistant.generation_config.num_assistant_tokens = gamma
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
-    return assistant
 
 
 def main() -> None:
