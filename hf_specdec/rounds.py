@@ -189,9 +189,16 @@ class ChainLayout:
         n = int(verdict.accepted[0])
         return torch.cat([self.proposal.tokens[:1, :n], verdict.next_tokens[:1, None]], dim=-1)
 
+    def emitted_positions(self, verdict: Verdict) -> list[int]:
+        """Which of the k + 1 scored positions each emitted token of row 0 was chosen from."""
+        return list(range(int(verdict.accepted[0]) + 1))
+
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
         """Leaves the cache holding the context and the first `kept` accepted drafts, nothing after."""
         cache.crop(-(cache.get_seq_length() - (context_length + kept)))
+
+    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict) -> None:
+        drafter.on_verified(input_ids, verdict.accepted)
 
 
 class TreeLayout(ChainLayout):
@@ -229,8 +236,16 @@ class TreeLayout(ChainLayout):
         path = self.proposal.tokens[:1, verdict.accepted_nodes[0, :n]]
         return torch.cat([path, verdict.next_tokens[:1, None]], dim=-1)
 
+    def emitted_positions(self, verdict: Verdict) -> list[int]:
+        # the root's position, then each accepted node's
+        return [0] + (verdict.accepted_nodes[0, : int(verdict.accepted[0])] + 1).tolist()
+
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
         compact_cache(cache, context_length, verdict.accepted_nodes[0, :kept])
+
+    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict) -> None:
+        path = verdict.accepted_nodes[:, : int(verdict.accepted.max())]  # [batch, longest accepted path]
+        drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=path)
 
 
 def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLayout:

@@ -110,13 +110,11 @@ def decode_sequence(
         # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
         # middle of an accepted block, and plain generate checks after every token
         new_tokens = layout.accepted_tokens(verdict)  # [1, n + 1]
-        # the scores of the emitted positions: the root's, then each accepted node's
-        positions = [0] + ([] if verdict.accepted_nodes is None else
-                           (verdict.accepted_nodes[0, :num_accepted] + 1).tolist())
+        positions = layout.emitted_positions(verdict) if output_scores or output_logits else None
         round_ids = torch.cat([input_ids, new_tokens], dim=-1)
         emitted = 0
         while emitted < num_accepted + 1 and not finished:
-            position = positions[emitted] if verdict.accepted_nodes is not None else emitted
+            position = positions[emitted] if positions else None
             if output_scores:
                 scores += (new_scores[:, position],)
             if output_logits:
@@ -134,10 +132,7 @@ def decode_sequence(
         model_kwargs = model._update_model_kwargs_for_generation(
             {}, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=emitted
         )
-        if verdict.accepted_nodes is None:
-            drafter.on_verified(input_ids, verdict.accepted)
-        else:
-            drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=verdict.accepted_nodes[:, :num_accepted])
+        layout.tell_drafter(drafter, input_ids, verdict)
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
