@@ -15,9 +15,9 @@ recommend) and at each `--transformers-sweep` value (so the ratio over transform
 too); hf_specdec with the same constant γ, with `speculative_gamma_policy="optimal"` (section 3.5: γ chosen online
 from measured acceptance and costs, starting at `--gamma`, up to `--max-gamma`), the configuration we recommend for
 copy drafters, the same with token trees (`speculative_tree_budget=--tree-budget`: the copy is the main branch,
-continuations of other earlier matches are branches), and the same with `follow_copies=False` (every proposal looked up afresh: the ablation of copy
-following and learned substitutions), and `optimal` starting at `--max-gamma` (compared with transformers at that
-number, which is where both start). `mixed_workload` adds the three cases up, each method with one setting for
+continuations of other earlier matches are branches), and the same with `follow_copies=False` (every proposal looked
+up afresh: the ablation of copy following and learned substitutions), and `optimal` starting at `--max-gamma`
+(compared with transformers at that number, which is where both start). `mixed_workload` adds the three cases up, each method with one setting for
 all prompts, and reports ours against transformers' best single `prompt_lookup_num_tokens` over that mix.
 
     python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 3]

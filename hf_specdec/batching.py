@@ -104,7 +104,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
     draft_processors, padding_aware = _padded_batch_processors(logits_processor)
     context = draft_context(model, input_ids, draft_processors, generation_config,
-                       {**model_kwargs, "attention_mask": mask}, inputs_tensor)
+                            {**model_kwargs, "attention_mask": mask}, inputs_tensor)
     if drafter.supports_padded_batches:
         batch_drafter, row_drafters = drafter.for_call(context), None
     else:
@@ -356,9 +356,9 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
         row_ids = input_ids[row : row + 1]
         row_processors = processors_for_row(logits_processor, row, batch)
         row_drafter = drafter.for_call(draft_context(model, row_ids, row_processors, generation_config, row_kwargs,
-                                                _source_row(inputs_tensor, row, batch)))
+                                                     _source_row(inputs_tensor, row, batch)))
         sequence, _, _ = decode_sequence(model, row_ids, logits_processor=row_processors,
-                                     stopping_criteria=stopping_criteria, drafter=row_drafter, **run, **row_kwargs)
+                                         stopping_criteria=stopping_criteria, drafter=row_drafter, **run, **row_kwargs)
         outputs.append(sequence)
         states.append((row_kwargs, row_processors, row_drafter))
     if not rows_end_early:
@@ -373,8 +373,8 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
                     {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
                 )
                 outputs[row], _, _ = decode_sequence(model, outputs[row], logits_processor=row_processors,
-                                                 stopping_criteria=until_stop, drafter=row_drafter, **run,
-                                                 **row_kwargs)
+                                                     stopping_criteria=until_stop, drafter=row_drafter, **run,
+                                                     **row_kwargs)
     longest = max(s.shape[1] for s in outputs)
     out = input_ids.new_full((batch, longest), int(pad.reshape(-1)[0]) if pad is not None else 0)
     for row, sequence in enumerate(outputs):

@@ -52,7 +52,9 @@ def compactable(cache) -> bool:
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
             return False
-        if any(isinstance(value, torch.Tensor) for name, value in vars(layer).items() if name not in ("keys", "values")):
+        per_column_state = [name for name, value in vars(layer).items()
+                            if isinstance(value, torch.Tensor) and name not in ("keys", "values")]
+        if per_column_state:
             return False
     return True
 

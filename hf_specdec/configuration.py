@@ -50,7 +50,8 @@ class SpeculativeOptions:
             )
         budget = self.speculative_tree_budget
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TREE_BUDGET:
+            if (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
+                    or not 1 <= budget <= MAX_TREE_BUDGET):
                 raise ValueError(
                     f"`speculative_tree_budget` must be None or an int in [1, {MAX_TREE_BUDGET}], got {budget!r}. Use "
                     "for example `speculative_tree_budget=12` (choose it from the target's cost of a forward over "

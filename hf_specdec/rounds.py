@@ -2,9 +2,9 @@
 
 A round is: the drafter proposes (`checked_proposal` validates it at the boundary) → the target runs one forward
 over its uncached tail and the drafts (`target_logits`, with the layout's mask and positions) → the target's logits
-processors standardize each position with its own prefix (`standardize`) → `verify_round` applies Algorithm 1 (a
-chain) or multi-candidate rejection (a tree) from `hf_specdec.sampling` → the caller emits the tokens through the
-stopping criteria and rolls the cache back.
+processors standardize each position with its own prefix (`standardize`) → the layout's `verify` applies Algorithm 1
+(a chain, `verify_round`) or multi-candidate rejection (a tree) from `hf_specdec.sampling` → the caller emits the
+tokens through the stopping criteria and rolls the cache back.
 
 What differs between layouts sits behind one small seam, `ChainLayout` / `TreeLayout`: the prefix each drafted
 position is conditioned on, the extra forward inputs (a tree's 4D attention mask and depth-based positions), and
@@ -133,24 +133,15 @@ class Verdict:
 
     accepted: torch.LongTensor  # [batch]: drafts kept (the accepted path's length, for a tree)
     next_tokens: torch.LongTensor  # [batch]: the recovered or bonus token
-    accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node indices, -1 padded); chains: None
+    accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node ids, -1 padded); chains: None
     betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
 
 
 def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor,
-                 options: SpeculativeOptions, depths: torch.LongTensor | None = None) -> Verdict:
-    """Algorithm 1 on a chain, multi-candidate rejection on a tree (`depths`: `[batch, k]`, its nodes' depths), on
-    standardized scores `[batch, k + 1, vocab]`."""
-    tokens, probs, parents = proposal.tokens, proposal.probs, proposal.parents
+                 options: SpeculativeOptions) -> Verdict:
+    """Algorithm 1 on a chain of drafts, on standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
+    tokens, probs = proposal.tokens, proposal.probs
     num_drafted = tokens.shape[1]
-    if parents is not None:
-        if do_sample:
-            accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, probs, target_scores.softmax(dim=-1))
-        else:
-            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, depths)
-        positions = torch.arange(int(depths.max()), device=tokens.device)[None, :]
-        betas = (positions < accepted[:, None]).float()  # [batch, depth]
-        return Verdict(accepted, next_tokens, nodes, betas)
     if do_sample:
         target_probs = target_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
         accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)
@@ -171,10 +162,9 @@ class ChainLayout:
     def __init__(self, proposal: DraftProposal):
         self.proposal = proposal
         self.depth = proposal.tokens.shape[1]
-        self.depths = None  # [1, k] for a tree
 
     def verify(self, do_sample: bool, target_scores: torch.FloatTensor, options: SpeculativeOptions) -> Verdict:
-        return verify_round(do_sample, self.proposal, target_scores, options, self.depths)
+        return verify_round(do_sample, self.proposal, target_scores, options)
 
     def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
                           context_mask: torch.LongTensor | None = None) -> dict:
@@ -212,6 +202,18 @@ class TreeLayout(ChainLayout):
         self.sees = ancestor_mask(proposal.parents)  # [1, k, k]: node i sees node j (an ancestor, or itself)
         self.depths = self.sees.sum(dim=-1)  # [1, k]
         self.depth = int(self.depths.max())
+
+    def verify(self, do_sample: bool, target_scores: torch.FloatTensor, options: SpeculativeOptions) -> Verdict:
+        """Multi-candidate rejection along the tree (lenience is refused for trees when options are built)."""
+        tokens, parents = self.proposal.tokens, self.proposal.parents
+        if do_sample:
+            accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, self.proposal.probs,
+                                                                target_scores.softmax(dim=-1))
+        else:
+            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, self.depths)
+        depths = torch.arange(self.depth, device=tokens.device)[None, :]
+        betas = (depths < accepted[:, None]).float()  # [batch, depth]: 1 for each accepted depth
+        return Verdict(accepted, next_tokens, nodes, betas)
 
     def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
                           context_mask: torch.LongTensor | None = None) -> dict:

@@ -20,7 +20,8 @@ class TreeScript(hf_specdec.Drafter):
     the others (and the rest of it) are wrong. Deterministic (q is a point mass)."""
 
     def __init__(self, reference, right_branch: int = 1, right_depth: int = 3, branches: int = 3):
-        self.reference, self.right_branch, self.right_depth, self.branches = reference, right_branch, right_depth, branches
+        self.reference, self.branches = reference, branches
+        self.right_branch, self.right_depth = right_branch, right_depth
 
     def propose(self, input_ids, num_tokens):
         start = input_ids.shape[1]
