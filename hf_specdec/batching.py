@@ -54,7 +54,7 @@ from .sequence import decode_sequence
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["decode_batch"]
+__all__ = ["decode_batch", "fresh_cache", "slice_kwargs"]
 
 
 def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kwargs: dict, *, drafter: Drafter,
@@ -62,7 +62,8 @@ def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kw
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
     stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
     cache = model_kwargs["past_key_values"]
-    if _supports_padded_batch(model, cache):
+    # a drafter that reads the target's hidden states gets them from the one-sequence loop: rows one at a time
+    if _supports_padded_batch(model, cache) and not drafter.reads_target_hidden_states:
         return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
                               **model_kwargs), cache
     return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
@@ -74,9 +75,16 @@ def _supports_padded_batch(model, cache) -> bool:
     return (
         not model.config.is_encoder_decoder
         and isinstance(cache, DynamicCache)
-        and not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        and all(_moves_by_column(layer) for layer in cache.layers)
         and "position_ids" in inspect.signature(model.forward).parameters
     )
+
+
+def _moves_by_column(layer) -> bool:
+    """Whether everything `layer` holds is per-column state that `realign_cache` moves: no sliding window, and no
+    convolution or recurrent state (which summarizes the last tokens of each row, whatever their columns)."""
+    return not (getattr(layer, "is_sliding", False) or hasattr(layer, "conv_states")
+                or hasattr(layer, "recurrent_states"))
 
 
 def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
@@ -154,7 +162,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
             # each row with its own prefix, laid out as plain generate lays it out
             views = [torch.cat([prompts[r], generated[r], draft_tokens[i]])[None] for i, r in enumerate(rows)]
             scores = standardize(logits, lambda i: row_processors[rows[i]],
-                                 lambda i, j: views[i][:, : lengths[i] + j])
+                                 lambda i, j: views[i][:, : lengths[i] + j], check_stateless=first_round)
 
         # 3. verify every row (Algorithm 1)
         verdict = verify_round(do_sample, proposal, scores, options)
@@ -328,13 +336,21 @@ def _assemble(prompts, generated, pad_token_id: int):
     return out
 
 
-def _slice_kwargs(model_kwargs, row: int, batch: int, model):
+def fresh_cache(cache, model):
+    """An empty cache of the same kind as `cache` (the model's own layer types: indexed, linear-attention, ...)."""
+    if cache.get_seq_length() == 0:
+        return copy.deepcopy(cache)
+    config = model.config
+    return (EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+            if isinstance(cache, EncoderDecoderCache) else DynamicCache(config=config))
+
+
+def slice_kwargs(model_kwargs, row: int, batch: int, model):
+    """Row `row` of the prepared model kwargs of a batch of `batch`, with a fresh cache of its own."""
     sliced = {}
     for key, value in model_kwargs.items():
         if key == "past_key_values":
-            config = model.config
-            value = (EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
-                     if isinstance(value, EncoderDecoderCache) else DynamicCache(config=config))
+            value = fresh_cache(value, model)
         elif isinstance(value, ModelOutput):
             value = type(value)(**{k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v
                                    for k, v in value.items()})
@@ -352,7 +368,7 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
     run = dict(generation_config=generation_config, options=options, policy=policy, stats=stats)
     outputs, states = [], []
     for row in range(batch):
-        row_kwargs = _slice_kwargs(model_kwargs, row, batch, model)
+        row_kwargs = slice_kwargs(model_kwargs, row, batch, model)
         row_ids = input_ids[row : row + 1]
         row_processors = processors_for_row(logits_processor, row, batch)
         row_drafter = drafter.for_call(draft_context(model, row_ids, row_processors, generation_config, row_kwargs,

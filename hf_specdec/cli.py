@@ -1,13 +1,18 @@
-"""The `hf-specdec` command line: `demo`, `generate`, `bench`, `build-ngram`, `distill`.
+"""The `hf-specdec` command line: `demo`, `generate`, `bench`, `build-ngram`, `distill`, `train-drafter`.
 
-Every user error (missing file, drafter whose vocabulary does not fit the target, empty corpus, corrupt checkpoint)
-ends as one line `hf-specdec: error: ...` on stderr and exit status 2, without a traceback.
+Every user error (missing file, drafter whose vocabulary does not fit the target, empty corpus, corrupt checkpoint,
+a number out of range) ends as one line `hf-specdec: error: ...` on stderr and exit status 2, without a traceback.
+Models are loaded from safetensors only (`use_safetensors=True`): a directory holding only a pickle checkpoint is
+refused before anything is unpickled. A GGUF file (`--gguf-file`, read by transformers' GGUF loader with the `gguf`
+package) holds no pickle either.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,6 +20,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+TASK_PROMPTS = 16  # held-out prompts per task in the embedded zoo (hf_specdec/zoo_models/heldout_prompts.json)
 
 
 class CLIError(Exception):
@@ -25,18 +31,59 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def _set_threads(threads: int | None) -> None:
+def _set_threads(threads: int | None) -> str:
+    """Sets torch's CPU threads and says what was used. By default no more threads than cores are idle (from the
+    load average): with another process on the machine, torch's default of one thread per core oversubscribes the
+    cores, and a benchmark then measures the scheduler (10-100x slower, and noisy)."""
     import torch
 
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)
+        return f"{threads} thread(s) (--threads)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        load = 0.0
+    chosen = max(1, min(torch.get_num_threads(), cores, int(cores - load + 0.5)))
+    torch.set_num_threads(chosen)
+    return f"{chosen} thread(s) ({cores} cores, load {load:.1f}; pass --threads N to choose)"
+
+
+def _progress(total: int, description: str):
+    """A progress bar on stderr that shows up only when the work takes longer than a couple of seconds."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=description, delay=2.0, file=sys.stderr, leave=False, unit="run")
+
+
+def _check_output_file(flag: str, name: str | None) -> None:
+    """Fails before any work when a result file could not be written at the end."""
+    if name is None:
+        return
+    path = Path(name).expanduser()
+    folder = path.parent
+    if not folder.is_dir():
+        raise CLIError(f"{flag} {name!r}: the folder {str(folder)!r} does not exist; create it first or pick "
+                       "another path")
+    if path.is_dir():
+        raise CLIError(f"{flag} {name!r} is a directory; pass a file name")
+    if not os.access(folder, os.W_OK):
+        raise CLIError(f"{flag} {name!r}: the folder {str(folder)!r} is not writable")
+
+
+def _check_output_dir(flag: str, name: str) -> None:
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{flag} {name!r} is a file; pass a directory (it is created if missing)")
 
 
 # ----- loading ---------------------------------------------------------------------------------------------------
 
 
-def _load_target(name: str | None, dtype: str = "float32"):
-    """`(target, tokenizer)`: the embedded default when `name` is None, else a local directory or a Hub id."""
+def _load_target(name: str | None, dtype: str = "float32", gguf_file: str | None = None):
+    """`(target, tokenizer)`: the embedded default when `name` is None, else a local directory or a Hub id (with
+    `gguf_file`: that GGUF file in it)."""
     import torch
 
     import hf_specdec
@@ -47,24 +94,37 @@ def _load_target(name: str | None, dtype: str = "float32"):
         return hf_specdec.enable(target), tokenizer
     from transformers import AutoTokenizer
 
-    target = hf_specdec.enable(_load_model(name, dtype))
+    target = hf_specdec.enable(_load_model(name, dtype, gguf_file))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as err:  # noqa: BLE001 - any loading failure is a user-facing one-liner
         raise CLIError(f"could not load a tokenizer from {name!r}: {_one_line(err)}") from None
     return target, tokenizer
 
 
-def _load_model(name: str, dtype: str = "float32"):
+def _load_model(name: str, dtype: str = "float32", gguf_file: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
     if not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise CLIError(f"no such model directory: {name!r}")
+    if gguf_file is not None:
+        if Path(name).is_dir() and not (Path(name) / gguf_file).is_file():
+            raise CLIError(f"--gguf-file {gguf_file!r} is not a file in {name!r}")
+        try:
+            return AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval()
+        except Exception as err:  # noqa: BLE001
+            raise CLIError(f"could not load {gguf_file!r} from {name!r} (GGUF needs `pip install gguf`): "
+                           f"{_one_line(err)}") from None
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
+        # safetensors only: a directory holding only a pickle checkpoint never reaches the unpickler
+        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), use_safetensors=True).eval()
     except Exception as err:  # noqa: BLE001 - corrupt checkpoints raise many types (OSError, SafetensorsError...)
-        raise CLIError(f"could not load a model from {name!r}: {_one_line(err)}") from None
+        hint = ""
+        if Path(name).is_dir() and not any(Path(name).glob("*.safetensors")):
+            hint = ("; hf-specdec loads safetensors only and never unpickles: load the pickle checkpoint where you "
+                    "trust it and re-save it with `save_pretrained` (which writes safetensors)")
+        raise CLIError(f"could not load a model from {name!r}: {_one_line(err)}{hint}") from None
 
 
 def _load_drafter(spec: list[str] | None, *, embedded_target: bool, dtype: str = "float32"):
@@ -113,28 +173,55 @@ def _check_vocabulary(target, drafter_kwargs: dict) -> None:
                        f"has {width}; rebuild it with `hf-specdec build-ngram` and the target's tokenizer")
 
 
+def _read_text_file(path: Path) -> str | None:
+    """The file's text, or None when it is binary (NUL bytes, or not UTF-8)."""
+    data = path.read_bytes()
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _read_prompt(args) -> str:
     if args.prompt_file is not None:
         try:
-            text = Path(args.prompt_file).read_text()
+            text = _read_text_file(Path(args.prompt_file))
         except OSError as err:
             raise CLIError(f"cannot read --prompt-file {args.prompt_file!r}: {err.strerror or err}") from None
+        if text is None:
+            raise CLIError(f"--prompt-file {args.prompt_file!r} is not a UTF-8 text file (binary data); pass a text "
+                           "file")
         if not text:
             raise CLIError(f"--prompt-file {args.prompt_file!r} is empty")
         return text
+    if args.prompt is not None and not args.prompt:
+        raise CLIError("--prompt is empty; pass some text, or drop --prompt for the default prompt")
     return args.prompt if args.prompt is not None else DEFAULT_PROMPT
 
 
 def _read_texts(files: list[str]) -> list[str]:
-    texts = []
+    """The texts of `files` (directories: their *.py files). A binary file named on the command line is an error;
+    binary files found inside a directory are skipped, and said so on stderr."""
+    texts, skipped = [], []
     for name in files:
         path = Path(name)
         paths = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for file in paths:
             try:
-                texts.append(file.read_text(errors="replace"))
+                text = _read_text_file(file)
             except OSError as err:
                 raise CLIError(f"cannot read {str(file)!r}: {err.strerror or err}") from None
+            if text is None:
+                if not path.is_dir():
+                    raise CLIError(f"{str(file)!r} is not a UTF-8 text file (binary data); drop it from the corpus")
+                skipped.append(str(file))
+                continue
+            texts.append(text)
+    if skipped:
+        print(f"hf-specdec: warning: skipped {len(skipped)} binary or non-UTF-8 file(s): {', '.join(skipped[:5])}"
+              f"{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
     if not any(text.strip() for text in texts):
         raise CLIError(f"the corpus is empty: {' '.join(files)} holds no text")
     return texts
@@ -144,6 +231,17 @@ def _timed(fn):
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def _rotated(names: list[str], shift: int) -> list[str]:
+    """The methods in another order each time, so that none always runs first (or right after a slow one)."""
+    shift %= len(names)
+    return names[shift:] + names[:shift]
+
+
+def _spread(times: list[float]) -> float:
+    """(max - min) / median of one method's repeated timings: how far to trust a ratio of medians."""
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
 
 
 # ----- commands --------------------------------------------------------------------------------------------------
@@ -156,38 +254,145 @@ def demo(args: argparse.Namespace) -> int:
 
     from hf_specdec.zoo.tasks import load_prompts
 
-    _set_threads(args.threads)
+    threads = _set_threads(args.threads)
+    if args.model is not None:
+        return _demo_model(args, threads)
+    if args.gguf_file is not None:
+        raise CLIError("--gguf-file names a file inside --model DIR; pass --model too")
     target, tokenizer = _load_target(None)
     names = ["prompt_lookup", "ngram", "model"] if args.drafter == "all" else [args.drafter]
     drafters = {name: _load_drafter([name], embedded_target=True) for name in names}
-    example = load_prompts()[args.task][args.index % 16]
+    example = load_prompts()[args.task][args.index]
     ids = tokenizer(example["prompt"], return_tensors="pt").input_ids
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    warm = dict(max_new_tokens=4, do_sample=False)
+    methods = {"plain": lambda: GenerationMixin.generate(target, ids, **common)}
+    for name, drafter_kwargs in drafters.items():
+        methods[name] = (lambda kwargs: lambda: target.generate(
+            ids, speculative_gamma=args.gamma, return_dict_in_generate=True, **kwargs, **common))(drafter_kwargs)
+    warm = dict(max_new_tokens=4, do_sample=False)  # first calls pay one-off costs (allocations, lazy init)
     GenerationMixin.generate(target, ids[:, :8], **warm)
     for drafter_kwargs in drafters.values():
         target.generate(ids[:, :8], speculative_gamma=args.gamma, **drafter_kwargs, **warm)
-    plain_s, plain = _timed(lambda: GenerationMixin.generate(target, ids, **common))
+    seconds, outputs = {name: [] for name in methods}, {}
+    with _progress(args.repeats * len(methods), "demo") as bar:
+        for repeat in range(args.repeats):
+            for name in _rotated(list(methods), repeat):
+                elapsed, outputs[name] = _timed(methods[name])
+                seconds[name].append(elapsed)
+                bar.update()
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    plain = outputs["plain"]
     print("Embedded zoo: 5.6M-parameter Llama code model trained on the Python standard library (train split).")
     print(f"Held-out {args.task} prompt {example['id']} ({ids.shape[1]} tokens), ending:")
     print("\n".join(example["prompt"].rstrip("\n").splitlines()[-5:]))
-    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens, plain greedy generate: {plain_s:.2f} s) ---")
+    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens, plain greedy generate: {median['plain']:.2f} s) ---")
     print(tokenizer.decode(plain[0, ids.shape[1]:]))
     print("---")
+    print(f"{threads}; times are medians of {args.repeats} interleaved run(s), spread = (max - min) / median")
     labels = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
     all_same = True
-    print(f"{'drafter (gamma=' + str(args.gamma) + ')':28s} {'seconds':>8} {'speedup':>8} {'alpha':>6} "
-          f"{'tokens/call':>11} {'identical':>9}")
-    for name, drafter_kwargs in drafters.items():
-        spec_s, out = _timed(lambda: target.generate(ids, speculative_gamma=args.gamma, return_dict_in_generate=True,
-                                                     **drafter_kwargs, **common))
+    print(f"{'drafter (gamma=' + str(args.gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
+          f"{'alpha':>6} {'tokens/call':>11} {'identical':>9}")
+    print(f"{'none (plain generate)':28s} {median['plain']:8.2f} {_spread(seconds['plain']):6.0%} {1:7.2f}x")
+    for name in drafters:
+        out = outputs[name]
         stats = out.speculative_stats
         same = torch.equal(out.sequences, plain)
         all_same &= same
-        print(f"{labels[name]:28s} {spec_s:8.2f} {plain_s / spec_s:7.2f}x {stats.alpha:6.3f} "
-              f"{stats.mean_accepted_length:11.2f} {str(same):>9}")
+        print(f"{labels[name]:28s} {median[name]:8.2f} {_spread(seconds[name]):6.0%} "
+              f"{median['plain'] / median[name]:7.2f}x {stats.alpha:6.3f} {stats.mean_accepted_length:11.2f} "
+              f"{str(same):>9}")
     print(f"output identical to plain generate: {all_same}")
     return 0 if all_same else 1
+
+
+DEMO_INSTRUCTION = ("Rewrite this function with clearer names and a docstring:\n\ndef f(a, b):\n    c = 0\n"
+                    "    for x in a:\n        if x > b:\n            c = c + x\n    return c\n")
+
+
+def _demo_model(args: argparse.Namespace, threads: str) -> int:
+    """The demo on any local model: plain greedy `generate` against prompt lookup (and an EAGLE-3 head with
+    `--eagle DIR`), with the tokenizer's chat template when it has one."""
+    import torch
+    from transformers import GenerationMixin
+
+    from hf_specdec import EagleDrafter
+
+    target, tokenizer = _load_target(args.model, gguf_file=args.gguf_file)
+    text = args.prompt or DEMO_INSTRUCTION
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
+    methods = {"plain generate": lambda: GenerationMixin.generate(target, ids, **common),
+               "prompt lookup": lambda: target.generate(ids, drafter="prompt_lookup", return_dict_in_generate=True,
+                                                        speculative_gamma=args.gamma, **common)}
+    if args.eagle is not None:
+        head = EagleDrafter.from_pretrained(args.eagle, target=target)
+        methods["EAGLE-3 head"] = lambda: target.generate(ids, drafter=head, return_dict_in_generate=True,
+                                                          speculative_gamma=args.gamma, **common)
+    for method in methods.values():  # warm-up: first calls pay one-off costs
+        method()
+    seconds, outputs = {name: [] for name in methods}, {}
+    with _progress(args.repeats * len(methods), "demo") as bar:
+        for repeat in range(args.repeats):
+            for name in _rotated(list(methods), repeat):
+                elapsed, outputs[name] = _timed(methods[name])
+                seconds[name].append(elapsed)
+                bar.update()
+    plain = outputs["plain generate"]
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    print(f"{type(target).__name__} from {args.model}; prompt ({ids.shape[1]} tokens):\n{text}")
+    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens) ---")
+    print(tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True))
+    print("---")
+    print(f"{threads}; times are medians of {args.repeats} interleaved run(s)")
+    all_same = True
+    for name in methods:
+        out = outputs[name]
+        sequences = out if name == "plain generate" else out.sequences
+        same = torch.equal(sequences, plain)
+        all_same &= same
+        extra = "" if name == "plain generate" else (
+            f" {out.speculative_stats.mean_accepted_length:5.2f} tokens/call")
+        print(f"{name:16s} {median[name]:7.2f} s {median['plain generate'] / median[name]:6.2f}x{extra}  identical: "
+              f"{same}")
+    return 0 if all_same else 1
+
+
+def train_drafter(args: argparse.Namespace) -> int:
+    from accelerate import Accelerator
+
+    from hf_specdec.distill import train_eagle_drafter
+
+    threads = _set_threads(args.threads)
+    _check_output_dir("--output", args.output)
+    if args.prompts is None and not args.texts:
+        raise CLIError("train-drafter needs data: --prompts FILE (one instruction per line, the target answers them) "
+                       "and/or --texts FILE [FILE ...]")
+    if args.minutes is None and args.steps is None:
+        raise CLIError("train-drafter needs a budget: --minutes M and/or --steps N")
+    prompts = None
+    if args.prompts is not None:
+        content = _read_text_file(Path(args.prompts))
+        if content is None:
+            raise CLIError(f"--prompts {args.prompts!r} is not a readable UTF-8 text file")
+        prompts = [line.strip() for line in content.splitlines() if line.strip()]
+    texts = _read_texts(args.texts) if args.texts else None
+    target, tokenizer = _load_target(args.target, gguf_file=args.gguf_file)
+    print(threads, file=sys.stderr)
+    drafter = train_eagle_drafter(
+        target, prompts, texts, tokenizer=tokenizer, max_minutes=args.minutes, num_steps=args.steps,
+        accelerator=Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision), output_dir=args.output,
+        resume_from_checkpoint=True if args.resume else None, draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps, max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
+        learning_rate=args.lr, seed=args.seed)
+    info = drafter.training_info
+    print(f"EAGLE-3 head written to {args.output}: {info['steps']} steps, {info['wall time']}, held-out top-1 "
+          f"agreement per draft step {info['held-out top-1 agreement per draft step']}")
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -215,13 +420,21 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_cost_line(rows: list[dict]):
+    """v(γ), the verify forward's cost in plain steps: v(0) = 1 (a forward over one token is a plain step) plus a
+    least-squares slope through the measured rows, never negative."""
+    slope = sum(row["gamma"] * (row["v"] - 1.0) for row in rows) / sum(row["gamma"] ** 2 for row in rows)
+    return lambda gamma: 1.0 + max(0.0, slope) * gamma
+
+
 def bench(args: argparse.Namespace) -> int:
     import torch
     from transformers import GenerationMixin
 
-    from hf_specdec.theory import expected_speedup
+    from hf_specdec.theory import expected_speedup, expected_tokens_per_round
 
-    _set_threads(args.threads)
+    _check_output_file("--output", args.output)
+    _check_output_file("--plot", args.plot)
     if args.plot is not None:
         try:
             import matplotlib
@@ -229,13 +442,18 @@ def bench(args: argparse.Namespace) -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise CLIError("--plot needs matplotlib, which is not installed: `pip install matplotlib`") from None
+            raise CLIError("--plot needs matplotlib, which is not installed: `pip install \"hf-specdec[plot]\"` "
+                           "(or `pip install matplotlib`)") from None
     if args.prompt is not None or args.prompt_file is not None:
         prompts = [_read_prompt(args)]
     else:
         from hf_specdec.zoo.tasks import load_prompts
 
+        if args.prompts > TASK_PROMPTS:
+            raise CLIError(f"--prompts {args.prompts}: the {args.task} task has {TASK_PROMPTS} held-out prompts; "
+                           f"pass --prompts {TASK_PROMPTS} or fewer")
         prompts = [item["prompt"] for item in load_prompts()[args.task][: args.prompts]]
+    threads = _set_threads(args.threads)
     target, tokenizer = _load_target(args.target, args.dtype)
     drafter_kwargs = _load_drafter(args.drafter, embedded_target=args.target is None, dtype=args.dtype)
     _check_vocabulary(target, drafter_kwargs)
@@ -243,7 +461,7 @@ def bench(args: argparse.Namespace) -> int:
     ids_list = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    def plain(ids):
+    def plain(ids, gamma):
         return GenerationMixin.generate(target, ids, attention_mask=torch.ones_like(ids), **common)
 
     def assisted(ids, gamma):
@@ -257,93 +475,134 @@ def bench(args: argparse.Namespace) -> int:
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             assistant.generation_config.assistant_confidence_threshold = 0.0
             extra = {"assistant_model": assistant}
-        elif drafter_kwargs.get("drafter") == "prompt_lookup":
-            extra = {"prompt_lookup_num_tokens": gamma}
         else:
-            return None  # transformers has no n-gram table drafter
+            extra = {"prompt_lookup_num_tokens": gamma}
         return GenerationMixin.generate(target, ids, attention_mask=torch.ones_like(ids), **extra, **common)
 
     def ours(ids, gamma):
         return target.generate(ids, attention_mask=torch.ones_like(ids), speculative_gamma=gamma,
                                return_dict_in_generate=True, **drafter_kwargs, **common)
 
-    plain(ids_list[0][:, :8])  # warm-up
-    ours(ids_list[0][:, :8], gammas[0])
+    methods = {"plain": plain, "transformers": assisted, "hf_specdec": ours}
+    if not ("assistant_model" in drafter_kwargs or drafter_kwargs.get("drafter") == "prompt_lookup"):
+        del methods["transformers"]  # transformers has no n-gram table drafter
+    for method in methods.values():  # warm-up, untimed: first calls pay one-off costs (allocations, lazy init)
+        method(ids_list[0][:, :16], gammas[0])
     rows = []
-    for gamma in gammas:
-        seconds = {"plain": 0.0, "transformers": 0.0, "hf_specdec": 0.0}
-        identical, stats_list, has_assisted, plain_tokens = True, [], True, 0
-        for _ in range(args.repeats):
-            for ids in ids_list:
-                plain_s, reference = _timed(lambda: plain(ids))
-                seconds["plain"] += plain_s
-                plain_tokens += reference.shape[1] - ids.shape[1]
-                assisted_s, assisted_out = _timed(lambda: assisted(ids, gamma))
-                has_assisted = assisted_out is not None
-                seconds["transformers"] += assisted_s
-                ours_s, out = _timed(lambda: ours(ids, gamma))
-                seconds["hf_specdec"] += ours_s
-                identical &= torch.equal(out.sequences, reference)
-                stats_list.append(out.speculative_stats)
-        alpha = sum(s.beta_sum for s in stats_list) / max(1, sum(s.beta_count for s in stats_list))
-        plain_step = seconds["plain"] / max(1, plain_tokens)  # the paper's T: one plain decoding step
-        c = sum(s.draft_time_s for s in stats_list) / max(1, sum(s.drafted_tokens for s in stats_list)) / plain_step
-        rows.append({
-            "gamma": gamma, "alpha": alpha, "c": c,
-            "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / sum(s.target_calls for s in stats_list),
-            "plain_s": seconds["plain"], "transformers_s": seconds["transformers"] if has_assisted else None,
-            "hf_specdec_s": seconds["hf_specdec"],
-            "speedup_over_plain": seconds["plain"] / seconds["hf_specdec"],
-            "speedup_over_transformers": seconds["transformers"] / seconds["hf_specdec"] if has_assisted else None,
-            "theorem_3_8": expected_speedup(alpha=min(alpha, 1 - 1e-9), gamma=gamma, c=c),
-            "identical_to_plain": identical,
-        })
-    print(f"{len(prompts)} prompt(s) x {args.repeats} repeat(s), {args.max_new_tokens} new tokens, greedy, "
-          f"drafter {' '.join(args.drafter or ['model'])}, {torch.get_num_threads()} thread(s)")
+    with _progress(len(gammas) * args.repeats * len(ids_list) * len(methods), "bench") as bar:
+        for gamma in gammas:
+            seconds = {name: [0.0] * args.repeats for name in methods}
+            identical, stats_list, references = True, [], {}
+            for repeat in range(args.repeats):
+                for index, ids in enumerate(ids_list):
+                    for name in _rotated(list(methods), repeat + index):  # interleaved, in a changing order
+                        elapsed, out = _timed(lambda: methods[name](ids, gamma))
+                        seconds[name][repeat] += elapsed
+                        bar.update()
+                        if name == "plain":
+                            references[index] = out
+                        elif name == "hf_specdec":
+                            produced = out
+                    identical &= torch.equal(produced.sequences, references[index])
+                    if repeat == 0:
+                        stats_list.append(produced.speculative_stats)
+            median = {name: statistics.median(times) for name, times in seconds.items()}
+            plain_tokens = sum(references[i].shape[1] - ids.shape[1] for i, ids in enumerate(ids_list))
+            plain_step = median["plain"] / max(1, plain_tokens)  # the paper's T: one plain decoding step
+            alpha = sum(s.beta_sum for s in stats_list) / max(1, sum(s.beta_count for s in stats_list))
+            drafted = sum(s.drafted_tokens for s in stats_list)
+            c = sum(s.draft_time_s for s in stats_list) / max(1, drafted) / plain_step
+            calls = sum(s.target_calls for s in stats_list)
+            v = sum(s.verify_time_s for s in stats_list) / max(1, calls) / plain_step
+            clipped = min(alpha, 1 - 1e-9)
+            rows.append({
+                "gamma": gamma, "alpha": alpha, "c": c, "v": v,
+                "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, calls),
+                "plain_s": median["plain"], "transformers_s": median.get("transformers"),
+                "hf_specdec_s": median["hf_specdec"],
+                "runs_s": seconds, "spread": max(_spread(times) for times in seconds.values()),
+                "speedup_over_plain": median["plain"] / median["hf_specdec"],
+                "transformers_speedup_over_plain": (median["plain"] / median["transformers"]
+                                                    if "transformers" in median else None),
+                "speedup_over_transformers": (median["transformers"] / median["hf_specdec"]
+                                              if "transformers" in median else None),
+                "theorem_3_8": expected_speedup(alpha=clipped, gamma=gamma, c=c),
+                "theorem_3_8_at_measured_v": expected_tokens_per_round(clipped, gamma) / (gamma * c + v),
+                "identical_to_plain": identical,
+            })
+    drafter_name = " ".join(args.drafter or ["model"])
+    print(f"{len(prompts)} prompt(s) x {args.repeats} interleaved repeat(s) after a warm-up, {args.max_new_tokens} "
+          f"new tokens, greedy, drafter {drafter_name}, {threads}")
+    print("times: medians over repeats; spread: (max - min) / median, the worst method; c: drafter step / plain "
+          "step; v: verify forward / plain step; Thm 3.8: as stated (v = 1), and at the measured v")
     header = (f"{'gamma':>5} {'plain s':>8} {'transf. s':>9} {'ours s':>8} {'x plain':>8} {'x transf.':>9} "
-              f"{'alpha':>6} {'c':>6} {'Thm 3.8':>8} {'same':>5}")
+              f"{'spread':>6} {'alpha':>6} {'c':>6} {'v':>5} {'Thm 3.8':>8} {'at v':>6} {'same':>5}")
     print(header)
     for row in rows:
         transformers_s = f"{row['transformers_s']:9.2f}" if row["transformers_s"] is not None else f"{'n/a':>9}"
         over = f"{row['speedup_over_transformers']:9.2f}" if row["speedup_over_transformers"] else f"{'n/a':>9}"
+        spread = f"{row['spread']:6.0%}" if args.repeats > 1 else f"{'n/a':>6}"
         print(f"{row['gamma']:>5} {row['plain_s']:8.2f} {transformers_s} {row['hf_specdec_s']:8.2f} "
-              f"{row['speedup_over_plain']:8.2f} {over} {row['alpha']:6.3f} {row['c']:6.3f} "
-              f"{row['theorem_3_8']:8.2f} {str(row['identical_to_plain']):>5}")
+              f"{row['speedup_over_plain']:8.2f} {over} {spread} {row['alpha']:6.3f} {row['c']:6.3f} "
+              f"{row['v']:5.2f} {row['theorem_3_8']:8.2f} {row['theorem_3_8_at_measured_v']:6.2f} "
+              f"{str(row['identical_to_plain']):>5}")
+    if args.repeats > 1 and max(row["spread"] for row in rows) > 0.2:
+        print("warning: repeated timings differ by more than 20%: the machine is busy; read the ratios with care, "
+              "or rerun with more --repeats or fewer --threads", file=sys.stderr)
     if args.output:
-        Path(args.output).write_text(json.dumps({"rows": rows, "prompts": len(prompts)}, indent=1) + "\n")
+        Path(args.output).write_text(json.dumps({"rows": rows, "prompts": len(prompts), "repeats": args.repeats,
+                                                 "threads": threads, "drafter": drafter_name}, indent=1) + "\n")
     if args.plot is not None:
-        figure, axes = plt.subplots(figsize=(5, 3.5))
+        figure, axes = plt.subplots(figsize=(6.4, 4.4))
         alpha = sum(r["alpha"] for r in rows) / len(rows)
         c = sum(r["c"] for r in rows) / len(rows)
+        verify_cost = _verify_cost_line(rows)
+        clipped = min(alpha, 1 - 1e-9)
         curve = list(range(1, max(gammas) + 2))
-        axes.plot(curve, [expected_speedup(alpha=min(alpha, 1 - 1e-9), gamma=g, c=c) for g in curve],
-                  label=f"Theorem 3.8 (alpha={alpha:.2f}, c={c:.2f})")
-        axes.plot(gammas, [r["speedup_over_plain"] for r in rows], "o", label="measured (hf_specdec)")
+        axes.plot(curve, [expected_speedup(alpha=clipped, gamma=g, c=c) for g in curve], "--", color="tab:blue",
+                  label=f"Theorem 3.8 as stated (a verify forward costs 1 step; alpha={alpha:.2f}, c={c:.2f})")
+        axes.plot(curve, [expected_tokens_per_round(clipped, g) / (g * c + verify_cost(g)) for g in curve], "-",
+                  color="tab:blue", label="Theorem 3.8 at the measured verify cost v (see table)")
+        axes.plot(gammas, [r["speedup_over_plain"] for r in rows], "o", color="tab:orange",
+                  label="hf_specdec (measured)")
+        if "transformers" in methods:
+            axes.plot(gammas, [r["transformers_speedup_over_plain"] for r in rows], "s", color="tab:green",
+                      label="transformers' assisted generation (measured)")
         axes.axhline(1.0, color="grey", lw=0.5)
-        axes.set_xlabel("gamma")
+        axes.set_title(f"Speedup over plain generate: drafter {drafter_name}, target {args.target or 'embedded zoo'}"
+                       f"\n{len(prompts)} prompt(s) x {args.repeats} repeat(s), {args.max_new_tokens} new tokens, "
+                       f"greedy, {threads.split(' (')[0]}", fontsize=9)
+        axes.set_xlabel("gamma (drafted tokens per round)")
+        axes.xaxis.get_major_locator().set_params(integer=True)
         axes.set_ylabel("speedup over plain generate")
-        axes.legend()
+        axes.legend(fontsize=7)
         figure.tight_layout()
         figure.savefig(args.plot)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {args.plot} (dashed: Theorem 3.8 with a verify forward as cheap as one decoding step, "
+              "as the paper assumes; solid: priced at the measured verify cost, the closer bound on this machine)")
     return 0 if all(row["identical_to_plain"] for row in rows) else 1
 
 
 def build_ngram(args: argparse.Namespace) -> int:
     from hf_specdec import NGramDrafter, zoo
 
+    _check_output_dir("--output", args.output)
     texts = _read_texts(args.files)
     if args.tokenizer is None:
         tokenizer = zoo.load_tokenizer()
+        tokenizer_name = "hf-specdec/stdlib-llama-5m (the embedded zoo tokenizer, `hf_specdec.zoo.load_tokenizer()`)"
     else:
+        tokenizer_name = None  # from_texts records a Hub id as is, a local directory by its name only
         from transformers import AutoTokenizer
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         except Exception as err:  # noqa: BLE001
             raise CLIError(f"could not load a tokenizer from {args.tokenizer!r}: {_one_line(err)}") from None
+    names = " ".join(Path(name).name or name for name in args.files)  # no local absolute paths in a shared card
+    metadata = {"tokenizer_name": tokenizer_name} if tokenizer_name else {}
     table = NGramDrafter.from_texts(texts, tokenizer=tokenizer, n=args.n, top_k=args.top_k, show_progress=True,
-                                    batch_size=16, corpus_description=f"{len(texts)} files from {' '.join(args.files)}")
+                                    batch_size=16, corpus_description=f"{len(texts)} files from {names}", **metadata)
     table.save_pretrained(args.output)
     print(f"n-gram drafter (n={args.n}, {len(texts)} files) written to {args.output}")
     return 0
@@ -358,6 +617,7 @@ def distill(args: argparse.Namespace) -> int:
     from hf_specdec.distill import distill_drafter
 
     _set_threads(args.threads)
+    _check_output_dir("--output", args.output)
     texts = _read_texts(args.files)
     target, tokenizer = _load_target(args.target)
     config = copy.deepcopy(target.config)
@@ -378,75 +638,176 @@ def distill(args: argparse.Namespace) -> int:
 # ----- parser ----------------------------------------------------------------------------------------------------
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value} (for example 1)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default, and `--drafter KIND [PATH]` as one kind with an optional path (argparse would print
+    `KIND [PATH] [KIND [PATH] ...]`, as if the option repeated)."""
+
+    def _format_args(self, action, default_metavar):
+        if action.metavar == "KIND [PATH]":
+            return action.metavar
+        return super()._format_args(action, default_metavar)
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is argparse.SUPPRESS or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hf_specdec import __version__
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"hf-specdec {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-specdec", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="hf-specdec", description=__doc__.splitlines()[0], formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, help):
+        return commands.add_parser(name, help=help, description=help, formatter_class=_Formatter)
 
     def threads(sub):
-        sub.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        sub.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                         help="torch CPU threads (default: no more than the idle cores, from the load average)")
 
-    def model_args(sub, gamma_nargs=None):
-        sub.add_argument("--target", default=None, help="local directory or Hub id (default: the embedded zoo model)")
-        sub.add_argument("--drafter", nargs="+", metavar="KIND [PATH]", default=None,
-                         help="prompt_lookup | ngram [PATH] | model [PATH] (default: the embedded distilled drafter)")
-        if gamma_nargs:
-            sub.add_argument("--gamma", type=int, nargs=gamma_nargs, default=[4], help="one or more draft lengths")
-        else:
-            sub.add_argument("--gamma", type=int, default=4, help="draft length (default: 4)")
-        sub.add_argument("--max-new-tokens", type=int, default=128)
-        sub.add_argument("--prompt", default=None)
-        sub.add_argument("--prompt-file", default=None)
-        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    def training(sub):
+        sub.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate")
+        sub.add_argument("--seed", type=int, default=0, help="torch seed")
+        sub.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
+                         help="accelerate's setting")
+        sub.add_argument("--cpu", action="store_true", help="force the CPU even when an accelerator is present")
         threads(sub)
 
-    sub = commands.add_parser("demo", help="speculative vs plain generate with the embedded trained code model")
-    sub.add_argument("--drafter", default="all", choices=["all", "prompt_lookup", "ngram", "model"])
-    sub.add_argument("--task", default="completion", choices=["completion", "editing", "continuation"])
-    sub.add_argument("--index", type=int, default=0, help="which held-out prompt of the task (0-15)")
-    sub.add_argument("--max-new-tokens", type=int, default=96)
-    sub.add_argument("--gamma", type=int, default=4)
+    def model_args(sub, gamma_nargs=None):
+        sub.add_argument("--target", default=None, metavar="PATH",
+                         help="local directory or Hub id of a causal LM, safetensors only (default: the embedded "
+                              "zoo model)")
+        sub.add_argument("--drafter", nargs="+", metavar="KIND [PATH]", default=None,
+                         help="prompt_lookup | ngram [PATH] | model [PATH]: PATH is a local directory or Hub id, "
+                              "optional with the embedded target (default: model, the embedded distilled drafter)")
+        if gamma_nargs:
+            sub.add_argument("--gamma", type=_positive_int, nargs=gamma_nargs, default=[4], metavar="N",
+                             help="one or more draft lengths, each measured")
+        else:
+            sub.add_argument("--gamma", type=_positive_int, default=4, metavar="N", help="draft length")
+        sub.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
+                         help="tokens to generate per prompt")
+        sub.add_argument("--prompt", default=None, metavar="TEXT",
+                         help="the prompt text (default: a short Python function header)")
+        sub.add_argument("--prompt-file", default=None, metavar="FILE",
+                         help="read the prompt from this UTF-8 text file")
+        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                         help="dtype the models are loaded in")
+        threads(sub)
+
+    tasks = ["completion", "editing", "continuation"]
+    sub = command("demo", "speculative vs plain generate with the embedded trained code model")
+    sub.add_argument("--drafter", default="all", choices=["all", "prompt_lookup", "ngram", "model"],
+                     help="which embedded drafter(s) to run against plain generate")
+    sub.add_argument("--task", default="completion", choices=tasks, help="which kind of held-out prompt")
+    sub.add_argument("--index", type=int, default=0, choices=range(TASK_PROMPTS), metavar=f"0-{TASK_PROMPTS - 1}",
+                     help="which held-out prompt of the task")
+    sub.add_argument("--max-new-tokens", type=_positive_int, default=96, metavar="N", help="tokens to generate")
+    sub.add_argument("--gamma", type=_positive_int, default=4, metavar="N", help="draft length")
+    sub.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                     help="interleaved timed runs of each method; the median is shown")
+    sub.add_argument("--model", default=None, metavar="DIR",
+                     help="run the demo on this local model instead of the embedded zoo (plain vs prompt lookup)")
+    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --model DIR")
+    sub.add_argument("--eagle", default=None, metavar="DIR", help="with --model: an EAGLE-3 head for it, too")
+    sub.add_argument("--prompt", default=None, metavar="TEXT", help="with --model: the instruction (default: a "
+                     "code rewrite)")
     threads(sub)
     sub.set_defaults(func=demo)
 
-    sub = commands.add_parser("generate", help="generate with any target and drafter")
+    sub = command("generate", "generate with any target and drafter")
     model_args(sub)
-    sub.add_argument("--do-sample", action="store_true")
-    sub.add_argument("--temperature", type=float, default=1.0)
-    sub.add_argument("--seed", type=int, default=None)
+    sub.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    sub.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (--do-sample)")
+    sub.add_argument("--seed", type=int, default=None, help="torch seed for sampling (default: unseeded)")
     sub.set_defaults(func=generate)
 
-    sub = commands.add_parser("bench", help="plain vs transformers' assisted vs hf_specdec, side by side")
+    sub = command("bench", "plain vs transformers' assisted vs hf_specdec, side by side")
     model_args(sub, gamma_nargs="+")
-    sub.add_argument("--task", default="completion", choices=["completion", "editing", "continuation"])
-    sub.add_argument("--prompts", type=int, default=4, help="held-out prompts of --task (without --prompt)")
-    sub.add_argument("--repeats", type=int, default=1)
-    sub.add_argument("--plot", default=None, help="write speedup vs gamma with the Theorem 3.8 curve (matplotlib)")
-    sub.add_argument("--output", default=None, help="write the rows as JSON")
+    sub.add_argument("--task", default="completion", choices=tasks, help="which kind of held-out prompt")
+    sub.add_argument("--prompts", type=_positive_int, default=4, metavar="N",
+                     help=f"held-out prompts of --task, at most {TASK_PROMPTS} (ignored with --prompt/--prompt-file)")
+    sub.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                     help="interleaved repeats of every method; times are medians, with their spread")
+    sub.add_argument("--plot", default=None, metavar="IMAGE",
+                     help="write speedup vs gamma with the Theorem 3.8 curves to this image (needs the `plot` extra: "
+                          "pip install \"hf-specdec[plot]\")")
+    sub.add_argument("--output", default=None, metavar="JSON", help="write the rows as JSON to this file")
     sub.set_defaults(func=bench)
 
-    sub = commands.add_parser("build-ngram", help="count an NGramDrafter from text files")
-    sub.add_argument("files", nargs="+", help="text files, or directories (their *.py files)")
-    sub.add_argument("--output", required=True)
+    sub = command("build-ngram", "count an NGramDrafter from text files")
+    sub.add_argument("files", nargs="+", help="UTF-8 text files, or directories (their *.py files)")
+    sub.add_argument("--output", required=True, help="directory to write the drafter to (created if missing)")
     sub.add_argument("--tokenizer", default=None, help="local directory or Hub id (default: the zoo tokenizer)")
-    sub.add_argument("--n", type=int, default=3)
-    sub.add_argument("--top-k", type=int, default=8)
+    sub.add_argument("--n", type=_positive_int, default=3, help="longest n-gram counted (contexts of n - 1 tokens)")
+    sub.add_argument("--top-k", type=_positive_int, default=8, help="continuations kept per context")
     sub.set_defaults(func=build_ngram)
 
-    sub = commands.add_parser("distill", help="distill a small drafter from a target on text files")
-    sub.add_argument("files", nargs="+", help="text files, or directories (their *.py files)")
-    sub.add_argument("--output", required=True)
-    sub.add_argument("--target", default=None, help="local directory or Hub id (default: the embedded zoo model)")
-    sub.add_argument("--layers", type=int, default=1)
-    sub.add_argument("--objective", default="kl", choices=["kl", "tv"])
-    sub.add_argument("--steps", type=int, default=None, help="default: one epoch")
-    sub.add_argument("--batch-size", type=int, default=8)
-    sub.add_argument("--seq-len", type=int, default=256)
-    sub.add_argument("--lr", type=float, default=1e-3)
-    sub.add_argument("--seed", type=int, default=0)
-    sub.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    sub.add_argument("--cpu", action="store_true", help="force the CPU even when an accelerator is present")
-    threads(sub)
+    sub = command("distill", "distill a small drafter from a target on text files")
+    sub.add_argument("files", nargs="+", help="UTF-8 text files, or directories (their *.py files)")
+    sub.add_argument("--output", required=True, help="directory to write the drafter to (created if missing)")
+    sub.add_argument("--target", default=None, metavar="PATH",
+                     help="local directory or Hub id, safetensors only (default: the embedded zoo model)")
+    sub.add_argument("--layers", type=_positive_int, default=1, help="decoder layers of the drafter")
+    sub.add_argument("--objective", default="kl", choices=["kl", "tv"],
+                     help="kl: KL(p || q); tv: total variation, 1 - beta, the acceptance rate directly")
+    sub.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: one epoch)")
+    sub.add_argument("--batch-size", type=_positive_int, default=8, help="windows per step")
+    sub.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per window")
+    training(sub)
     sub.set_defaults(func=distill)
+
+    sub = command("train-drafter", "train an EAGLE-3 head for a target (hf_specdec.distill.train_eagle_drafter)")
+    sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
+    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
+    sub.add_argument("--prompts", default=None, metavar="FILE",
+                     help="instructions, one per line: the target answers them and the head learns the answers")
+    sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
+    sub.add_argument("--output", required=True, help="directory for the head, checkpoints and data (created)")
+    sub.add_argument("--minutes", type=_positive_float, default=None, help="wall-clock budget of the whole run")
+    sub.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps")
+    sub.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output")
+    sub.add_argument("--draft-vocab-size", type=_positive_int, default=None,
+                     help="draft vocabulary (default: every token of the data, at most 32000)")
+    sub.add_argument("--ttt-steps", type=_positive_int, default=7, help="training-time-test unroll")
+    sub.add_argument("--max-answer-tokens", type=_positive_int, default=256, help="longest answer to a prompt")
+    sub.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step")
+    training(sub)
+    sub.set_defaults(func=train_drafter)
     return parser
 
 

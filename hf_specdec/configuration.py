@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 from typing import Any
 
@@ -14,6 +15,19 @@ __all__ = ["SPECULATIVE_DEFAULTS", "SpeculativeGenerationConfig", "SpeculativeOp
 MAX_TREE_BUDGET = 1024  # a verify forward over more nodes costs more than any tree saves
 
 
+MAX_GAMMA = 256  # drafts per round: a verify forward over more tokens costs more than any draft saves
+
+
+def _check_int(name: str, value, high: int, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}. Use for example `{example}`.")
+    if value > high:
+        raise ValueError(
+            f"`{name}` must be a positive int, got {value!r}, above its limit of {high}: a verify forward over that "
+            f"many drafts costs more than they can save. Use for example `{example}`."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeOptions:
     """The speculative settings one `generate` call runs with; built and validated once per call."""
@@ -22,20 +36,17 @@ class SpeculativeOptions:
     """How many tokens the drafter proposes per target forward (γ in the paper)."""
     speculative_lenience: float = 1.0
     """Lenience l in (0, 1] (Appendix A.5); 1.0 is the exact algorithm, smaller values are lossy."""
-    speculative_gamma_policy: str = "constant"
-    """How γ is chosen each round: "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
-    speculative_max_gamma: int = 16
-    """The largest γ the "heuristic" and "optimal" policies may choose."""
+    speculative_gamma_policy: str = "auto"
+    """How γ is chosen each round: "auto" (γ, or plain steps while drafting is measured not to pay), "constant",
+    "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
+    speculative_max_gamma: int | None = None
+    """The largest γ any policy may choose; None: max(16, speculative_gamma)."""
     speculative_tree_budget: int | None = None
     """The most draft nodes one round may verify as a token tree (γ stays its depth); None: chains only."""
 
     def __post_init__(self):
         gamma = self.speculative_gamma
-        if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral) or gamma < 1:
-            raise ValueError(
-                f"`speculative_gamma` must be a positive int, got {gamma!r}. Use for example `speculative_gamma=5`, "
-                "or call `generate` without `assistant_model`/`drafter` to decode without speculation."
-            )
+        _check_int("speculative_gamma", gamma, MAX_GAMMA, "speculative_gamma=5")
         lenience = self.speculative_lenience
         if isinstance(lenience, bool) or not isinstance(lenience, numbers.Real) or not 0.0 < lenience <= 1.0:
             raise ValueError(
@@ -43,20 +54,18 @@ class SpeculativeOptions:
                 "(the default) for exact speculative decoding."
             )
         max_gamma = self.speculative_max_gamma
-        if isinstance(max_gamma, bool) or not isinstance(max_gamma, numbers.Integral) or max_gamma < 1:
+        if max_gamma is None:
+            max_gamma = max(16, int(gamma))
+        _check_int("speculative_max_gamma", max_gamma, MAX_GAMMA, "speculative_max_gamma=16")
+        if gamma > max_gamma:  # every policy starts at γ: capping it silently would run another γ than asked for
             raise ValueError(
-                f"`speculative_max_gamma` must be a positive int, got {max_gamma!r}. Use for example "
-                "`speculative_max_gamma=16`."
+                f"`speculative_gamma={gamma!r}` is larger than `speculative_max_gamma={max_gamma!r}`, the largest γ "
+                f"a round may draft. Raise `speculative_max_gamma` to at least {gamma}, or lower `speculative_gamma`."
             )
         budget = self.speculative_tree_budget
         if budget is not None:
-            if (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
-                    or not 1 <= budget <= MAX_TREE_BUDGET):
-                raise ValueError(
-                    f"`speculative_tree_budget` must be None or an int in [1, {MAX_TREE_BUDGET}], got {budget!r}. Use "
-                    "for example `speculative_tree_budget=12` (choose it from the target's cost of a forward over "
-                    "that many tokens), or `None` for chains."
-                )
+            _check_int("speculative_tree_budget", budget, MAX_TREE_BUDGET,
+                       "speculative_tree_budget=12` for trees of up to 12 nodes, or `speculative_tree_budget=None")
             if self.speculative_lenience != 1.0:
                 raise ValueError(
                     f"`speculative_lenience={lenience!r}` cannot be combined with `speculative_tree_budget="
@@ -87,13 +96,18 @@ class SpeculativeGenerationConfig(GenerationConfig):
             Lenience l in (0, 1] of the paper's Appendix A.5. `1.0` keeps the output exactly the target's; smaller
             values accept more drafts and are lossy, with the guarantee that no token is sampled with probability
             above p(x) / l.
-        speculative_gamma_policy (`str`, *optional*, defaults to `"constant"`):
-            How γ is chosen before each round: `"constant"` (always `speculative_gamma`), `"heuristic"` (+2 after a
+        speculative_gamma_policy (`str`, *optional*, defaults to `"auto"`):
+            How γ is chosen before each round: `"auto"` (`speculative_gamma` while drafting pays; when the call's
+            own measurements show its rounds emit fewer tokens per second than plain steps, plain steps, probing
+            one drafted token after 128, 256, ... of them, so a drafter that accepts nothing costs a few rounds),
+            `"constant"` (always `speculative_gamma`), `"heuristic"` (+2 after a
             fully accepted round, -1 otherwise, starting from `speculative_gamma`, never persisted), or `"optimal"`
             (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the
             drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
-        speculative_max_gamma (`int`, *optional*, defaults to 16):
-            The largest γ the `"heuristic"` and `"optimal"` policies may choose.
+        speculative_max_gamma (`int`, *optional*):
+            The largest γ a round may draft: the bound of the `"heuristic"` and `"optimal"` policies. Defaults to
+            `max(16, speculative_gamma)`; a `speculative_gamma` above an explicit `speculative_max_gamma` is an error.
+            Both are at most 256.
         speculative_tree_budget (`int`, *optional*):
             Verify token trees of at most this many draft nodes in one target forward (SpecInfer / EAGLE-2 style):
             drafters that can branch propose several candidate continuations and the longest accepted path wins;
@@ -120,6 +134,7 @@ class SpeculativeGenerationConfig(GenerationConfig):
 
     def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None):
         super().validate(strict=strict, user_set_attributes=user_set_attributes)
+        _check_no_unknown_fields(self, "this `SpeculativeGenerationConfig`")
         SpeculativeOptions(**{name: getattr(self, name) for name in SPECULATIVE_DEFAULTS})
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,18 +157,50 @@ def resolve_speculative_options(
 
     Priority: the call's keyword argument, then the first config in `configs` that has the attribute (the
     `generation_config` passed to the call, then the model's own), then the default. Nothing is written anywhere.
+    A bad value fails naming where it came from; an unknown `speculative_*` name fails in a config as in the call.
     """
-    values = {}
-    for name, default in SPECULATIVE_DEFAULTS.items():
-        if name in call_kwargs:
-            values[name] = call_kwargs.pop(name)
-            continue
-        values[name] = next(
-            (getattr(config, name) for config in configs if config is not None and hasattr(config, name)), default
-        )
-    unknown = sorted(k for k in call_kwargs if k.startswith("speculative_"))
+    sources = ["the `generation_config` passed to `generate`", "`model.generation_config` (the model's "
+               "generation_config.json)"]
+    unknown = sorted(k for k in call_kwargs if k.startswith("speculative_") and k not in SPECULATIVE_DEFAULTS)
     if unknown:
         raise TypeError(
-            f"Unknown speculative argument(s) {unknown} passed to `generate`. Known ones: {sorted(SPECULATIVE_DEFAULTS)}."
+            f"Unknown speculative argument(s) {unknown} passed to `generate`{_did_you_mean(unknown)}. Known ones: "
+            f"{sorted(SPECULATIVE_DEFAULTS)}."
         )
-    return SpeculativeOptions(**values)
+    for config, source in zip(configs, sources):
+        if config is not None:
+            _check_no_unknown_fields(config, source)
+    values, origin = {}, {}
+    for name, default in SPECULATIVE_DEFAULTS.items():
+        if name in call_kwargs:
+            values[name], origin[name] = call_kwargs.pop(name), "the `generate` call's keyword arguments"
+            continue
+        values[name], origin[name] = next(
+            ((getattr(config, name), source) for config, source in zip(configs, sources)
+             if config is not None and hasattr(config, name)),
+            (default, "the defaults"),
+        )
+    try:
+        return SpeculativeOptions(**values)
+    except ValueError as err:
+        culprits = sorted({origin[name] for name in values if f"`{name}" in str(err)} - {"the defaults"})
+        if not culprits:
+            raise
+        raise ValueError(f"{err} (Value read from {' and '.join(culprits)}.)") from None
+
+
+def _did_you_mean(names: list[str]) -> str:
+    close = {name: difflib.get_close_matches(name, list(SPECULATIVE_DEFAULTS), n=1) for name in names}
+    hints = [f"`{match[0]}` for `{name}`" for name, match in close.items() if match]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _check_no_unknown_fields(config: GenerationConfig, source: str) -> None:
+    """A misspelt `speculative_*` field in a config fails like the same typo as a keyword argument."""
+    unknown = sorted(k for k in vars(config) if k.startswith("speculative_") and k not in SPECULATIVE_DEFAULTS)
+    if unknown:
+        raise ValueError(
+            f"Unknown speculative field(s) {unknown} in {source}{_did_you_mean(unknown)}: "
+            f"{ {k: getattr(config, k) for k in unknown} }. Known ones: {sorted(SPECULATIVE_DEFAULTS)}. Rename or "
+            "remove them."
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement"]
+from .eagle_training import eagle_agreement, train_eagle_drafter
+
+__all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement", "eagle_agreement", "train_eagle_drafter"]
 
 OBJECTIVES = ("kl", "tv")
 
@@ -51,7 +54,7 @@ def _as_blocks(data, tokenizer, seq_len: int) -> torch.Tensor:
             if tokenizer is None:
                 raise ValueError("`texts_or_token_ids` holds texts: pass `tokenizer=` to tokenize them.")
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            data = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in data if text]
+            data = [tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos for text in data if text]
         ids = [int(token) for seq in data for token in torch.as_tensor(seq).flatten().tolist()]
         if len(ids) < seq_len + 1 and ids:
             seq_len = len(ids)
@@ -102,6 +105,7 @@ def distill_drafter(
     batch_size: int = 8,
     num_steps: int | None = None,
     num_epochs: float = 1.0,
+    max_minutes: float | None = None,
     learning_rate: float = 1e-3,
     weight_decay: float = 0.0,
     warmup_ratio: float = 0.02,
@@ -130,6 +134,8 @@ def distill_drafter(
         batch_size (`int`, *optional*, defaults to 8): windows per step and per process.
         num_steps (`int`, *optional*): optimizer steps; defaults to `num_epochs` passes over the corpus.
         num_epochs (`float`, *optional*, defaults to 1.0): used when `num_steps` is not given.
+        max_minutes (`float`, *optional*): a wall-clock budget for training; it stops when the budget or the steps
+            run out, whichever comes first (the learning-rate schedule follows the nearer of the two).
         learning_rate (`float`, *optional*, defaults to 1e-3): AdamW peak learning rate (linear warm-up, cosine decay).
         weight_decay (`float`, *optional*, defaults to 0.0): AdamW weight decay.
         warmup_ratio (`float`, *optional*, defaults to 0.02): fraction of the steps spent warming up.
@@ -172,6 +178,9 @@ def distill_drafter(
         raise ValueError(f"`temperature` must be > 0, got {temperature}.")
     if num_steps is not None and num_steps < 1:
         raise ValueError(f"`num_steps` must be a positive int, got {num_steps}. Leave it None to use `num_epochs`.")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}. Leave it None for no time limit.")
+    started = time.perf_counter()
     accelerator = accelerator if accelerator is not None else Accelerator()
     set_seed(seed)
     blocks = _as_blocks(texts_or_token_ids, tokenizer, seq_len)  # [num_blocks, seq_len]
@@ -184,9 +193,17 @@ def distill_drafter(
     steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
     total_steps = num_steps if num_steps is not None else max(1, math.ceil(num_epochs * steps_per_epoch))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=learning_rate, weight_decay=weight_decay)
-    warmup = max(1, int(warmup_ratio * total_steps))
+    budget_s = None if max_minutes is None else 60.0 * max_minutes
+    warmup = max(1, int(warmup_ratio * total_steps)) if budget_s is None else 20
+
+    def done_fraction(step: int) -> float:
+        fraction = step / total_steps
+        if budget_s is not None:
+            fraction = max(fraction, (time.perf_counter() - started) / budget_s)
+        return min(1.0, fraction)
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, step / total_steps))))
+        1 + math.cos(math.pi * done_fraction(step))))
     drafter.train()
     drafter, optimizer, loader, scheduler = accelerator.prepare(drafter, optimizer, loader, scheduler)
     target = target.to(accelerator.device).eval()
@@ -216,7 +233,8 @@ def distill_drafter(
                 log.append({"step": step, objective: sum(running) / len(running), "lr": scheduler.get_last_lr()[0]})
                 progress.set_postfix({objective: f"{log[-1][objective]:.4f}"})
                 running = []
-            if step >= total_steps:
+            if step >= total_steps or (budget_s is not None and done_fraction(step) >= 1.0):
+                total_steps = step
                 break
     progress.close()
     accelerator.wait_for_everyone()

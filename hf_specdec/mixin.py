@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import copy
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -14,6 +17,7 @@ from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
 from .drafters.base import Drafter, get_drafter_class
 from .drafters.model import ModelDrafter
+from .stats import SpeculativeStats
 
 __all__ = ["SpeculativeGenerationMixin", "enable", "resolve_drafter"]
 
@@ -56,67 +60,115 @@ class SpeculativeGenerationMixin:
     """
 
     @torch.no_grad()
-    def generate(
-        self,
-        inputs: torch.Tensor | None = None,
-        generation_config=None,
-        logits_processor=None,
-        stopping_criteria=None,
-        prefix_allowed_tokens_fn=None,
-        synced_gpus=None,
-        assistant_model=None,
-        streamer=None,
-        negative_prompt_ids=None,
-        negative_prompt_attention_mask=None,
-        custom_generate=None,
-        drafter=None,
-        drafter_kwargs: dict[str, Any] | None = None,
-        **kwargs,
-    ):
-        options = resolve_speculative_options(kwargs, generation_config, self.generation_config)
-        plain_args = dict(
-            inputs=inputs,
-            generation_config=generation_config,
-            logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
-            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-            synced_gpus=synced_gpus,
-            streamer=streamer,
-            negative_prompt_ids=negative_prompt_ids,
-            negative_prompt_attention_mask=negative_prompt_attention_mask,
-        )
+    def generate(self, *args, assistant_model=None, drafter=None, drafter_kwargs: dict[str, Any] | None = None,
+                 **kwargs):
+        # every other argument goes to the class's own `generate` exactly as given, by position or by name: classes
+        # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
+        parent_generate = super().generate
+        call = _BoundCall(parent_generate, args, kwargs)
+        options = resolve_speculative_options(call.extra, call.get("generation_config"), self.generation_config)
         if assistant_model is None and drafter is None:
             if drafter_kwargs is not None:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
-            return super().generate(**plain_args, custom_generate=custom_generate, **kwargs)
+            return parent_generate(*call.args, **call.kwargs)
 
         drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs)
-        _reject_conflicting_arguments(custom_generate, synced_gpus, generation_config, self.generation_config, kwargs)
+        generation_config = call.get("generation_config")
+        _reject_conflicting_arguments(call.get("custom_generate"), call.get("synced_gpus"), generation_config,
+                                      self.generation_config, call.extra)
+        _check_model_supported(self, call.get("inputs_embeds"))
         # stop strings need the tokenizer, which transformers hands only to its own decoding methods: build the
         # criterion here and clear the field on a copy (the user's config is never modified)
-        tokenizer = kwargs.pop("tokenizer", None)
-        stop_strings = kwargs.get(
-            "stop_strings", getattr(generation_config if generation_config is not None else self.generation_config,
-                                    "stop_strings", None)
-        )
+        tokenizer = call.pop("tokenizer")
+        stop_strings = call.get("stop_strings", getattr(
+            generation_config if generation_config is not None else self.generation_config, "stop_strings", None))
         if stop_strings is not None:
             if tokenizer is None:
                 raise ValueError(
                     f"`stop_strings` ({stop_strings!r}) needs the model's tokenizer: pass `tokenizer=tokenizer` to "
                     "`generate`."
                 )
-            stopping_criteria = StoppingCriteriaList(list(stopping_criteria or []))
+            stopping_criteria = StoppingCriteriaList(list(call.get("stopping_criteria") or []))
             stopping_criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+            call.set("stopping_criteria", stopping_criteria)
             if generation_config is not None:  # clear it on a copy (a kwarg next to a config would warn)
-                kwargs.pop("stop_strings", None)
+                call.pop("stop_strings")
                 generation_config = copy.deepcopy(generation_config)
                 generation_config.stop_strings = None
+                call.set("generation_config", generation_config)
             else:  # overrides the model's own generation config for this call
-                kwargs["stop_strings"] = None
-            plain_args.update(stopping_criteria=stopping_criteria, generation_config=generation_config)
+                call.set("stop_strings", None)
 
-        decoding_loop = functools.partial(_decoding_method, drafter=drafter, options=options, streamer=streamer)
-        return super().generate(**plain_args, custom_generate=decoding_loop, **kwargs)
+        # the loop replaces transformers' decoding method; `assistant_model` is never passed on, so classes that
+        # special-case it (Whisper drops `begin_suppress_tokens` and writes onto the assistant's config) decode
+        # exactly as plain `generate` does
+        # a class with its own `generate` may call the loop several times (Whisper's long-form segments) and split
+        # and restack its outputs by row: the call's stats accumulate in one object, attached to the final output
+        stats = SpeculativeStats(lenience=options.speculative_lenience)
+        overridden = _overrides_generate(type(self))
+        decoding_loop = functools.partial(_decoding_method, drafter=drafter, options=options,
+                                          streamer=call.get("streamer"), stats=stats, attach_stats=not overridden)
+        call.set("custom_generate", decoding_loop)
+        output = parent_generate(*call.args, **call.kwargs)
+        if overridden and isinstance(output, dict):  # `ModelOutput`s are dicts; tensors carry no stats
+            output["speculative_stats"] = stats
+        return output
+
+
+def _overrides_generate(cls: type) -> bool:
+    """Whether a class between `cls` and `GenerationMixin` defines its own `generate` (Whisper, SeamlessM4T)."""
+    for base in cls.__mro__:
+        if base is GenerationMixin:
+            return False
+        if base is not SpeculativeGenerationMixin and "generate" in vars(base):
+            return True
+    return False
+
+
+class _BoundCall:
+    """The arguments of one call to a `generate` method, read and changed by name whether they were given by
+    position or by keyword, and whether that `generate` declares them or takes them through `**kwargs`."""
+
+    def __init__(self, function, args: tuple, kwargs: dict):
+        signature = inspect.signature(function)
+        self.bound = signature.bind(*args, **kwargs)
+        self.declared = {name for name, parameter in signature.parameters.items()
+                         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+        self.function = function
+        var_keyword = [name for name, parameter in signature.parameters.items()
+                       if parameter.kind == parameter.VAR_KEYWORD]
+        # the **kwargs, changed in place (a `generate` without them takes no undeclared argument)
+        self.extra = self.bound.arguments.setdefault(var_keyword[0], {}) if var_keyword else {}
+        self.takes_extra = bool(var_keyword)
+
+    def get(self, name: str, default=None):
+        if name in self.declared:
+            return self.bound.arguments.get(name, default)
+        return self.extra.get(name, default)
+
+    def set(self, name: str, value) -> None:
+        if name in self.declared:
+            self.bound.arguments[name] = value
+        elif self.takes_extra:
+            self.extra[name] = value
+        else:
+            raise TypeError(
+                f"{self.function.__qualname__} takes no `{name}` argument, which speculative decoding passes to it; "
+                "drop `assistant_model`/`drafter` for this model."
+            )
+
+    def pop(self, name: str, default=None):
+        if name in self.declared:
+            return self.bound.arguments.pop(name, default)
+        return self.extra.pop(name, default)
+
+    @property
+    def args(self) -> tuple:
+        return self.bound.args
+
+    @property
+    def kwargs(self) -> dict:
+        return self.bound.kwargs
 
 
 def _decoding_method(
@@ -138,6 +190,24 @@ def _decoding_method(
     )
 
 
+def _check_model_supported(model, inputs_embeds) -> None:
+    """What can be refused from the model and the call alone, before `generate` runs any forward."""
+    if getattr(model, "_is_stateful", False):
+        # transformers' assisted generation refuses these too
+        raise ValueError(
+            f"{type(model).__name__} is stateful: its recurrent state cannot be rolled back to an earlier token, so "
+            "rejected drafts could not be undone. Speculative decoding is not supported for it; drop "
+            "`assistant_model`/`drafter`."
+        )
+    if inputs_embeds is not None and not model.config.is_encoder_decoder:
+        raise ValueError(
+            f"`inputs_embeds` (a tensor of shape {tuple(inputs_embeds.shape)}) cannot be combined with a drafter for "
+            f"the decoder-only {type(model).__name__}: drafters and verification work on token ids, and a prompt "
+            "given as embeddings has none. Pass the prompt as `input_ids` instead, or drop `assistant_model`/"
+            "`drafter`."
+        )
+
+
 def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | None = None) -> Drafter:
     """Turns the `drafter` / `assistant_model` arguments of one `generate` call into a `Drafter`."""
     if drafter is not None and assistant_model is not None:
@@ -157,6 +227,12 @@ def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | N
     if isinstance(drafter, PreTrainedModel):
         return ModelDrafter(drafter)
     if isinstance(drafter, str):
+        if drafter_kwargs is not None and not isinstance(drafter_kwargs, Mapping):
+            raise TypeError(
+                f"`drafter_kwargs` must be a dict of options for the drafter {drafter!r}, got "
+                f"{type(drafter_kwargs).__name__} {drafter_kwargs!r}. For example `drafter_kwargs={{'max_ngram_size': "
+                "4}` with `drafter='prompt_lookup'`."
+            )
         return get_drafter_class(drafter).from_options(**(drafter_kwargs or {}))
     raise TypeError(
         f"`drafter` must be a registered drafter name, a `hf_specdec.Drafter` or a `PreTrainedModel`, got "

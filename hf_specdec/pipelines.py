@@ -164,7 +164,9 @@ class Text2TextGenerationPipeline(Pipeline):
             return assistant_model
         if assistant_model not in self._loaded_assistants:  # once per pipeline, not once per call
             config = AutoConfig.from_pretrained(assistant_model)
-            loaded = load_model(assistant_model, config=config, model_classes=(AutoModelForSeq2SeqLM,))
+            # safetensors only: a path never reaches the unpickler, whatever transformers' loading defaults are
+            loaded = load_model(assistant_model, config=config, model_classes=(AutoModelForSeq2SeqLM,),
+                                use_safetensors=True)
             self._loaded_assistants[assistant_model] = loaded.to(device=self.model.device, dtype=self.model.dtype)
         return self._loaded_assistants[assistant_model]
 

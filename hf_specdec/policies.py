@@ -1,4 +1,5 @@
-"""Draft-length (γ) policies: `constant`, `heuristic` (+2 / -1) and `optimal` (Theorem 3.8 with online estimates).
+"""Draft-length (γ) policies: `auto` (the default: constant γ, plain steps when drafting is measured not to pay),
+`constant`, `heuristic` (+2 / -1) and `optimal` (Theorem 3.8 with online estimates).
 
 A policy is created for one `generate` call, so nothing it learns outlives the call or lands on a user object.
 Before each round `next_gamma()` says how many tokens to draft (0 = a plain decoding step); after it `observe(...)`
@@ -69,6 +70,84 @@ class HeuristicGammaPolicy(GammaPolicy):
             self.gamma = min(self.max_gamma, self.gamma + 2)
         else:
             self.gamma = max(1, self.gamma - 1)
+
+
+class AutoGammaPolicy(GammaPolicy):
+    """The default: the user's γ every round, unless what the call measures says drafting loses to plain steps; then
+    plain steps (γ = 0), with a one-token probe after 128, 256, 512, ... of them. A useful drafter runs exactly as
+    under `"constant"`; a useless one costs a few rounds.
+
+    Drafting loses when the tokens per second of the last `window` drafting rounds (emitted tokens over drafting plus
+    verifying time) fall below those of a plain step. A plain step costs at most a verify forward (it has fewer
+    tokens), so rounds that emit fewer tokens per second than one per verify forward are stopped at once (a round
+    that accepted nothing always does); when the two are close, one plain step is measured and compared. The first
+    round's times include the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the next
+    round drafts a single token, the cheapest measurement. A probe that accepts anything resumes drafting."""
+
+    window = 3  # drafting rounds the decision looks at (after the first round)
+    first_probe_after = 128  # plain steps before the first probe (then doubled after each failed probe)
+
+    def __init__(self, gamma: int, max_gamma: int):
+        super().__init__(gamma, max_gamma)
+        self.rounds = collections.deque(maxlen=self.window)  # (emitted tokens, seconds, verify seconds)
+        self.plain_s = collections.deque(maxlen=5)  # seconds of recent plain steps
+        self.cautious = False  # the first round accepted nothing: measure with one drafted token
+        self.stopped = False
+        self.probing = False
+        self.measure_plain = False
+        self.plain_rounds = 0
+        self.probe_after = self.first_probe_after
+
+    def next_gamma(self) -> int:
+        if self.measure_plain:
+            return 0
+        if not self.stopped:
+            return 1 if self.cautious else self.gamma
+        if self.plain_rounds >= self.probe_after:
+            self.plain_rounds, self.probe_after, self.probing = 0, self.probe_after * 2, True
+            return 1
+        self.plain_rounds += 1
+        return 0
+
+    def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+        if not drafted:
+            if not first_round:
+                self.plain_s.append(draft_time_s + verify_time_s)
+            if self.measure_plain:
+                self.measure_plain = False
+                self._decide()
+            return
+        if first_round:
+            self.cautious = accepted == 0
+            return
+        if self.probing:  # a probe: resume on any accepted draft, with a fresh record
+            self.probing = False
+            if accepted:
+                self.stopped = False
+                self.rounds.clear()
+            return
+        self.rounds.append((accepted + 1, draft_time_s + verify_time_s, verify_time_s))
+        if self.cautious:
+            self.cautious = False
+            if accepted == 0:
+                self._decide()  # nothing accepted in two rounds: stops unless drafting is nearly free
+                return
+            self.rounds.clear()  # a γ = 1 round says little about the user's γ
+            return
+        if len(self.rounds) == self.window:
+            self._decide()
+
+    def _decide(self) -> None:
+        tokens = sum(r[0] for r in self.rounds)
+        seconds = sum(r[1] for r in self.rounds)
+        verify = statistics.median(r[2] for r in self.rounds)
+        drafting_rate = tokens / seconds
+        if drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
+            self.stopped = True
+        elif self.plain_s:
+            self.stopped = drafting_rate < 1.0 / statistics.median(self.plain_s)
+        elif drafting_rate < 2.0 / verify:  # close: a plain step may cost half a verify forward; measure one
+            self.measure_plain = True
 
 
 class OptimalGammaPolicy(GammaPolicy):
@@ -229,6 +308,7 @@ def get_gamma_policy_class(name: str) -> type[GammaPolicy]:
     return _POLICIES.get(name)
 
 
+register_gamma_policy("auto", AutoGammaPolicy)
 register_gamma_policy("constant", GammaPolicy)
 register_gamma_policy("heuristic", HeuristicGammaPolicy)
 register_gamma_policy("optimal", OptimalGammaPolicy)

@@ -26,8 +26,8 @@ from .drafters.model import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 from .trees import ancestor_mask, check_parents, tree_attention_bias
 
-__all__ = ["ChainLayout", "TreeLayout", "Verdict", "checked_proposal", "draft_context", "layout_for", "standardize",
-           "target_logits", "verify_round"]
+__all__ = ["ChainLayout", "HiddenStateCapture", "TreeLayout", "Verdict", "capture_for", "checked_proposal",
+           "draft_context", "layout_for", "standardize", "target_logits", "verify_round"]
 
 
 def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
@@ -52,22 +52,33 @@ def checked_proposal(
     it with its tokens (and parents) as long tensors on the target's device."""
     name = type(drafter).__name__
     if not isinstance(proposal, DraftProposal):
-        raise TypeError(f"{name}.propose must return a `hf_specdec.DraftProposal`, got {type(proposal).__name__}.")
+        raise TypeError(
+            f"{name}.propose must return a `hf_specdec.DraftProposal`, got {type(proposal).__name__}. Return "
+            "`DraftProposal(tokens=...)`, or `DraftProposal.empty(batch_size, device)` to propose nothing."
+        )
     tokens = proposal.tokens
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[0] != input_ids.shape[0]:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"{name}.propose must return tokens of shape [batch={input_ids.shape[0]}, k], got {shape}.")
-    parents = proposal.parents
-    if tokens.shape[1] and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+    parents, probs = proposal.parents, proposal.probs
+    if probs is not None and (not isinstance(probs, torch.Tensor) or tuple(probs.shape) != (*tokens.shape, vocab_size)):
+        shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise ValueError(
-            f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
-            f"{tokens.tolist()}. Build the drafter for the target's tokenizer."
+            f"{name}.propose returned probs of shape {shape}, expected {(*tokens.shape, vocab_size)} "
+            "([batch, k, vocab]) or None."
         )
-    if proposal.probs is not None and tuple(proposal.probs.shape) != (*tokens.shape, vocab_size):
-        raise ValueError(
-            f"{name}.propose returned probs of shape {tuple(proposal.probs.shape)}, expected "
-            f"{(*tokens.shape, vocab_size)} ([batch, k, vocab]) or None."
-        )
+    if tokens.shape[1]:
+        # one fused check and one host sync: q that is not a distribution, or gives a drafted token q(x) = 0,
+        # would make rejection sampling accept what the target never samples
+        bad = ((tokens < 0) | (tokens >= vocab_size)).any()
+        if probs is not None:
+            drafted = tokens.to(device=probs.device, dtype=torch.long).clamp(0, vocab_size - 1)
+            q_x = probs.gather(-1, drafted[..., None])  # [batch, k, 1]
+            total = probs.sum(dim=-1, dtype=torch.float64)  # [batch, k]: NaN or inf if any entry is
+            tolerance = 1e-3 if probs.element_size() >= 4 else 2e-2
+            bad = bad | (probs.amin(dim=-1) < 0).any() | ~((total - 1).abs() <= tolerance).all() | ~(q_x > 0).all()
+        if bool(bad):
+            _reject_proposal(name, tokens, probs, vocab_size)
     tokens = tokens.to(device=input_ids.device, dtype=torch.long)
     if parents is not None:
         if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):
@@ -92,7 +103,31 @@ def checked_proposal(
             raise ValueError(f"{name}.propose returned invalid parents {parents.tolist()}: {problem}.")
     elif tokens.shape[1] > gamma:
         raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
-    return DraftProposal(tokens=tokens, probs=proposal.probs, parents=parents)
+    return DraftProposal(tokens=tokens, probs=probs, parents=parents)
+
+
+def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None, vocab_size: int):
+    """Says what is wrong with a proposal that failed `checked_proposal`'s fused check (the slow path)."""
+    if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise ValueError(
+            f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
+            f"{tokens.tolist()}. Build the drafter for the target's tokenizer."
+        )
+    promise = ("`probs[b, i]` must be the standardized distribution q that token i was sampled from (see "
+               "`hf_specdec.Drafter`); return `probs=None` for tokens chosen deterministically")
+    total = probs.sum(dim=-1, dtype=torch.float64)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError(f"{name}.propose returned probs with negative, NaN or infinite entries: {promise}.")
+    q_x = probs.gather(-1, tokens.to(device=probs.device, dtype=torch.long)[..., None])[..., 0]
+    if not bool((q_x > 0).all()):
+        raise ValueError(
+            f"{name}.propose returned probs with q(x) = 0 for drafted tokens (q(x) per position: "
+            f"{q_x.tolist()}, tokens {tokens.tolist()}): a token sampled from q has q(x) > 0; {promise}."
+        )
+    raise ValueError(
+        f"{name}.propose returned probs that do not sum to 1 over the vocabulary (sums: {total.tolist()}): "
+        f"{promise}, e.g. `scores.softmax(dim=-1)` after the target's logits processors."
+    )
 
 
 def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,
@@ -116,14 +151,100 @@ def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_ro
     )
 
 
-def standardize(logits: torch.FloatTensor, processors, prefix) -> torch.FloatTensor:
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The target's decoder layers, in order, where the model keeps them in the usual place (`model.layers` of its
+    decoder); `None` otherwise."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None) if decoder is not None else None
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+
+
+class HiddenStateCapture:
+    """Records the target's hidden states at the few layers a drafter reads (`Drafter.target_hidden_layers`) during
+    the target forwards a round already runs: one forward hook per layer read, removed by `close`. Nothing else is
+    computed or kept (no `output_hidden_states` of every layer, no second forward).
+
+    Layer `i` is entry `i` of transformers' `output_hidden_states`: 0 the embeddings' output, `i >= 1` the output
+    of decoder layer `i - 1`."""
+
+    def __init__(self, model, layers, owner: str = "the drafter"):
+        blocks = decoder_layers(model)
+        if blocks is None:
+            raise ValueError(
+                f"{owner} reads the target's hidden states, but {type(model).__name__} keeps no list of decoder "
+                "layers where hf_specdec looks (`model.get_decoder().layers`). Use a drafter that does not read "
+                "hidden states (an assistant model, prompt lookup) with this model."
+            )
+        layers = list(layers)
+        if not layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= len(blocks)
+                             for i in layers):
+            raise ValueError(
+                f"{owner} asked for the target's hidden states at layers {layers}, but {type(model).__name__} has "
+                f"{len(blocks)} decoder layers: use indices in [0, {len(blocks)}] (0: the embeddings' output, i: "
+                "the output of decoder layer i - 1)."
+            )
+        self.layers = layers
+        self.records: list[list[torch.Tensor]] = [[] for _ in layers]
+        self.handles = []
+        for slot, index in enumerate(layers):
+            module = model.get_input_embeddings() if index == 0 else blocks[index - 1]
+            self.handles.append(module.register_forward_hook(self._recorder(slot)))
+
+    def _recorder(self, slot: int):
+        def record(module, args, output):
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            self.records[slot].append(hidden.detach())
+        return record
+
+    def take(self) -> torch.Tensor | None:
+        """Everything recorded since the last call, `[batch, positions, sum of hidden sizes]`, layers side by side
+        in the order asked for; `None` when no forward ran."""
+        if not self.records[0]:
+            return None
+        states = torch.cat([torch.cat(records, dim=1) for records in self.records], dim=-1)
+        self.records = [[] for _ in self.layers]
+        return states
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def __enter__(self) -> "HiddenStateCapture":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def capture_for(model, drafter: Drafter) -> HiddenStateCapture | None:
+    """The capture a reset drafter asks for, or `None` when it reads no hidden states."""
+    layers = getattr(drafter, "target_hidden_layers", None)
+    return None if layers is None else HiddenStateCapture(model, layers, owner=type(drafter).__name__)
+
+
+def standardize(logits: torch.FloatTensor, processors, prefix, check_stateless: bool = False) -> torch.FloatTensor:
     """Applies the target's logits processors to `logits` (`[rows, k + 1, vocab]`), each position with its own
-    prefix: `processors(row)` gives a row's processors, `prefix(row, j)` the `[1, len]` ids position j follows."""
+    prefix: `processors(row)` gives a row's processors, `prefix(row, j)` the `[1, len]` ids position j follows.
+
+    Processors are called for drafted positions that may be rejected, and more than once per position, so they must
+    be functions of the prefix. `check_stateless` (the first round) catches what can be caught cheaply: the first
+    position is processed a second time, and a different result is an error."""
     scores = logits.clone()
     for row in range(logits.shape[0]):
         row_processors = processors(row)
         for j in range(logits.shape[1]):
             scores[row : row + 1, j] = row_processors(prefix(row, j), scores[row : row + 1, j])
+    if check_stateless:
+        again = processors(0)(prefix(0, 0), logits[0:1, 0].clone())
+        if not torch.equal(again, scores[0:1, 0]):
+            names = [type(p).__name__ for p in processors(0)]
+            raise ValueError(
+                f"A logits processor among {names} returned different scores for the same prefix and logits when "
+                "called twice: it keeps state between calls. Speculative decoding calls processors for drafted "
+                "positions that may be rejected, and more than once per position, so a stateful processor would "
+                "change the output. Make it a function of the `input_ids` it is given (or drop the drafter)."
+            )
     return scores
 
 
@@ -187,8 +308,21 @@ class ChainLayout:
         """Leaves the cache holding the context and the first `kept` accepted drafts, nothing after."""
         cache.crop(-(cache.get_seq_length() - (context_length + kept)))
 
-    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict) -> None:
-        drafter.on_verified(input_ids, verdict.accepted)
+    def kept_nodes(self, verdict: Verdict, kept: int) -> torch.LongTensor:
+        """The indices of the `kept` drafts of row 0 that stay, in sequence order."""
+        return torch.arange(kept, device=self.proposal.tokens.device)
+
+    def kept_hidden_states(self, states: torch.Tensor, verdict: Verdict, kept: int) -> torch.Tensor:
+        """Of the hidden states of a round's forwards (`[1, positions, H]`, the drafts last), those of the positions
+        whose next token is now known: every context position, then the `kept` accepted drafts."""
+        num_drafted = self.proposal.tokens.shape[1]
+        if not num_drafted:
+            return states
+        return torch.cat([states[:, :-num_drafted], states[:, -num_drafted:][:, self.kept_nodes(verdict, kept)]],
+                         dim=1)
+
+    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict, **extra) -> None:
+        drafter.on_verified(input_ids, verdict.accepted, **extra)
 
 
 class TreeLayout(ChainLayout):
@@ -243,11 +377,14 @@ class TreeLayout(ChainLayout):
         return [0] + (verdict.accepted_nodes[0, : int(verdict.accepted[0])] + 1).tolist()
 
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
-        compact_cache(cache, context_length, verdict.accepted_nodes[0, :kept])
+        compact_cache(cache, context_length, self.kept_nodes(verdict, kept))
 
-    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict) -> None:
+    def kept_nodes(self, verdict: Verdict, kept: int) -> torch.LongTensor:
+        return verdict.accepted_nodes[0, :kept]
+
+    def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict, **extra) -> None:
         path = verdict.accepted_nodes[:, : int(verdict.accepted.max())]  # [batch, longest accepted path]
-        drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=path)
+        drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=path, **extra)
 
 
 def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLayout:

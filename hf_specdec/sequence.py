@@ -9,7 +9,8 @@ Each round (see `rounds.py` for the shared stages):
 4. the new tokens are appended one at a time through the stopping criteria (EOS, max length, stop strings, custom
    criteria, max time), so the output stops exactly where plain `generate` would;
 5. the target's `DynamicCache` keeps the accepted drafts (a crop for a chain, a compaction for a tree) and the
-   drafter is told what was kept.
+   drafter is told what was kept (with the target's hidden states of the kept positions, for a drafter that reads
+   them: `Drafter.target_hidden_layers`).
 
 Invariant between rounds: the target cache holds every token of `input_ids` but the last.
 """
@@ -25,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .drafters.model import logits_width
-from .rounds import checked_proposal, layout_for, standardize, target_logits
+from .rounds import capture_for, checked_proposal, layout_for, standardize, target_logits
 from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
@@ -65,78 +66,88 @@ def decode_sequence(
     first_round = True
     finished = False
 
-    while not finished:
-        cur_len = input_ids.shape[1]
-        chosen_gamma = policy.next_gamma()
-        # never emit past max_length: a round emits at most gamma + 1 tokens
-        gamma = max(0, min(chosen_gamma, max_length - cur_len - 1))
+    # a drafter that reads the target's hidden states gets those of the positions each round keeps
+    capture = capture_for(model, drafter)
+    try:
+        while not finished:
+            cur_len = input_ids.shape[1]
+            chosen_gamma = policy.next_gamma()
+            # never emit past max_length: a round emits at most gamma + 1 tokens
+            gamma = max(0, min(chosen_gamma, max_length - cur_len - 1))
 
-        # 1. draft
-        draft_start = time.perf_counter()
-        proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
-                                    tree_budget)
-        layout = layout_for(proposal, drafter, gamma)
-        num_drafted = proposal.tokens.shape[1]
-        verify_start = time.perf_counter()
+            # 1. draft
+            draft_start = time.perf_counter()
+            proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
+                                        tree_budget)
+            layout = layout_for(proposal, drafter, gamma)
+            num_drafted = proposal.tokens.shape[1]
+            verify_start = time.perf_counter()
 
-        # 2. one target forward over the uncached tail and the drafts
-        context_mask = model_kwargs.get("attention_mask")  # [1, cur_len] or None
-        if layout.prefills_context and cur_len - cache.get_seq_length() > 1:
-            # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
-            # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
-            prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
-                              and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
-            target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
-        candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
-        forward_kwargs = model_kwargs
-        if num_drafted:
-            forward_kwargs = model._update_model_kwargs_for_generation(
-                {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
+            # 2. one target forward over the uncached tail and the drafts
+            context_mask = model_kwargs.get("attention_mask")  # [1, cur_len] or None
+            if layout.prefills_context and cur_len - cache.get_seq_length() > 1:
+                # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
+                # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
+                prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
+                                  and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
+                target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
+            candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
+            forward_kwargs = model_kwargs
+            if num_drafted:
+                forward_kwargs = model._update_model_kwargs_for_generation(
+                    {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
+                )
+            overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype, context_mask)
+            new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
+                                       overrides)  # [1, k + 1, V]
+            new_scores = new_logits
+            if len(logits_processor):
+                new_scores = standardize(new_logits, lambda row: logits_processor,
+                                         lambda row, j: layout.prefix(candidate_ids, cur_len, j),
+                                         check_stateless=first_round)
+
+            # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
+            verdict = layout.verify(do_sample, new_scores, options)
+            num_accepted = int(verdict.accepted[0])
+            stats.record_round(chosen_gamma, num_drafted, num_accepted,
+                               verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)
+
+            # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
+            # middle of an accepted block, and plain generate checks after every token
+            new_tokens = layout.accepted_tokens(verdict)  # [1, n + 1]
+            positions = layout.emitted_positions(verdict) if output_scores or output_logits else None
+            round_ids = torch.cat([input_ids, new_tokens], dim=-1)
+            emitted = 0
+            while emitted < num_accepted + 1 and not finished:
+                position = positions[emitted] if positions else None
+                if output_scores:
+                    scores += (new_scores[:, position],)
+                if output_logits:
+                    raw_logits += (new_logits[:, position],)
+                emitted += 1
+                finished = bool(stopping_criteria(round_ids[:, : cur_len + emitted], scores).any())
+            input_ids = round_ids[:, : cur_len + emitted]
+            stats.emitted_tokens += emitted
+            if streamer is not None:
+                for token in new_tokens[:, :emitted].cpu().unbind(dim=1):
+                    streamer.put(token)
+
+            # 5. the cache keeps everything but the newest token (a crop still trims sliding windows)
+            layout.keep_accepted(cache, cur_len, verdict, emitted - 1)
+            model_kwargs = model._update_model_kwargs_for_generation(
+                {}, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=emitted
             )
-        overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype, context_mask)
-        new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
-                                   overrides)  # [1, k + 1, V]
-        new_scores = new_logits
-        if len(logits_processor):
-            new_scores = standardize(new_logits, lambda row: logits_processor,
-                                     lambda row, j: layout.prefix(candidate_ids, cur_len, j))
-
-        # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
-        verdict = layout.verify(do_sample, new_scores, options)
-        num_accepted = int(verdict.accepted[0])
-        stats.record_round(chosen_gamma, num_drafted, num_accepted,
-                           verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)
-
-        # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
-        # middle of an accepted block, and plain generate checks after every token
-        new_tokens = layout.accepted_tokens(verdict)  # [1, n + 1]
-        positions = layout.emitted_positions(verdict) if output_scores or output_logits else None
-        round_ids = torch.cat([input_ids, new_tokens], dim=-1)
-        emitted = 0
-        while emitted < num_accepted + 1 and not finished:
-            position = positions[emitted] if positions else None
-            if output_scores:
-                scores += (new_scores[:, position],)
-            if output_logits:
-                raw_logits += (new_logits[:, position],)
-            emitted += 1
-            finished = bool(stopping_criteria(round_ids[:, : cur_len + emitted], scores).any())
-        input_ids = round_ids[:, : cur_len + emitted]
-        stats.emitted_tokens += emitted
-        if streamer is not None:
-            for token in new_tokens[:, :emitted].cpu().unbind(dim=1):
-                streamer.put(token)
-
-        # 5. the cache keeps everything but the newest token (a crop still trims sliding windows)
-        layout.keep_accepted(cache, cur_len, verdict, emitted - 1)
-        model_kwargs = model._update_model_kwargs_for_generation(
-            {}, model_kwargs, is_encoder_decoder=is_encoder_decoder, num_new_tokens=emitted
-        )
-        layout.tell_drafter(drafter, input_ids, verdict)
-        verify_end = time.perf_counter()
-        stats.draft_time_s += verify_start - draft_start
-        stats.verify_time_s += verify_end - verify_start
-        policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=verify_start - draft_start,
-                       verify_time_s=verify_end - verify_start, first_round=first_round)
-        first_round = False
+            extra = {}
+            if capture is not None:
+                extra["target_hidden_states"] = layout.kept_hidden_states(capture.take(), verdict, emitted - 1)
+            layout.tell_drafter(drafter, input_ids, verdict, **extra)
+            verify_end = time.perf_counter()
+            stats.draft_time_s += verify_start - draft_start
+            stats.verify_time_s += verify_end - verify_start
+            policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=verify_start - draft_start,
+                           verify_time_s=verify_end - verify_start, first_round=first_round)
+            first_round = False
+    finally:
+        if capture is not None:
+            capture.close()
     return input_ids, scores, raw_logits

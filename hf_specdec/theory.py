@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 __all__ = ["expected_operations", "expected_speedup", "expected_tokens_per_round", "optimal_gamma"]
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> None:
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"`alpha` must be in [0, 1], got {alpha!r}.")
+    if not _is_number(alpha) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"`alpha` must be in [0, 1], got {alpha!r}. Pass a number, for example `alpha=0.8`.")
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0):
         raise ValueError(f"`gamma` must be a non-negative int, got {gamma!r}.")
-    if c is not None and c < 0:
-        raise ValueError(f"`c` (drafter cost / target cost) must be >= 0, got {c!r}.")
+    if c is not None and (not _is_number(c) or c < 0):
+        raise ValueError(f"`c` (drafter cost / target cost) must be a finite number >= 0, got {c!r}.")
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -66,4 +73,8 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     ```
     """
     _check(alpha, None, c)
+    if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or not 0 <= max_gamma <= 10_000:
+        raise ValueError(
+            f"`max_gamma` must be an int in [0, 10000], got {max_gamma!r}. Use for example `max_gamma=64`."
+        )
     return max(range(max_gamma + 1), key=lambda gamma: (expected_speedup(alpha, gamma, c), -gamma))

@@ -244,7 +244,7 @@ def test_optimal_policy_does_not_extrapolate_a_free_plain_step():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(speculative_gamma_policy="bogus"), r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['constant', 'heuristic'"),
+    (dict(speculative_gamma_policy="bogus"), r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['auto', 'constant', 'heuristic'"),
     (dict(speculative_max_gamma=0), "`speculative_max_gamma` must be a positive int, got 0"),
 ])
 def test_bad_policy_arguments(target, bad, match):
@@ -310,3 +310,66 @@ def test_speculative_metric_offline(target):
         hf_specdec.expected_speedup(alpha=result["alpha"], gamma=round(result["mean_gamma"]), c=result["c"]))
     with pytest.raises(ValueError, match="Unknown hf_specdec metric 'nope'"):
         hf_specdec.metrics.load("nope")
+
+
+# the default policy: the user's γ while drafting pays, plain steps (with rare probes) when it is measured not to
+
+
+def test_auto_is_the_default():
+    assert hf_specdec.configuration.SpeculativeOptions().speculative_gamma_policy == "auto"
+
+
+@pytest.mark.parametrize("stall_every", [None, 7])
+def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
+    from hf_specdec.policies import AutoGammaPolicy
+
+    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 300, lambda position: 0.0, 0.15,
+                      lambda k: 1.0 + 0.05 * k, stall_every)
+    assert chosen[:2] == [5, 1]  # the first round (prefill) accepted nothing: one drafted token measures the cost
+    assert chosen[2:130] == [0] * 128 and chosen[130] == 1  # then plain steps, and a one-token probe after 128
+    assert sum(1 for g in chosen if g) == 2 + 1  # the next probe comes after 256 more
+
+
+def test_auto_keeps_a_useful_drafter_at_the_users_gamma():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    # accepts 2 of 5 per round; verify over k tokens costs 1 + 0.1k, drafting 0.1 per token: pays
+    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 100, lambda position: 1.0 if position < 2 else 0.0,
+                      0.1, lambda k: 1.0 + 0.1 * k)
+    assert chosen == [5] * 100
+
+
+def test_auto_measures_a_plain_step_when_it_is_close():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    # compute-bound: verifying 6 tokens costs 2 steps; 1 of 5 accepted: 2 tokens per 2.5 steps beats 1 / verify but
+    # loses to a plain step, which the policy measures once and then keeps taking
+    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
+                      0.1, lambda k: 1.0 + k / 5)
+    assert chosen[:4] == [5, 5, 5, 5] and chosen[4] == 0
+    assert chosen[5:40] == [0] * 35
+
+
+def test_auto_resumes_when_a_probe_is_accepted():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    policy = AutoGammaPolicy(gamma=4, max_gamma=16)
+    chosen = []
+    for index in range(200):
+        gamma = policy.next_gamma()
+        accepted = min(gamma, 3) if index >= 20 else 0  # useless at first, useful from round 20 on (found by the probe)
+        policy.observe(drafted=gamma, accepted=accepted, draft_time_s=0.15 * gamma,
+                       verify_time_s=1.0 + 0.05 * gamma, first_round=index == 0)
+        chosen.append(gamma)
+    assert chosen[:2] == [4, 1] and chosen[2:20] == [0] * 18
+    assert chosen[130] == 1 and chosen[131:] == [4] * (200 - 131)  # the probe after 128 plain steps found it useful
+
+
+def test_auto_in_generate_with_a_drafter_that_is_never_right(target):
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=60)
+    out = run(target, ids, drafter=ScriptedDrafter(plain, period=1))
+    assert torch.equal(out.sequences, plain)
+    drafted = out.speculative_stats.drafted_history
+    # the prefill round, one drafted token, then plain steps (the first probe would come after 64 of them)
+    assert drafted[:2] == [5, 1] and not any(drafted[2:])

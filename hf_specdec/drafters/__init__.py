@@ -1,6 +1,7 @@
 """Drafters: what proposes the tokens the target verifies."""
 
 from .base import DraftContext, DraftProposal, Drafter, get_drafter_class, list_drafters, register_drafter
+from .eagle import EagleDrafter
 from .model import ModelDrafter
 from .ngram import NGramDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -9,6 +10,7 @@ __all__ = [
     "DraftContext",
     "DraftProposal",
     "Drafter",
+    "EagleDrafter",
     "ModelDrafter",
     "NGramDrafter",
     "PromptLookupDrafter",

@@ -14,14 +14,28 @@ What a drafter promises, so that verification stays exact:
 - `probs[b, i]` is the standardized distribution node i was *sampled* from, given its ancestors, and node i was
   drawn from it independently of its siblings (the same q for i.i.d. siblings is fine); a node chosen
   deterministically (argmax, top-k, a table or a copy) has no q: pass `probs=None` for the whole proposal;
+- so `probs` is `[batch, k, vocab]`, finite, non-negative, sums to 1 over the vocabulary at every position, and
+  gives each drafted token q(x) > 0 (it was drawn from q). `checked_proposal` checks exactly this at the boundary
+  (one fused check, one host sync per round) and raises a `ValueError` naming the drafter: a q of 0 or below on a
+  drafted token would otherwise make rejection sampling accept tokens the target never samples;
 - which nodes a tree has may depend on the drafter's scores of nodes above them, never on the values drawn for
-  the nodes themselves (no pruning of sampled siblings by what they turned out to be).
+  the nodes themselves (no pruning of sampled siblings by what they turned out to be);
+- `propose` returns a `DraftProposal` (`DraftProposal.empty(batch, device)` for none); anything else is a
+  `TypeError` at the boundary.
+
+What the check cannot see, and stays the drafter's promise: that q really is the distribution the tokens were
+drawn from. Likewise the target's logits processors (`DraftContext.logits_processor`, and any `logits_processor=`
+passed to `generate`) must be functions of the prefix they are given: speculation calls them for drafted
+positions that may be rejected, more than once per position and out of step order, so a processor that keeps
+state between calls (counts calls, remembers the last step) sees extra positions and the output differs from
+plain `generate`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -90,6 +104,14 @@ class Drafter:
     (see `ModelDrafter`). Any other drafter gets one copy per sequence, each `reset` for and called with that one
     sequence, unpadded, exactly as at batch size 1."""
 
+    reads_target_hidden_states: bool = False
+    """A drafter that reads the target's hidden states (`EagleDrafter`) sets this and, in `reset`,
+    `self.target_hidden_layers` to the entries of the target's `output_hidden_states` it reads (0: the embeddings'
+    output, i: the output of decoder layer i - 1). After each verification `on_verified` then also gets
+    `target_hidden_states` (`[1, n, sum of hidden sizes]`): the states of the positions whose next token became known
+    in that round, in order, captured during the round's own target forwards. Batches are decoded one row at a
+    time for such drafters."""
+
     def reset(self, context: DraftContext) -> None:
         """Called once at the start of each `generate` call, before the first `propose`."""
 
@@ -120,7 +142,9 @@ class Drafter:
 
     @classmethod
     def from_options(cls, **options) -> "Drafter":
-        """Builds the drafter for `generate(drafter=<registered name>, drafter_kwargs=options)`."""
+        """Builds the drafter for `generate(drafter=<registered name>, drafter_kwargs=options)`; unknown and missing
+        options fail naming what the constructor takes."""
+        check_options(cls, options)
         return cls(**options)
 
     def for_call(self, context: DraftContext) -> "Drafter":
@@ -128,6 +152,29 @@ class Drafter:
         drafter = copy.copy(self)
         drafter.reset(context)
         return drafter
+
+
+def check_options(cls: type, options: dict[str, Any], signature_of=None) -> None:
+    """Fails unless `options` (a drafter's `drafter_kwargs`) bind to `signature_of` (default: `cls`'s constructor):
+    an unknown key is a typo that would otherwise be ignored or end as a bare `TypeError`."""
+    parameters = inspect.signature(signature_of or cls).parameters.values()
+    accepted = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise TypeError(
+                f"Unknown `drafter_kwargs` key(s) {unknown} for {cls.__name__}, got drafter_kwargs={options!r}. "
+                f"{cls.__name__} accepts {accepted}."
+            )
+    missing = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                 p.KEYWORD_ONLY)
+               and p.name not in options]
+    if missing:
+        raise TypeError(
+            f"{cls.__name__} needs {missing} in `drafter_kwargs`, got drafter_kwargs={options!r}. Pass "
+            f"`drafter_kwargs={{{', '.join(repr(name) + ': ...' for name in missing)}}}`, or build the drafter "
+            "yourself and pass it as `drafter=`."
+        )
 
 
 _REGISTRY: Registry[type[Drafter]] = Registry(Drafter, "drafter", "drafter", "hf_specdec.register_drafter")

@@ -12,8 +12,9 @@ import inspect
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
 
-from ..caches import realign_cache, slice_cache
+from ..caches import croppable_after_first_forward, realign_cache, slice_cache
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias, best_subtree
@@ -126,7 +127,10 @@ class ModelDrafter(Drafter):
             self.encoder_inputs = self._encoder_inputs(context, forward_params)
             cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
         cache.activate_past_recording()
-        if not cache.is_croppable:
+        # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
+        # again in `on_verified`
+        self.check_croppable = not cache.is_croppable and croppable_after_first_forward(cache)
+        if not cache.is_croppable and not self.check_croppable:
             raise ValueError(
                 f"`assistant_model` ({type(model).__name__}) uses a cache that cannot be rolled back, so rejected "
                 "drafts could not be undone. Use a drafter with standard (full or sliding-window) attention."
@@ -170,7 +174,12 @@ class ModelDrafter(Drafter):
         # a decoder-only drafter reads the target's encoder outputs through its cross-attention (distil-whisper)
         hidden_size = model.config.get_text_config(decoder=True).hidden_size
         target_states = context.model_kwargs["encoder_outputs"].last_hidden_state  # [batch, src_len, hidden]
-        if "encoder_hidden_states" not in forward_params or getattr(model.config, "add_cross_attention", True) is False:
+        takes_states = "encoder_hidden_states" in forward_params
+        if not takes_states and "encoder_outputs" in forward_params and target_states.shape[-1] == hidden_size:
+            # WhisperForCausalLM takes the encoder's output object itself
+            return {"encoder_outputs": BaseModelOutput(
+                last_hidden_state=target_states.to(device=self.device, dtype=model.dtype))}
+        if not takes_states or getattr(model.config, "add_cross_attention", True) is False:
             raise ValueError(
                 f"`assistant_model` ({type(model).__name__}) is decoder-only without cross-attention, so it cannot "
                 f"read the source of the encoder-decoder target ({type(context.target).__name__}). Use an "
@@ -219,6 +228,14 @@ class ModelDrafter(Drafter):
         attention_mask: torch.LongTensor | None = None,
         accepted_nodes: torch.LongTensor | None = None,
     ) -> None:
+        if self.check_croppable:
+            if not self.cache.is_croppable:
+                raise ValueError(
+                    f"`assistant_model` ({type(self.model).__name__}) keeps recurrent state in its cache, which "
+                    "cannot be rolled back, so rejected drafts could not be undone. Use a drafter with standard (full "
+                    "or sliding-window) attention."
+                )
+            self.check_croppable = False
         if attention_mask is None:
             # everything but the newest token (the target's, never fed to the drafter) may stay in the cache; a
             # tree's nodes sit after the context in expansion order, not in sequence order, so they all go and the

@@ -6,12 +6,14 @@ import copy
 import heapq
 import itertools
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData, ModelHubMixin, hf_hub_download
+from huggingface_hub.errors import HFValidationError
 from safetensors.torch import load_file, save_file
 
 from ..sampling import sample_tokens
@@ -165,9 +167,11 @@ class NGramDrafter(
             show_progress = len(texts) >= 1000
         sequences = []
         for start in tqdm(range(0, len(texts), batch_size), desc="tokenizing", disable=not show_progress, unit="batch"):
-            encoded = tokenizer(texts[start : start + batch_size], add_special_tokens=False)["input_ids"]
+            # verbose=False: a corpus file longer than the tokenizer's model_max_length is fine here (we count
+            # n-grams, nothing runs a model on it), so transformers' "sequence length is longer" warning would mislead
+            encoded = tokenizer(texts[start : start + batch_size], add_special_tokens=False, verbose=False)["input_ids"]
             sequences.extend(encoded)
-        metadata.setdefault("tokenizer_name", getattr(tokenizer, "name_or_path", None) or None)
+        metadata.setdefault("tokenizer_name", _shareable_name(getattr(tokenizer, "name_or_path", None)))
         return cls.from_corpus(
             sequences, n=n, vocab_size=vocab_size or len(tokenizer), top_k=top_k, draft_mode=draft_mode, **metadata
         )
@@ -195,30 +199,118 @@ class NGramDrafter(
         (save_directory / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | Path,
+        *,
+        force_download: bool = False,
+        token: str | bool | None = None,
+        cache_dir: str | Path | None = None,
+        local_files_only: bool = False,
+        revision: str | None = None,
+        **overrides: Any,
+    ) -> "NGramDrafter":
+        r"""
+        Loads a table written by `save_pretrained`, from a local directory or a Hub repo id (nothing is unpickled).
+
+        Args:
+            pretrained_model_name_or_path (`str` or `Path`):
+                A directory holding `config.json` and `model.safetensors`, or a Hub repo id (`"user/name"`).
+            force_download, token, cache_dir, local_files_only, revision:
+                As in `huggingface_hub.hf_hub_download`, for Hub repo ids.
+            overrides:
+                `n` (use orders 1 ... n only, at most the stored n), `top_k` (keep the top_k most frequent
+                continuations per context, at most the stored top_k), `draft_mode`, `tokenizer_name`,
+                `target_name`, `corpus_description`, `alpha`. Anything else is an error.
+
+        Example:
+
+        ```python
+        >>> from hf_specdec.zoo import load_ngram
+        >>> load_ngram(n=2, draft_mode="sample").n
+        2
+        ```
+        """
+        unknown = sorted(set(overrides) - set(_OVERRIDABLE))
+        if unknown:
+            raise TypeError(
+                f"Unknown option(s) {unknown} for `NGramDrafter.from_pretrained`, got "
+                f"{ {key: overrides[key] for key in unknown} }. It accepts {list(_OVERRIDABLE)} (and the download "
+                "arguments `revision`, `cache_dir`, `force_download`, `local_files_only`, `token`)."
+            )
+        return cls._from_pretrained(
+            model_id=str(pretrained_model_name_or_path), revision=revision, cache_dir=cache_dir,
+            force_download=force_download, local_files_only=local_files_only, token=token, **overrides,
+        )
+
+    @classmethod
     def _from_pretrained(
         cls, *, model_id: str, revision, cache_dir, force_download, local_files_only, token, **overrides
     ) -> "NGramDrafter":
-        def fetch(filename: str) -> str:
-            local = Path(model_id) / filename
-            if Path(model_id).is_dir():
+        directory = _local_directory(model_id)
+
+        def fetch(filename: str) -> Path:
+            if directory is not None:
+                local = directory / filename
+                if local.is_symlink() and not local.exists():
+                    raise OSError(f"{local} is a broken link (to {os.readlink(local)!r}); restore the file or save "
+                                  "the drafter again with `save_pretrained`.")
+                if local.exists() and not local.is_file():
+                    raise OSError(f"{_describe(local)} is not a file; save the drafter again with `save_pretrained`.")
                 if not local.is_file():
                     raise OSError(f"{model_id} has no {filename}; is it a directory written by save_pretrained?")
-                return str(local)
-            return hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir,
-                                   force_download=force_download, local_files_only=local_files_only, token=token)
+                return local
+            try:
+                return Path(hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir,
+                                            force_download=force_download, local_files_only=local_files_only,
+                                            token=token))
+            except HFValidationError as err:
+                raise OSError(f"{model_id!r} is neither a local directory nor a valid Hub repo id: {err}") from None
 
-        config = json.loads(Path(fetch(CONFIG_NAME)).read_text())
-        if config.get("drafter_type") != "ngram":
+        config_path = fetch(CONFIG_NAME)
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise OSError(f"{_describe(config_path)} is not a readable JSON file ({err}); it is corrupt or "
+                          "truncated: save the drafter again with `save_pretrained`, or download it again.") from None
+        if not isinstance(config, dict) or config.get("drafter_type") != "ngram":
+            found = config.get("drafter_type") if isinstance(config, dict) else type(config).__name__
             raise ValueError(
-                f"{model_id}/{CONFIG_NAME} has drafter_type={config.get('drafter_type')!r}, expected 'ngram': this "
-                "is not an NGramDrafter checkpoint."
+                f"{config_path} has drafter_type={found!r}, expected 'ngram': this is not an NGramDrafter checkpoint."
             )
-        tables = load_file(fetch(WEIGHTS_NAME))  # safetensors: tensors only, never pickle
-        kwargs = {key: config.get(key) for key in ("n", "vocab_size", "top_k", "draft_mode", "tokenizer_name",
-                                                   "target_name", "corpus_description", "alpha")}
+        weights_path = fetch(WEIGHTS_NAME)
+        try:
+            tables = load_file(str(weights_path))  # safetensors: tensors only, never pickle
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
+            raise OSError(f"{_describe(weights_path)} is not a readable safetensors file ({_one_line(err)}); it is "
+                          "corrupt or truncated: save the drafter again with `save_pretrained`, or download it "
+                          "again.") from None
+        kwargs = {key: config.get(key) for key in ("n", "vocab_size", "top_k", *_OVERRIDABLE)}
         kwargs["draft_mode"] = kwargs["draft_mode"] or "greedy"
-        # the mixin passes config values for __init__'s parameters; explicit user overrides win
-        kwargs.update({k: v for k, v in overrides.items() if k in ("draft_mode", "target_name", "alpha")})
+        stored_n, stored_top_k = kwargs["n"], kwargs["top_k"]
+        try:
+            for name in ("n", "vocab_size", "top_k"):
+                _check_positive(name, kwargs[name])
+            orders = sorted(int(key.split(".")[0][len("order_"):]) for key in tables if key.endswith(".contexts"))
+            if orders != list(range(1, stored_n + 1)):
+                raise ValueError(
+                    f"config.json says n={stored_n}, but {WEIGHTS_NAME} holds the tables of orders {orders}: the two "
+                    "files do not belong together. Save the drafter again with `save_pretrained`."
+                )
+            tables = _validated_tables(tables, n=stored_n, vocab_size=kwargs["vocab_size"], top_k=stored_top_k)
+        except ValueError as err:
+            raise ValueError(f"The n-gram drafter in {model_id} is invalid: {err}") from None
+        kwargs.update(overrides)  # explicit user overrides win
+        for name, stored in (("n", stored_n), ("top_k", stored_top_k)):
+            _check_positive(name, kwargs[name])
+            if kwargs[name] > stored:
+                raise ValueError(
+                    f"`{name}={kwargs[name]}` is larger than the stored table's {name}={stored} ({model_id}): a "
+                    f"table keeps only what it counted. Pass `{name}` <= {stored}, or rebuild the table."
+                )
+        # a smaller n drops the longest contexts; a smaller top_k keeps each context's most frequent continuations
+        tables = {key: tensor[:, : kwargs["top_k"]] if key.endswith((".tokens", ".probs")) else tensor
+                  for key, tensor in tables.items() if int(key.split(".")[0][len("order_"):]) <= kwargs["n"]}
         return cls(tables, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, model_card_kwargs: dict | None = None, **kwargs) -> str:
@@ -356,6 +448,42 @@ class NGramDrafter(
         return cls.from_pretrained(pretrained_model_name_or_path, **options)
 
 
+_OVERRIDABLE = ("n", "top_k", "draft_mode", "tokenizer_name", "target_name", "corpus_description", "alpha")
+
+
+def _local_directory(model_id: str) -> Path | None:
+    """The directory `model_id` names, None for a Hub repo id; a local path that is no directory fails here,
+    rather than as an invalid repo id."""
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise OSError(f"{model_id!r} is a file; `NGramDrafter.from_pretrained` takes the directory written by "
+                      "`save_pretrained` (holding config.json and model.safetensors), or a Hub repo id.")
+    parts = model_id.split("/")
+    if model_id.startswith((".", "/", "~", "\\")) or "\\" in model_id or len(parts) != 2 or not all(parts):
+        raise OSError(f"No such directory: {model_id!r} (and it is not a Hub repo id of the form 'user/name'). "
+                      "Pass the directory written by `save_pretrained`.")
+    return None
+
+
+def _describe(path: Path) -> str:
+    """The file, and where it leads when it is a link (a Hub cache links snapshots to blobs)."""
+    return f"{path} (a link to {path.resolve()})" if path.is_symlink() else str(path)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _shareable_name(name: str | None) -> str | None:
+    """A tokenizer's `name_or_path` fit for a model card: a Hub id as is, a local path by its directory name only."""
+    if not name:
+        return None
+    path = Path(name).expanduser()
+    return f"{path.resolve().name} (a local tokenizer)" if path.exists() else name
+
+
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
@@ -419,6 +547,13 @@ def _validated_tables(tables: dict[str, torch.Tensor], *, n: int, vocab_size: in
                 )
         if probs.numel() and (not torch.isfinite(probs).all() or float(probs.min()) < 0 or float(probs.max()) > 1):
             raise ValueError(f"Tensor {names[2]} holds values outside [0, 1]; the table is corrupt.")
+        empty = ((probs * (tokens >= 0)).sum(dim=-1) <= 0).nonzero()[:, 0]  # contexts with no usable continuation
+        if len(empty):
+            raise ValueError(
+                f"Tensor {names[2]} has {len(empty)} context row(s) whose continuations all have probability 0 "
+                f"(rows {empty[:5].tolist()}{'...' if len(empty) > 5 else ''}); such a context could never draft: "
+                "the table is corrupt. Rebuild it with `NGramDrafter.from_corpus` or `from_texts`."
+            )
         checked.update({names[0]: contexts.long(), names[1]: tokens.long(), names[2]: probs.float()})
     return checked
 

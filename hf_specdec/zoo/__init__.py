@@ -55,8 +55,8 @@ def load_default(dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(_path("target"), dtype=dtype).eval()
-    drafter = AutoModelForCausalLM.from_pretrained(_path("drafter"), dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(_path("target"), dtype=dtype, use_safetensors=True).eval()
+    drafter = AutoModelForCausalLM.from_pretrained(_path("drafter"), dtype=dtype, use_safetensors=True).eval()
     return target, drafter, load_tokenizer()
 
 

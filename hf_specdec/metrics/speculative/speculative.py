@@ -1,8 +1,11 @@
 """The `speculative` metric: aggregates `speculative_stats` of many `generate` calls into the paper's quantities."""
 
+import math
+
 import datasets
 import evaluate
 
+from hf_specdec.stats import SpeculativeStats
 from hf_specdec.theory import expected_speedup
 
 _DESCRIPTION = """
@@ -16,7 +19,8 @@ measured speedup is reported too.
 
 _KWARGS_DESCRIPTION = """
 Args:
-    stats (`list[dict]`): `SpeculativeStats.to_dict()` of each call.
+    stats (`list[dict]`): `SpeculativeStats.to_dict()` of each call (`SpeculativeStats` objects are converted); an
+        empty list or a dict with other keys is an error.
     c (`float`, *optional*): drafter cost relative to the target; measured from the stats when omitted.
     plain_seconds_per_token (`float`, *optional*): plain `generate`'s seconds per token, for the measured speedup.
 Returns:
@@ -64,7 +68,41 @@ _FEATURES = datasets.Features({
 })
 
 
+def _checked_stats(stats):
+    """`stats` as a list of `SpeculativeStats.to_dict()`; anything else fails naming what is wrong and the fix."""
+    fix = "Pass `stats=[output.speculative_stats.to_dict(), ...]`, one per `generate` call."
+    if isinstance(stats, (dict, SpeculativeStats)) or not isinstance(stats, (list, tuple)):
+        raise TypeError(f"`stats` must be a list of `SpeculativeStats.to_dict()`, got {type(stats).__name__}. {fix}")
+    if not stats:
+        raise ValueError(f"`stats` is empty: there is nothing to aggregate (no α, no speedup). {fix}")
+    required, checked = set(_FEATURES["stats"]), []
+    for index, item in enumerate(stats):
+        if isinstance(item, SpeculativeStats):
+            item = item.to_dict()
+        if not isinstance(item, dict):
+            raise TypeError(f"`stats[{index}]` must be a dict from `SpeculativeStats.to_dict()`, got "
+                            f"{type(item).__name__}. {fix}")
+        missing, unknown = sorted(required - set(item)), sorted(set(item) - required)
+        if missing or unknown:
+            raise ValueError(f"`stats[{index}]` is not a `SpeculativeStats.to_dict()`: missing keys {missing}, unknown "
+                             f"keys {unknown}. {fix}")
+        checked.append(item)
+    return checked
+
+
 class Speculative(evaluate.Metric):
+    def add_batch(self, *, predictions=None, references=None, **kwargs):
+        """`evaluate.Metric.add_batch`, with `stats` checked first."""
+        if "stats" in kwargs:
+            kwargs["stats"] = _checked_stats(kwargs["stats"])
+        return super().add_batch(predictions=predictions, references=references, **kwargs)
+
+    def add(self, *, prediction=None, reference=None, **kwargs):
+        """`evaluate.Metric.add`, with `stats` (one dict) checked first."""
+        if "stats" in kwargs:
+            kwargs["stats"] = _checked_stats([kwargs["stats"]])[0]
+        return super().add(prediction=prediction, reference=reference, **kwargs)
+
     def _info(self):
         return evaluate.MetricInfo(
             description=_DESCRIPTION, citation=_CITATION, inputs_description=_KWARGS_DESCRIPTION, features=_FEATURES
@@ -78,7 +116,17 @@ class Speculative(evaluate.Metric):
             width = max((len(s[key]) for s in stats), default=0)
             return [sum(s[key][i] for s in stats if i < len(s[key])) for i in range(width)]
 
+        for name, value, low in (("c", c, "non-negative"), ("plain_seconds_per_token", plain_seconds_per_token,
+                                                             "positive")):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0 or (low == "positive" and value == 0)):
+                raise ValueError(f"`{name}` must be a {low} number or None, got {value!r}.")
         calls, drafted, accepted = total("target_calls"), total("drafted_tokens"), total("accepted_tokens")
+        if not calls:
+            raise ValueError(
+                f"The {len(stats)} `stats` record no target call (target_calls=0 in all): nothing was generated "
+                "speculatively, so there is no α or speedup to report. Pass the stats of speculative `generate` calls."
+            )
         rounds = total("row_rounds")
         alpha = total("beta_sum") / total("beta_count") if total("beta_count") else 0.0
         gammas = [g for s in stats for g in s["drafted_history"]]

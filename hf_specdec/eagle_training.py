@@ -1,0 +1,428 @@
+"""Training an EAGLE-3 head on its target's own hidden states (`hf_specdec.distill.train_eagle_drafter`).
+
+The data are the target's own answers (self-distillation, as EAGLE-3 and Medusa-2 train): with `prompts`, the target
+first answers them, sampling in batches; with `texts`, it reads them as they are. One target forward per sequence,
+with `HiddenStateCapture` on the three layers the head reads, gives the features and the target's logits; both are
+kept for the whole run (the target never runs again), the logits restricted to the draft vocabulary.
+
+The loss follows EAGLE-3's training-time test: the head is unrolled `ttt_steps` times, step j feeding at row t its
+own output of step j - 1 and the embedding of token x_{t+1+j}, at position t + j, attending the real rows up to t
+and its own earlier steps at row t, exactly the positions and keys it has when drafting the (j + 1)-th token after
+a real position t. Each step's loss is the cross-entropy with the target's distribution at position t + 1 + j over
+the draft vocabulary, where the target's choice lies in it, weighted 0.8^j.
+
+Written on `accelerate.Accelerator`, so it runs on a CPU, one GPU, or under `accelerate launch` on several, with a
+tqdm bar, checkpoints every `save_every` steps in `output_dir`, and `resume_from_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .drafters.eagle import EagleDrafter
+from .drafters.model import logits_width
+from .rounds import HiddenStateCapture
+
+__all__ = ["eagle_agreement", "train_eagle_drafter"]
+
+DATA_NAME = "eagle_data.pt"
+STATE_NAME = "training_state.pt"
+
+
+def _chat_prompt(tokenizer, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt)["input_ids"]]
+
+
+@torch.no_grad()
+def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tokens: int, batch_size: int,
+                    temperature: float, show_progress: bool) -> list[tuple[list[int], int]]:
+    """The target's own answers: `(prompt + answer ids, prompt length)` per prompt, sampled in left-padded batches."""
+    from tqdm.auto import tqdm
+
+    encoded = [_chat_prompt(tokenizer, prompt) for prompt in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+    sequences: list[tuple[list[int], int] | None] = [None] * len(encoded)
+    for start in tqdm(range(0, len(order), batch_size), desc="answering prompts", disable=not show_progress):
+        rows = order[start : start + batch_size]
+        width = max(len(encoded[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, width - len(encoded[i]) :] = torch.tensor(encoded[i])
+            mask[r, width - len(encoded[i]) :] = 1
+        generation = dict(do_sample=temperature > 0, max_new_tokens=max_answer_tokens, pad_token_id=pad)
+        if temperature > 0:
+            generation.update(temperature=temperature, top_k=0, top_p=1.0)
+        out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), **generation)
+        for r, i in enumerate(rows):
+            answer = out[r, width:].tolist()
+            for position, token in enumerate(answer):
+                if token in eos:
+                    answer = answer[: position + 1]
+                    break
+            sequences[i] = (encoded[i] + answer, len(encoded[i]))
+    return [s for s in sequences if s is not None]
+
+
+@torch.no_grad()
+def _target_features(target, sequences, layers, hot_ids: torch.LongTensor, batch_size: int = 4):
+    """Per sequence: the features `[len, 3h]` (float32), the target's logits over the draft vocabulary `[len, dv]`
+    (bfloat16), and whether its argmax lies in the draft vocabulary `[len]`."""
+    in_draft = torch.zeros(logits_width(target), dtype=torch.bool)
+    in_draft[hot_ids] = True
+    records = []
+    with HiddenStateCapture(target, layers, owner="train_eagle_drafter") as capture:
+        for start in range(0, len(sequences), batch_size):
+            chunk = sequences[start : start + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, (sequence, _) in enumerate(chunk):
+                ids[r, : len(sequence)] = torch.tensor(sequence)
+                mask[r, : len(sequence)] = 1
+            logits = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                            use_cache=False).logits.float().cpu()  # [b, width, vocab]
+            features = capture.take().float().cpu()  # [b, width, 3h]
+            for r, (sequence, _) in enumerate(chunk):
+                n = len(sequence)
+                records.append((features[r, :n].clone(), logits[r, :n][:, hot_ids].to(torch.bfloat16),
+                                in_draft[logits[r, :n].argmax(-1)]))
+    return records
+
+
+def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8):
+    """EAGLE-3's training-time-test loss on a padded batch; returns (loss, per-step top-1 agreement counts, counts)."""
+    ids, features, target_logits, target_in_draft, loss_mask = batch  # [b, T], [b, T, F], [b, T, dv], [b, T], [b, T]
+    batch_size, length = ids.shape
+    device = features.device
+    rows = torch.arange(length, device=device)
+    hidden = features
+    project = True
+    past_keys = past_values = None
+    causal = rows[None, :] <= rows[:, None]  # [T, T]
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    total = features.new_zeros(())
+    agree, counted = [], []
+    for j in range(ttt_steps):
+        # row t feeds x_{t+1+j} and predicts x_{t+2+j}, from the target's logits at position t + 1 + j
+        source = rows + 1 + j  # [T]
+        valid = source < length
+        source = source.clamp(max=length - 1)
+        tokens = ids[:, source]  # [b, T]
+        mask = torch.cat([causal] + [eye] * j, dim=1)[None, None]  # [1, 1, T, (j + 1) T]
+        positions = (rows + j)[None].expand(batch_size, -1)
+        out, keys, values = model(embeddings(tokens).to(features.dtype), hidden, positions, project=project,
+                                  past_keys=past_keys, past_values=past_values, mask=mask)
+        past_keys = keys if past_keys is None else torch.cat([past_keys, keys], dim=2)
+        past_values = values if past_values is None else torch.cat([past_values, values], dim=2)
+        hidden, project = out, False
+        weight = (loss_mask[:, source] & target_in_draft[:, source] & valid[None]).float()  # [b, T]
+        log_q = F.log_softmax(model.logits(out).float(), dim=-1)  # [b, T, dv]
+        p = F.softmax(target_logits[:, source].float(), dim=-1)  # [b, T, dv]
+        cross_entropy = -(p * log_q).sum(-1)  # [b, T]
+        total = total + (step_weight ** j) * (cross_entropy * weight).sum() / weight.sum().clamp(min=1)
+        with torch.no_grad():
+            agree.append(((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum().item())
+            counted.append(weight.sum().item())
+    return total, agree, counted
+
+
+def _collate(records, loss_masks, sequences):
+    """Pads a list of (features, target logits, in-draft, loss mask, ids) on the right."""
+    def collate(indices):
+        length = max(len(sequences[i][0]) for i in indices)
+        first = records[indices[0]]
+        b = len(indices)
+        ids = torch.zeros(b, length, dtype=torch.long)
+        features = torch.zeros(b, length, first[0].shape[-1])
+        logits = torch.zeros(b, length, first[1].shape[-1], dtype=first[1].dtype)
+        in_draft = torch.zeros(b, length, dtype=torch.bool)
+        mask = torch.zeros(b, length, dtype=torch.bool)
+        for r, i in enumerate(indices):
+            n = len(sequences[i][0])
+            ids[r, :n] = torch.tensor(sequences[i][0])
+            features[r, :n], logits[r, :n], in_draft[r, :n] = records[i]
+            mask[r, :n] = loss_masks[i]
+        return ids, features, logits, in_draft, mask
+    return collate
+
+
+def train_eagle_drafter(
+    target,
+    prompts: Sequence[str] | None = None,
+    texts: Sequence[str] | None = None,
+    *,
+    tokenizer=None,
+    max_minutes: float | None = None,
+    num_steps: int | None = None,
+    accelerator=None,
+    output_dir: str | Path | None = None,
+    resume_from_checkpoint: str | Path | bool | None = None,
+    draft_vocab_size: int | None = None,
+    layers: Sequence[int] | None = None,
+    ttt_steps: int = 7,
+    max_answer_tokens: int = 256,
+    answer_temperature: float = 0.7,
+    generation_batch_size: int = 16,
+    batch_size: int = 8,
+    learning_rate: float = 1e-3,
+    warmup_steps: int = 20,
+    eval_fraction: float = 0.05,
+    save_every: int = 200,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> EagleDrafter:
+    r"""
+    Trains an EAGLE-3 head for `target` and returns it as an `EagleDrafter` (saved to `output_dir` when given).
+
+    Args:
+        target ([`~transformers.PreTrainedModel`]): a decoder-only causal LM; only run forward (and `generate` to
+            answer `prompts`), never modified.
+        prompts (`list[str]`, *optional*): instructions the target answers first (with the tokenizer's chat template
+            when it has one); the head trains on the answers (self-distillation).
+        texts (`list[str]` or `list[list[int]]`, *optional*): texts (or token id sequences) to train on as they are
+            (every position). Give `prompts`, `texts`, or both.
+        tokenizer: the target's tokenizer (needed for `prompts` and for texts given as strings).
+        max_minutes (`float`, *optional*): wall-clock budget of the whole call (answering, features, training);
+            training stops when it is spent. Give it, `num_steps`, or both (the first reached ends training).
+        num_steps (`int`, *optional*): optimizer steps.
+        accelerator ([`~accelerate.Accelerator`], *optional*): defaults to `Accelerator()`.
+        output_dir (`str` or `Path`, *optional*): the head (EAGLE-3 layout, with a model card), the generated data,
+            `checkpoint-<step>` folders every `save_every` steps and `training_log.json`.
+        resume_from_checkpoint (`str`, `Path` or `True`, *optional*): a `checkpoint-<step>` folder, or `True` for
+            the latest in `output_dir`; the saved data are reused (the target does not answer again).
+        draft_vocab_size (`int`, *optional*): tokens of the draft vocabulary, the most frequent in the data; defaults
+            to every token the data contain, at most 32000 (EAGLE-3's size).
+        layers (`list[int]`, *optional*): `output_hidden_states` entries read; defaults to EAGLE-3's three.
+        ttt_steps (`int`, *optional*, defaults to 7): training-time-test unroll (draft steps trained).
+        max_answer_tokens, answer_temperature, generation_batch_size: how the target answers `prompts`.
+        batch_size, learning_rate, warmup_steps: AdamW with linear warm-up and cosine decay over the budget.
+        eval_fraction (`float`, *optional*, defaults to 0.05): sequences held out to measure agreement.
+        save_every (`int`, *optional*, defaults to 200): steps between checkpoints (with `output_dir`).
+        seed (`int`, *optional*, defaults to 0): seeds the answers, the head's initialisation and the data order.
+        show_progress (`bool`, *optional*, defaults to `True`): tqdm bars on the main process.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    if prompts is None and texts is None:
+        raise ValueError("train_eagle_drafter needs training data: pass `prompts=` (the target answers them) and/or "
+                         "`texts=` (trained on as they are).")
+    if tokenizer is None and (prompts or any(isinstance(text, str) for text in texts or [])):
+        raise ValueError("train_eagle_drafter needs `tokenizer=` (the target's) to read `prompts` or texts given as "
+                         "strings; without one, pass `texts=` as token id sequences.")
+    if max_minutes is None and num_steps is None:
+        raise ValueError("train_eagle_drafter needs a budget: pass `max_minutes=` (wall clock of the whole call) "
+                         "and/or `num_steps=`.")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}.")
+    if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
+        raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}.")
+    if not isinstance(ttt_steps, int) or ttt_steps < 1:
+        raise ValueError(f"`ttt_steps` must be a positive int, got {ttt_steps!r}.")
+    if target.config.is_encoder_decoder:
+        raise ValueError(f"train_eagle_drafter trains heads for decoder-only targets; {type(target).__name__} is an "
+                         "encoder-decoder model.")
+    accelerator = accelerator if accelerator is not None else Accelerator()
+    set_seed(seed)
+    show = show_progress and accelerator.is_local_main_process
+    output_dir = Path(output_dir) if output_dir is not None else None
+    target = target.eval()
+    checkpoint = _find_checkpoint(resume_from_checkpoint, output_dir)
+
+    # 1. data: the target's answers (or the texts), tokenized; saved so that a resumed run reuses them
+    data_file = output_dir / DATA_NAME if output_dir is not None else None
+    if checkpoint is not None and data_file is not None and data_file.exists():
+        saved = torch.load(data_file, weights_only=True)
+        sequences = [(ids.tolist(), int(start)) for ids, start in zip(saved["sequences"], saved["starts"])]
+        answer_seconds = float(saved["answer_seconds"])
+    else:
+        answer_start = time.perf_counter()
+        sequences = []
+        if prompts:
+            sequences += _answer_prompts(target, tokenizer, list(prompts), max_answer_tokens=max_answer_tokens,
+                                         batch_size=generation_batch_size, temperature=answer_temperature,
+                                         show_progress=show)
+        for text in texts or []:
+            ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
+            if len(ids) >= 3:
+                sequences.append(([int(i) for i in ids], 1))
+        answer_seconds = time.perf_counter() - answer_start
+        if data_file is not None and accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"sequences": [torch.tensor(ids) for ids, _ in sequences],
+                        "starts": torch.tensor([start for _, start in sequences]),
+                        "answer_seconds": answer_seconds}, data_file)
+    if len(sequences) < 2:
+        raise ValueError(f"train_eagle_drafter got {len(sequences)} usable sequence(s); give more prompts or texts.")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(sequences), generator=generator).tolist()
+    num_eval = max(1, int(eval_fraction * len(sequences)))
+    eval_ids, train_ids = order[:num_eval], order[num_eval:]
+
+    # 2. the draft vocabulary: the most frequent tokens the head is trained to predict
+    counts = Counter(token for i in train_ids for token in sequences[i][0][max(sequences[i][1], 1):])
+    vocab = logits_width(target)
+    size = min(draft_vocab_size or 32000, vocab)
+    eos = target.generation_config.eos_token_id
+    must = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None and 0 <= t < vocab]
+    ranked = must + [token for token, _ in counts.most_common() if token not in must]
+    if draft_vocab_size is None:
+        ranked = ranked[:size]
+    else:
+        ranked = (ranked + [t for t in range(vocab) if t not in set(ranked)])[:size]
+    if checkpoint is not None:
+        drafter = EagleDrafter.from_pretrained(checkpoint, target)
+    else:
+        drafter = EagleDrafter.from_target(target, ranked, layers=layers, seed=seed)
+    model = drafter.model.float()
+    hot_ids = model.hot_ids.cpu()
+
+    # 3. the target's features and logits, once
+    feature_start = time.perf_counter()
+    records = _target_features(target, sequences, model.config.eagle_layers, hot_ids)
+    feature_seconds = time.perf_counter() - feature_start
+    loss_masks = []
+    for ids, start in sequences:
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[max(start - 1, 0) :] = True  # predictions of answer tokens (position s predicts x_{s+1})
+        loss_masks.append(mask)
+    collate = _collate(records, loss_masks, sequences)
+    embeddings = target.get_input_embeddings()
+
+    # 4. training-time test
+    loader = torch.utils.data.DataLoader(train_ids, batch_size=batch_size, shuffle=True, generator=generator,
+                                         collate_fn=collate, drop_last=len(train_ids) >= batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    budget_s = None if max_minutes is None else max_minutes * 60.0
+    state = {"step": 0, "train_seconds": 0.0}
+
+    def progress_fraction() -> float:
+        fractions = [0.0]
+        if num_steps is not None:
+            fractions.append(state["step"] / num_steps)
+        if budget_s is not None:
+            fractions.append((time.perf_counter() - started) / budget_s)
+        return min(1.0, max(fractions))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda _: min(1.0, (state["step"] + 1) / max(1, warmup_steps))
+        * 0.5 * (1 + math.cos(math.pi * progress_fraction())))
+    model.train()
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if checkpoint is not None:
+        saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
+        optimizer.load_state_dict(saved_state["optimizer"])
+        state.update(step=int(saved_state["step"]), train_seconds=float(saved_state["train_seconds"]))
+    raw = accelerator.unwrap_model(model)
+    embeddings_device = next(embeddings.parameters()).device
+
+    def embed(tokens):
+        return embeddings(tokens.to(embeddings_device)).detach().float().to(accelerator.device)
+
+    log = []
+    bar = tqdm(total=num_steps, desc="training EAGLE-3 head", unit="step", disable=not show, initial=state["step"])
+    done = False
+    while not done:
+        for batch in loader:
+            step_start = time.perf_counter()
+            batch = [tensor.to(accelerator.device) for tensor in batch]
+            loss, agree, counted = _ttt_loss(raw, embed, batch, ttt_steps)
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["train_seconds"] += time.perf_counter() - step_start
+            bar.update(1)
+            top1 = agree[0] / max(counted[0], 1.0)
+            log.append({"step": state["step"], "loss": loss.item(), "top1_step0": top1})
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.2f}")
+            if output_dir is not None and save_every and state["step"] % save_every == 0:
+                _save_checkpoint(accelerator, raw, drafter, optimizer, state, output_dir)
+            if progress_fraction() >= 1.0:
+                done = True
+                break
+    bar.close()
+    accelerator.wait_for_everyone()
+    model = accelerator.unwrap_model(model).eval()
+    agreement = eagle_agreement(model, embed, collate, eval_ids, min(ttt_steps, 4))
+    drafter.model = model.to(dtype=target.dtype, device=target.device)
+    drafter.training_info = {
+        "training data": (f"{len(prompts or [])} prompts answered by the target (sampling at T = {answer_temperature}"
+                          f", at most {max_answer_tokens} tokens)" if prompts else "")
+        + (f"{' and ' if prompts else ''}{len(texts or [])} texts" if texts else ""),
+        "training tokens": sum(len(sequences[i][0]) for i in train_ids),
+        "draft vocabulary": len(hot_ids),
+        "steps": state["step"],
+        "wall time": f"{(time.perf_counter() - started) / 60:.1f} min in all (answering {answer_seconds / 60:.1f}, "
+                     f"features {feature_seconds / 60:.1f}, training {state['train_seconds'] / 60:.1f})",
+        "held-out top-1 agreement per draft step": [round(a, 3) for a in agreement],
+        "device": f"{accelerator.device} x{accelerator.num_processes}",
+    }
+    if output_dir is not None and accelerator.is_main_process:
+        drafter.save_pretrained(output_dir)
+        (output_dir / "training_log.json").write_text(json.dumps({"info": drafter.training_info, "log": log},
+                                                                 indent=1) + "\n")
+    return drafter
+
+
+@torch.no_grad()
+def eagle_agreement(model, embed, collate, indices, steps: int, batch_size: int = 8) -> list[float]:
+    """Top-1 agreement of the head with the target at each draft step (teacher features at step 0, its own after),
+    over the sequences `indices`, answer positions only."""
+    agree = [0.0] * steps
+    counted = [0.0] * steps
+    for start in range(0, len(indices), batch_size):
+        batch = [t.to(next(model.parameters()).device) for t in collate(indices[start : start + batch_size])]
+        _, a, c = _ttt_loss(model, embed, batch, steps)
+        agree = [x + y for x, y in zip(agree, a)]
+        counted = [x + y for x, y in zip(counted, c)]
+    return [a / max(c, 1.0) for a, c in zip(agree, counted)]
+
+
+def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: Path) -> None:
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return
+    folder = output_dir / f"checkpoint-{state['step']}"
+    snapshot = EagleDrafter(model, target_name=drafter.target_name)
+    snapshot.save_pretrained(folder)
+    torch.save({"optimizer": optimizer.state_dict(), "step": state["step"], "train_seconds": state["train_seconds"]},
+               folder / STATE_NAME)
+
+
+def _find_checkpoint(resume, output_dir: Path | None) -> Path | None:
+    if resume in (None, False):
+        return None
+    if resume is True:
+        if output_dir is None:
+            raise ValueError("`resume_from_checkpoint=True` needs `output_dir=` (where the checkpoints are).")
+        folders = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+        if not folders:
+            raise ValueError(f"`resume_from_checkpoint=True`, but {output_dir} holds no checkpoint-<step> folder.")
+        return folders[-1]
+    path = Path(resume)
+    if not (path / STATE_NAME).exists():
+        raise ValueError(f"`resume_from_checkpoint` {str(resume)!r} is not a checkpoint folder (no {STATE_NAME}).")
+    return path
