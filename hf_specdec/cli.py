@@ -239,6 +239,18 @@ def _rotated(names: list[str], shift: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+def _interleaved(methods: dict, repeats: int, description: str) -> tuple[dict, dict]:
+    """Runs every method `repeats` times, in an order rotated each repeat: (seconds per method, last outputs)."""
+    seconds, outputs = {name: [] for name in methods}, {}
+    with _progress(repeats * len(methods), description) as bar:
+        for repeat in range(repeats):
+            for name in _rotated(list(methods), repeat):
+                elapsed, outputs[name] = _timed(methods[name])
+                seconds[name].append(elapsed)
+                bar.update()
+    return seconds, outputs
+
+
 def _spread(times: list[float]) -> float:
     """(max - min) / median of one method's repeated timings: how far to trust a ratio of medians."""
     return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
@@ -273,13 +285,7 @@ def demo(args: argparse.Namespace) -> int:
     GenerationMixin.generate(target, ids[:, :8], **warm)
     for drafter_kwargs in drafters.values():
         target.generate(ids[:, :8], speculative_gamma=args.gamma, **drafter_kwargs, **warm)
-    seconds, outputs = {name: [] for name in methods}, {}
-    with _progress(args.repeats * len(methods), "demo") as bar:
-        for repeat in range(args.repeats):
-            for name in _rotated(list(methods), repeat):
-                elapsed, outputs[name] = _timed(methods[name])
-                seconds[name].append(elapsed)
-                bar.update()
+    seconds, outputs = _interleaved(methods, args.repeats, "demo")
     median = {name: statistics.median(times) for name, times in seconds.items()}
     plain = outputs["plain"]
     print("Embedded zoo: 5.6M-parameter Llama code model trained on the Python standard library (train split).")
@@ -335,13 +341,7 @@ def _demo_model(args: argparse.Namespace, threads: str) -> int:
                                                           speculative_gamma=args.gamma, **common)
     for method in methods.values():  # warm-up: first calls pay one-off costs
         method()
-    seconds, outputs = {name: [] for name in methods}, {}
-    with _progress(args.repeats * len(methods), "demo") as bar:
-        for repeat in range(args.repeats):
-            for name in _rotated(list(methods), repeat):
-                elapsed, outputs[name] = _timed(methods[name])
-                seconds[name].append(elapsed)
-                bar.update()
+    seconds, outputs = _interleaved(methods, args.repeats, "demo")
     plain = outputs["plain generate"]
     median = {name: statistics.median(times) for name, times in seconds.items()}
     print(f"{type(target).__name__} from {args.model}; prompt ({ids.shape[1]} tokens):\n{text}")

@@ -312,6 +312,7 @@ def train_eagle_drafter(
     # 4. training-time test
     loader = torch.utils.data.DataLoader(train_ids, batch_size=batch_size, shuffle=True, generator=generator,
                                          collate_fn=collate, drop_last=len(train_ids) >= batch_size)
+    model.to(accelerator.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     budget_s = None if max_minutes is None else max_minutes * 60.0
     state = {"step": 0, "train_seconds": 0.0}
@@ -328,12 +329,12 @@ def train_eagle_drafter(
         optimizer, lambda _: min(1.0, (state["step"] + 1) / max(1, warmup_steps))
         * 0.5 * (1 + math.cos(math.pi * progress_fraction())))
     model.train()
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
+    optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
     if checkpoint is not None:
         saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
         optimizer.load_state_dict(saved_state["optimizer"])
         state.update(step=int(saved_state["step"]), train_seconds=float(saved_state["train_seconds"]))
-    raw = accelerator.unwrap_model(model)
     embeddings_device = next(embeddings.parameters()).device
 
     def embed(tokens):
@@ -346,9 +347,14 @@ def train_eagle_drafter(
         for batch in loader:
             step_start = time.perf_counter()
             batch = [tensor.to(accelerator.device) for tensor in batch]
-            loss, agree, counted = _ttt_loss(raw, embed, batch, ttt_steps)
+            with accelerator.autocast():
+                loss, agree, counted = _ttt_loss(model, embed, batch, ttt_steps)
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            if accelerator.num_processes > 1:
+                for parameter in model.parameters():
+                    if parameter.grad is not None:
+                        parameter.grad = accelerator.reduce(parameter.grad, reduction="mean")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -359,13 +365,16 @@ def train_eagle_drafter(
             log.append({"step": state["step"], "loss": loss.item(), "top1_step0": top1})
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.2f}")
             if output_dir is not None and save_every and state["step"] % save_every == 0:
-                _save_checkpoint(accelerator, raw, drafter, optimizer, state, output_dir)
-            if progress_fraction() >= 1.0:
+                _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir)
+            finished = torch.tensor([float(progress_fraction() >= 1.0)], device=accelerator.device)
+            if accelerator.num_processes > 1:  # every process stops at the same step (wall clocks differ)
+                finished = accelerator.reduce(finished, reduction="sum")
+            if bool(finished.item()):
                 done = True
                 break
     bar.close()
     accelerator.wait_for_everyone()
-    model = accelerator.unwrap_model(model).eval()
+    model = model.eval()
     agreement = eagle_agreement(model, embed, collate, eval_ids, min(ttt_steps, 4))
     drafter.model = model.to(dtype=target.dtype, device=target.device)
     drafter.training_info = {

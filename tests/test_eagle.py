@@ -397,3 +397,36 @@ def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokeniz
     assert main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"),
                  "--steps", "1"]) == 2
     assert "needs data" in capsys.readouterr().err
+
+
+LAUNCHED = """
+import sys, torch
+from accelerate import Accelerator
+from test_eagle import eagle_target, own_samples
+from hf_specdec.distill import train_eagle_drafter
+accelerator = Accelerator(cpu=True)
+target = eagle_target("llama", seed=2)
+texts = own_samples(target, count=8, length=16, seed=1)
+drafter = train_eagle_drafter(target, texts=texts, num_steps=3, batch_size=2, ttt_steps=2, accelerator=accelerator,
+                              show_progress=False)
+print("RANK", accelerator.process_index, accelerator.num_processes, repr(float(drafter.model.fc.weight.sum())))
+"""
+
+
+def test_training_under_a_two_process_launch_keeps_the_processes_in_step(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED)
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    ranks = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RANK"))
+    assert len(ranks) == 2, result.stderr[-2000:]
+    assert [r[1] for r in ranks] == ["2", "2"]
+    assert ranks[0][2] == ranks[1][2]  # gradients averaged: the same head on both processes
