@@ -332,6 +332,8 @@ def test_bad_arguments_are_refused(tmp_path):
         hf_specdec.EagleDrafter()
     with pytest.raises(ValueError, match="tree_top_k"):
         hf_specdec.EagleDrafter(pretrained=tmp_path, tree_top_k=0)
+    with pytest.raises(TypeError, match=r"Unknown option\(s\) \['tree_topk'\] for EagleDrafter"):
+        hf_specdec.EagleDrafter(pretrained=tmp_path, tree_topk=2)
     target = eagle_target("llama")
     with pytest.raises(OSError, match="no config.json"):
         hf_specdec.EagleDrafter.from_pretrained(tmp_path, target=target)
@@ -424,7 +426,8 @@ def test_training_under_a_two_process_launch_keeps_the_processes_in_step(tmp_pat
     tests = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script)],
                             capture_output=True, text=True, env=env, timeout=600)
     ranks = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RANK"))
     assert len(ranks) == 2, result.stderr[-2000:]

@@ -29,9 +29,8 @@ target's logits processors, so q(x) > 0 for every drafted token.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +54,7 @@ __all__ = ["Eagle3DraftModel", "EagleDrafter", "default_eagle_layers"]
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+HUB_OPTIONS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
 
 
 def default_eagle_layers(num_layers: int) -> list[int]:
@@ -248,6 +248,7 @@ class EagleDrafter(Drafter):
     def __init__(self, model: Eagle3DraftModel | None = None, *, pretrained: str | Path | None = None,
                  target_name: str | None = None, tree_top_k: int = 4, training_info: dict | None = None,
                  **hub_kwargs):
+        _check_hub_options(hub_kwargs)
         if (model is None) == (pretrained is None):
             raise ValueError(
                 "EagleDrafter needs exactly one of `model` (an `Eagle3DraftModel`) or `pretrained` (a local "
@@ -297,7 +298,8 @@ class EagleDrafter(Drafter):
                 model.get_parameter(name).mul_(0.1)
             hidden = config.target_hidden_size
             fc = torch.zeros_like(model.fc.weight)
-            fc[:, -hidden:] = torch.eye(hidden) if config.hidden_size == hidden else fc[:, -hidden:]
+            if config.hidden_size == hidden:
+                fc[:, -hidden:] = torch.eye(hidden)
             model.fc.weight.copy_(fc + model.fc.weight * 0.1)
             head = target.get_output_embeddings()
             if head is not None and head.weight.shape[1] == config.hidden_size:
@@ -349,6 +351,7 @@ class EagleDrafter(Drafter):
                         **hub_kwargs) -> "EagleDrafter":
         """Loads an EAGLE-3 head saved in the published layout (`model.safetensors`, or `pytorch_model.bin` read with
         `weights_only=True`) from a local directory or the Hub, and checks that it fits `target`."""
+        _check_hub_options(hub_kwargs)
         directory = _resolve(pretrained, hub_kwargs)
         config_path = directory / "config.json"
         try:
@@ -417,10 +420,6 @@ class EagleDrafter(Drafter):
             model.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
         model.to(device=target.device, dtype=target.dtype)
         return cls(model, target_name=values.get("_name_or_path") or str(pretrained), tree_top_k=tree_top_k)
-
-    @classmethod
-    def from_options(cls, **options) -> "EagleDrafter":
-        return cls(**options)
 
     def _loaded_model(self, what: str) -> Eagle3DraftModel:
         if self.model is None:
@@ -607,6 +606,15 @@ class EagleDrafter(Drafter):
         pending = target_hidden_states if self.pending is None else torch.cat([self.pending, target_hidden_states],
                                                                               dim=1)
         self.pending = pending
+
+
+def _check_hub_options(hub_kwargs: dict) -> None:
+    unknown = sorted(set(hub_kwargs) - set(HUB_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"Unknown option(s) {unknown} for EagleDrafter. Besides `model` / `pretrained`, `target_name`, "
+            f"`tree_top_k` and `training_info`, it takes the Hub download options {list(HUB_OPTIONS)}."
+        )
 
 
 def _resolve(pretrained: str | Path, hub_kwargs: dict) -> Path:
