@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .batching import decode_batch, slice_kwargs
+from .beam import speculative_beam_search
 from .caches import compactable, croppable_after_first_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
@@ -52,6 +53,11 @@ def speculative_decode(
     """`stats`: accumulate into this object (one per `generate` call, which may decode several times: Whisper's
     long-form segments); `attach_stats=False` leaves `speculative_stats` out of the output, for callers that attach
     it to their own (classes whose `generate` splits and restacks outputs by row)."""
+    if generation_config.num_beams > 1:  # the paper's Appendix A.4: `beam.py`
+        return speculative_beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       drafter=drafter, options=options, streamer=streamer,
+                                       inputs_tensor=inputs_tensor, stats=stats, attach_stats=attach_stats,
+                                       **model_kwargs)
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     if options.speculative_tree_budget is not None:
         _check_trees_supported(model, input_ids, generation_config, model_kwargs, options.speculative_tree_budget)
@@ -86,12 +92,6 @@ def speculative_decode(
 
 def _check_supported(model, input_ids, generation_config, model_kwargs, streamer) -> None:
     """One capability check, before any forward: everything speculation cannot honour fails here, clearly."""
-    if generation_config.num_beams > 1:
-        raise ValueError(
-            f"`num_beams` > 1 cannot be combined with a drafter, got num_beams={generation_config.num_beams}. "
-            "Speculative beam search is not supported yet: use `num_beams=1`, or drop `assistant_model`/`drafter` "
-            "for plain beam search."
-        )
     if input_ids.shape[0] > 1:
         if streamer is not None:
             raise ValueError(
