@@ -3,7 +3,9 @@
 __version__ = "0.1.0"
 
 from .configuration import SpeculativeGenerationConfig
+from .dataset_generation import generate_dataset
 from .drafters import (
+    CrossTokenizerDrafter,
     DraftContext,
     DraftProposal,
     Drafter,
@@ -15,12 +17,18 @@ from .drafters import (
     register_drafter,
 )
 from .mixin import SpeculativeGenerationMixin, enable
-from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
+from .outputs import (
+    SpeculativeBeamDecoderOnlyOutput,
+    SpeculativeBeamEncoderDecoderOutput,
+    SpeculativeDecoderOnlyOutput,
+    SpeculativeEncoderDecoderOutput,
+)
 from .stats import SpeculativeStats
 from . import distill, metrics, pipelines, policies, zoo
 from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
+    "CrossTokenizerDrafter",
     "DraftContext",
     "DraftProposal",
     "Drafter",
@@ -28,6 +36,8 @@ __all__ = [
     "ModelDrafter",
     "NGramDrafter",
     "PromptLookupDrafter",
+    "SpeculativeBeamDecoderOnlyOutput",
+    "SpeculativeBeamEncoderDecoderOutput",
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeEncoderDecoderOutput",
     "SpeculativeGenerationConfig",
@@ -38,6 +48,7 @@ __all__ = [
     "enable",
     "expected_operations",
     "expected_speedup",
+    "generate_dataset",
     "list_drafters",
     "metrics",
     "optimal_gamma",

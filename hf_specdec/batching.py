@@ -16,9 +16,10 @@ Costs: one gather of the cache per uneven round (about one extra read of the cac
 attention runs over the longest row, so a row that accepts less carries more padding; a draft position is computed
 for every row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
 
-**One row at a time (encoder-decoder targets, sliding-window caches, models without `position_ids`).** Their
-decoders derive positions from cache slots, which left padding would shift, so each row runs the single-sequence
-loop with its own cache, sharing the batch's encoder outputs. Exact, but without the batching speedup.
+**One row at a time (encoder-decoder targets, sliding-window and static caches, models without `position_ids`).**
+Their decoders derive positions from cache slots, which left padding would shift (a static cache's preallocated rows
+cannot be realigned without copies either), so each row runs the single-sequence loop with its own cache, sharing
+the batch's encoder outputs. Exact, but without the batching speedup.
 
 Either way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
 distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
@@ -234,11 +235,10 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
-        # the policy sees one round of the whole batch: its time, and the rows' mean number of accepted drafts (the
-        # batch's tokens per second is the number of rows times a row's, so both pick the same γ)
-        policy.observe(drafted=num_drafted, accepted=round(sum(accepted_list) / len(accepted_list)),
-                       draft_time_s=verify_start - draft_start, verify_time_s=verify_end - verify_start,
-                       first_round=first_round)
+        # the policy sees one round of the whole batch: its time, and each row's accepted drafts
+        policy.observe_rows(drafted=num_drafted, accepted_per_row=accepted_list,
+                            draft_time_s=verify_start - draft_start, verify_time_s=verify_end - verify_start,
+                            first_round=first_round)
         first_round = False
 
     return _assemble(prompts, generated, filler)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 
-__all__ = ["COLUMN_STATE", "compact_cache", "compactable", "croppable_after_first_forward", "realign_cache",
-           "slice_cache"]
+__all__ = ["COLUMN_STATE", "cached_length", "compact_cache", "compactable", "croppable_after_first_forward",
+           "is_static", "realign_cache", "rewind_cache", "slice_cache", "static_capacity", "static_rewind_problem"]
 
 
 # the tensors a cache layer holds per column: name -> (batch dim, column dim). Keys and values of every layer, and
@@ -52,24 +52,80 @@ def _column_state(layer) -> list:
     return state
 
 
-def compact_cache(cache: DynamicCache, start: int, kept: torch.LongTensor) -> None:
+def compact_cache(cache, start: int, kept: torch.LongTensor) -> None:
     """Keeps columns `0 ... start - 1` and then columns `start + kept[0], start + kept[1], ...` of every layer
     (`kept`: `[m]`, a tree's accepted path), dropping the rest: the accepted nodes' keys and values move into place
-    right after the context, m columns copied per layer. A path that is already in place is a crop."""
+    right after the context, m columns copied per layer. A path that is already in place is a crop (a rewind, for a
+    static cache, whose preallocated tensors keep their addresses: the copy is in place and the write position moves
+    back)."""
     length = start + kept.shape[0]
     in_place = bool((kept == torch.arange(kept.shape[0], device=kept.device)).all())
+    static = is_static(cache)
     for layer in _filled_layers(cache):
         if not in_place:
             index = (start + kept).to(layer.keys.device)
             layer.keys[:, :, start:length] = layer.keys[:, :, index]  # the indexed read copies before the write
             layer.values[:, :, start:length] = layer.values[:, :, index]
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
+        if not static:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+    if static:
+        rewind_cache(cache, length)
+
+
+def is_static(cache) -> bool:
+    """Whether the cache the decoder writes to preallocates its keys and values (transformers' `StaticCache`,
+    `cache_implementation="static"`): rolled back by moving its write position, never by reallocating."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    return bool(layers) and all(isinstance(layer, StaticLayer) for layer in layers)
+
+
+def static_capacity(cache) -> int | None:
+    """The positions a static `cache` can hold (the columns its attention runs over), or None for other caches."""
+    if not is_static(cache):
+        return None
+    return min(layer.max_cache_len for layer in getattr(cache, "self_attention_cache", cache).layers)
+
+
+def cached_length(cache) -> int:
+    """The number of positions `cache` holds, as an int (a static cache keeps it in a tensor)."""
+    return int(cache.get_seq_length())
+
+
+def static_rewind_problem(cache, max_length: int) -> str | None:
+    """Why a static `cache` could not be rewound during a generation that may write `max_length` positions, or None.
+    A sliding-window static layer shifts its keys out once full, so what it dropped cannot come back."""
+    for layer in getattr(cache, "self_attention_cache", cache).layers:
+        # a generation writes at most max_length - 1 positions (the last token is never fed back)
+        if isinstance(layer, StaticSlidingWindowLayer) and max_length - 1 > layer.max_cache_len:
+            return (f"its sliding-window layers keep {layer.max_cache_len} positions, and a static sliding window "
+                    f"that fills up drops the oldest keys for good, so rejected drafts past position "
+                    f"{layer.max_cache_len} could not be undone (this generation may reach max_length={max_length})")
+    return None
+
+
+def rewind_cache(cache, length: int) -> None:
+    """Leaves `cache` holding its first `length` positions: a crop for a dynamic cache; for a static one, the write
+    position moves back in place (the stale keys past it are hidden by the causal mask and overwritten by the next
+    forward), so nothing is copied and compiled graphs keep their static addresses."""
+    if not is_static(cache):
+        excess = cached_length(cache) - length
+        if excess > 0:
+            cache.crop(-excess)
+        return
+    for layer in getattr(cache, "self_attention_cache", cache).layers:
+        if not layer.is_initialized:
+            continue
+        if isinstance(layer, StaticSlidingWindowLayer):
+            layer.cumulative_length_int = length
+        layer.cumulative_length.fill_(length)
 
 
 def compactable(cache) -> bool:
     """Whether `compact_cache` keeps `cache` whole: a `DynamicCache` whose layers keep every column (no sliding
-    window) and hold nothing per column but their keys and values."""
+    window) and hold nothing per column but their keys and values, or a static cache without sliding windows."""
+    if is_static(cache):
+        return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
     if not isinstance(cache, DynamicCache):
         return False
     for layer in cache.layers:

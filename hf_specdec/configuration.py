@@ -15,6 +15,8 @@ __all__ = ["SPECULATIVE_DEFAULTS", "SpeculativeGenerationConfig", "SpeculativeOp
 MAX_TREE_BUDGET = 1024  # a verify forward over more nodes costs more than any tree saves
 
 
+MAX_DRAFT_BEAMS = 256  # the drafter's beam width: the target scores every beam it keeps, each step
+
 MAX_GAMMA = 256  # drafts per round: a verify forward over more tokens costs more than any draft saves
 
 
@@ -43,6 +45,11 @@ class SpeculativeOptions:
     """The largest γ any policy may choose; None: max(16, speculative_gamma)."""
     speculative_tree_budget: int | None = None
     """The most draft nodes one round may verify as a token tree (γ stays its depth); None: chains only."""
+    speculative_draft_beams: int | None = None
+    """Beam search (`num_beams` > 1): the drafter's beam width u ≥ num_beams (Appendix A.4); None: 2 x num_beams."""
+    given: frozenset = frozenset()
+    """The fields set by the call or a config rather than left at their defaults (beam search, whose drafts are
+    accepted less often, drafts fewer steps by default: `hf_specdec.beam`)."""
 
     def __post_init__(self):
         gamma = self.speculative_gamma
@@ -72,6 +79,11 @@ class SpeculativeOptions:
                     f"{budget!r}`: token trees are verified exactly only. Drop one of them."
                 )
             object.__setattr__(self, "speculative_tree_budget", int(budget))
+        draft_beams = self.speculative_draft_beams
+        if draft_beams is not None:
+            _check_int("speculative_draft_beams", draft_beams, MAX_DRAFT_BEAMS,
+                       "speculative_draft_beams=8` (at least `num_beams`), or `speculative_draft_beams=None")
+            object.__setattr__(self, "speculative_draft_beams", int(draft_beams))
         from .policies import get_gamma_policy_class
 
         get_gamma_policy_class(self.speculative_gamma_policy)  # raises with the known names
@@ -80,7 +92,8 @@ class SpeculativeOptions:
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
 
-SPECULATIVE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SpeculativeOptions)}
+SPECULATIVE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SpeculativeOptions)
+                                         if f.name.startswith("speculative_")}
 
 
 class SpeculativeGenerationConfig(GenerationConfig):
@@ -99,7 +112,7 @@ class SpeculativeGenerationConfig(GenerationConfig):
         speculative_gamma_policy (`str`, *optional*, defaults to `"auto"`):
             How γ is chosen before each round: `"auto"` (`speculative_gamma` while drafting pays; when the call's
             own measurements show its rounds emit fewer tokens per second than plain steps, plain steps, probing
-            one drafted token after 128, 256, ... of them, so a drafter that accepts nothing costs a few rounds),
+            one drafted token after 16, 32, 64, ... of them, so a drafter that accepts nothing costs a few rounds),
             `"constant"` (always `speculative_gamma`), `"heuristic"` (+2 after a
             fully accepted round, -1 otherwise, starting from `speculative_gamma`, never persisted), or `"optimal"`
             (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the
@@ -114,6 +127,12 @@ class SpeculativeGenerationConfig(GenerationConfig):
             `speculative_gamma` stays the tree's depth. Choose it where a target forward over that many tokens
             still costs about one token's forward (memory-bound decoding). `None` (the default) verifies chains.
             Exact for greedy decoding and sampling alike; one sequence at a time, decoder-only targets.
+        speculative_draft_beams (`int`, *optional*):
+            With beam search (`num_beams` > 1): the width u of the drafter's own beam search, at least `num_beams`
+            (the paper's Appendix A.4). Each round the drafter keeps u beams for `speculative_gamma` steps, the
+            target scores all of them in one forward, and the target's beam search takes every step whose beams
+            the drafter kept; the output is plain beam search's. `None` (the default) uses `2 * num_beams`. With
+            beam search, `speculative_gamma` left unset drafts 2 steps (`hf_specdec.beam.DEFAULT_BEAM_GAMMA`).
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 
@@ -181,7 +200,7 @@ def resolve_speculative_options(
             (default, "the defaults"),
         )
     try:
-        return SpeculativeOptions(**values)
+        return SpeculativeOptions(**values, given=frozenset(k for k, v in origin.items() if v != "the defaults"))
     except ValueError as err:
         culprits = sorted({origin[name] for name in values if f"`{name}" in str(err)} - {"the defaults"})
         if not culprits:

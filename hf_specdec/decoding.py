@@ -17,7 +17,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from .batching import decode_batch, slice_kwargs
 from .beam import speculative_beam_search
-from .caches import compactable, croppable_after_first_forward
+from .caches import (cached_length, compactable, croppable_after_first_forward, is_static, rewind_cache,
+                     static_rewind_problem)
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .drafters.model import logits_width
@@ -130,11 +131,20 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             "step), so there are no keys and values to keep or roll back. Speculative decoding needs a model that "
             "supports `DynamicCache`; drop `assistant_model`/`drafter` for this model."
         )
-    if not getattr(cache, "is_croppable", False) and not croppable_after_first_forward(cache):
+    if is_static(cache):
+        problem = static_rewind_problem(cache, generation_config.max_length)
+        if problem is not None:
+            raise ValueError(
+                f"The target's static cache ({type(cache).__name__}, cache_implementation="
+                f"{generation_config.cache_implementation!r}) cannot be rolled back here: {problem}. Use the default "
+                "dynamic cache (`cache_implementation=None`), or a `max_new_tokens` that stays within the window."
+            )
+    elif not getattr(cache, "is_croppable", False) and not croppable_after_first_forward(cache):
         raise ValueError(
             f"The target's cache ({type(cache).__name__}, cache_implementation="
-            f"{generation_config.cache_implementation!r}) cannot be rolled back. Static, quantized and linear-attention "
-            "caches are not supported with a drafter; use the default dynamic cache (`cache_implementation=None`)."
+            f"{generation_config.cache_implementation!r}) cannot be rolled back. Quantized, offloaded-static and "
+            "linear-attention caches are not supported with a drafter; use the default dynamic cache "
+            "(`cache_implementation=None`) or a static one (`cache_implementation=\"static\"`)."
         )
 
 
@@ -226,14 +236,19 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
 
     def fresh():
         kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own
-        kwargs["past_key_values"].activate_past_recording()
+        cache = kwargs["past_key_values"]
+        cache.activate_past_recording()
+        if is_static(cache):  # an empty copy, sized for the probe (the call's may hold fewer positions)
+            for layer in getattr(cache, "self_attention_cache", cache).layers:
+                if not layer.is_sliding:
+                    layer.max_cache_len = max(layer.max_cache_len, prompt_len + _PROBE_DRAFTS + 1)
         return kwargs
 
     try:
         # step by step, as plain generate decodes: the logits after the prompt and after each extra token
         kwargs = fresh()
         steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
-        cached = kwargs["past_key_values"].get_seq_length()
+        cached = cached_length(kwargs["past_key_values"])
         if cached == 0:
             return (f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
                     "the cache is empty), so there is nothing to roll rejected drafts back from")
@@ -250,10 +265,10 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         kwargs = fresh()
         cache = kwargs["past_key_values"]
         first = target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), True)  # [1, 5, vocab]
-        if not cache.is_croppable:
+        if not cache.is_croppable and not is_static(cache):
             return ("its cache keeps recurrent state that cannot be rolled back to an earlier token, so rejected "
                     "drafts could not be undone")
-        cache.crop(-(cache.get_seq_length() - (prompt_len + 1)))
+        rewind_cache(cache, prompt_len + 1)
         kwargs = advance(kwargs, 2)
         second = target_logits(model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False)
     except Exception as error:  # noqa: BLE001 - any failure is a refusal that names it

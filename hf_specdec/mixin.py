@@ -10,13 +10,14 @@ import inspect
 from typing import Any
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationMixin, Pipeline, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
 from .drafters.base import Drafter, get_drafter_class
-from .drafters.model import ModelDrafter
+from .drafters.cross_tokenizer import CrossTokenizerDrafter
+from .drafters.model import ModelDrafter, logits_width
 from .stats import SpeculativeStats
 
 __all__ = ["SpeculativeGenerationMixin", "enable", "resolve_drafter"]
@@ -30,7 +31,8 @@ class SpeculativeGenerationMixin:
     `generate` gains two arguments and the `speculative_*` fields of [`SpeculativeGenerationConfig`]:
 
     - `assistant_model` ([`~transformers.PreTrainedModel`], *optional*): a small causal LM with the target's
-      vocabulary that drafts tokens (the paper's M_q).
+      vocabulary that drafts tokens (the paper's M_q). With `tokenizer=` (the target's) and `assistant_tokenizer=`
+      (the assistant's), it may have another tokenizer: see [`CrossTokenizerDrafter`].
     - `drafter` (`str`, [`Drafter`] or [`~transformers.PreTrainedModel`], *optional*): any drafter, by registered
       name (see [`list_drafters`]), as an instance, or as a model. `drafter_kwargs` (`dict`, *optional*) are passed
       to the registered class when `drafter` is a name.
@@ -72,14 +74,20 @@ class SpeculativeGenerationMixin:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
             return parent_generate(*call.args, **call.kwargs)
 
-        drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs)
+        # the tokenizers: `tokenizer` for stop strings and, with `assistant_tokenizer`, drafting with another
+        # tokenizer; transformers hands them only to its own decoding methods, so they are taken out of the call
+        tokenizer = call.pop("tokenizer")
+        assistant_tokenizer = call.pop("assistant_tokenizer")
+        if assistant_tokenizer is not None and tokenizer is None:
+            tokenizer = _calling_pipeline_tokenizer(self)
+        drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs, tokenizer=tokenizer,
+                                  assistant_tokenizer=assistant_tokenizer, target=self)
         generation_config = call.get("generation_config")
         _reject_conflicting_arguments(call.get("custom_generate"), call.get("synced_gpus"), generation_config,
                                       self.generation_config, call.extra)
         _check_model_supported(self, call.get("inputs_embeds"))
-        # stop strings need the tokenizer, which transformers hands only to its own decoding methods: build the
-        # criterion here and clear the field on a copy (the user's config is never modified)
-        tokenizer = call.pop("tokenizer")
+        # stop strings need the tokenizer: build the criterion here and clear the field on a copy (the user's config
+        # is never modified)
         stop_strings = call.get("stop_strings", getattr(
             generation_config if generation_config is not None else self.generation_config, "stop_strings", None))
         if stop_strings is not None:
@@ -208,8 +216,25 @@ def _check_model_supported(model, inputs_embeds) -> None:
         )
 
 
-def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | None = None) -> Drafter:
-    """Turns the `drafter` / `assistant_model` arguments of one `generate` call into a `Drafter`."""
+def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | None = None, *, tokenizer=None,
+                    assistant_tokenizer=None, target: PreTrainedModel | None = None) -> Drafter:
+    """Turns the `drafter` / `assistant_model` arguments of one `generate` call into a `Drafter`: with
+    `assistant_tokenizer` (and the target's `tokenizer`), a model with another vocabulary becomes a
+    `CrossTokenizerDrafter`; `target` lets a vocabulary mismatch without `assistant_tokenizer` fail naming the fix."""
+    if assistant_tokenizer is not None:
+        return _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer,
+                                        target)
+    if target is not None and isinstance(assistant_model if assistant_model is not None else drafter,
+                                         PreTrainedModel):
+        model = assistant_model if assistant_model is not None else drafter
+        width, target_width = logits_width(model), logits_width(target)
+        if width != target_width:
+            raise ValueError(
+                f"`assistant_model` ({type(model).__name__}) has a vocabulary of {width} tokens but the target has "
+                f"{target_width} ({type(target).__name__}): they do not share a tokenizer. To draft with "
+                "another tokenizer, pass both tokenizers: `generate(..., assistant_model=draft, tokenizer=tokenizer, "
+                "assistant_tokenizer=draft_tokenizer)`; or use a drafter with the target's vocabulary."
+            )
     if drafter is not None and assistant_model is not None:
         raise ValueError(
             f"Pass either `assistant_model` or `drafter`, not both (got assistant_model={type(assistant_model).__name__} "
@@ -240,6 +265,54 @@ def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | N
     )
 
 
+def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer,
+                             target) -> Drafter:
+    """`assistant_tokenizer`: a `CrossTokenizerDrafter`, or a `ModelDrafter` when the two tokenizers are the same."""
+    model = assistant_model if assistant_model is not None else drafter
+    if not isinstance(model, PreTrainedModel) or (assistant_model is not None and drafter is not None):
+        raise ValueError(
+            f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) is the tokenizer of `assistant_model`, "
+            f"so it needs an `assistant_model` (a `PreTrainedModel`) and no `drafter`, got assistant_model="
+            f"{type(assistant_model).__name__ if assistant_model is not None else None} and drafter={drafter!r:.80}. "
+            "Pass `assistant_model=draft_model`, or drop `assistant_tokenizer`."
+        )
+    if drafter_kwargs is not None:
+        raise ValueError(
+            f"`drafter_kwargs` ({drafter_kwargs!r}) only applies when `drafter` is a registered name. Build a "
+            "`hf_specdec.CrossTokenizerDrafter(...)` yourself to set its options."
+        )
+    if tokenizer is None:
+        raise ValueError(
+            f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) needs the target's tokenizer as well, to "
+            "move text between the two vocabularies: pass `tokenizer=tokenizer` to `generate` (as with transformers' "
+            "universal assisted generation)."
+        )
+    same = (
+        target is not None and logits_width(model) == logits_width(target) and hasattr(tokenizer, "get_vocab")
+        and hasattr(assistant_tokenizer, "get_vocab") and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
+    )
+    if same:  # one vocabulary: token ids need no translation
+        return ModelDrafter(model)
+    return CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
+
+
+def _calling_pipeline_tokenizer(model):
+    """The tokenizer of the transformers pipeline calling `model.generate`, if one is (its per-call
+    `assistant_tokenizer` reaches `generate` without the pipeline's `tokenizer`); `None` otherwise."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(32):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, Pipeline) and caller.model is model and caller.tokenizer is not None:
+                return caller.tokenizer
+        return None
+    finally:
+        del frame
+
+
 def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_config, model_config, kwargs) -> None:
     if custom_generate is not None:
         raise ValueError(
@@ -247,11 +320,6 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
         )
     if synced_gpus:
         raise ValueError("`synced_gpus=True` is not supported with a drafter yet; drop it or the drafter.")
-    if kwargs.get("assistant_tokenizer") is not None:
-        raise ValueError(
-            "`assistant_tokenizer` (drafting with a different tokenizer) is not supported: the drafter must share "
-            "the target's vocabulary. Drop `assistant_tokenizer`."
-        )
     config = generation_config if generation_config is not None else model_config
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
         value = kwargs.get(name, getattr(config, name, None))

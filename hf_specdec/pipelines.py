@@ -72,6 +72,9 @@ class Text2TextGenerationPipeline(Pipeline):
         assistant_model ([`~transformers.PreTrainedModel`] or `str`, *optional*):
             A drafter for every call: a model sharing the target's tokenizer, or a path or Hub id to load one from
             (as transformers' pipelines load assistants, onto the model's device and dtype).
+        assistant_tokenizer ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            The tokenizer of `assistant_model` when it is not the model's: the pipeline then drafts across
+            tokenizers ([`CrossTokenizerDrafter`]), passing its own tokenizer as `tokenizer`. Also accepted per call.
         kwargs:
             Any [`~transformers.Pipeline`] argument, and generation parameters applied to every call.
 
@@ -104,16 +107,16 @@ class Text2TextGenerationPipeline(Pipeline):
         task = kwargs.setdefault("task", self.default_task)
         _check_model_kind(model, task)
         _check_speculation_enabled(model, {"assistant_model": assistant_model, **kwargs})
-        if assistant_tokenizer is not None:
+        if assistant_tokenizer is not None and assistant_model is None:
             raise ValueError(
-                f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) is not supported: hf_specdec's drafters "
-                "share the model's tokenizer. Drop `assistant_tokenizer` and use an `assistant_model` with the same "
-                "tokenizer."
+                f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) is the tokenizer of an "
+                "`assistant_model`, and none was given. Pass `assistant_model=` with it, or drop `assistant_tokenizer`."
             )
         self._loaded_assistants: dict[str, PreTrainedModel] = {}
         super().__init__(model, *args, **kwargs)
         # loaded here, not by transformers' `load_assistant_model`, which fails on configs without `bos_token_id` (T5)
         self.assistant_model = self._load_assistant(assistant_model)
+        self.assistant_tokenizer = assistant_tokenizer
 
         # like 4.x, the model config's settings for this task apply beneath the generation parameters passed here; a
         # `generation_config` (here or in a call) replaces them
@@ -156,6 +159,8 @@ class Text2TextGenerationPipeline(Pipeline):
             forward_params["tokenizer"] = self.tokenizer
         if "assistant_model" in forward_params:  # this call's, over the one given at construction
             forward_params["assistant_model"] = self._load_assistant(forward_params["assistant_model"])
+        if forward_params.get("assistant_tokenizer") is not None:  # drafting with another tokenizer needs both
+            forward_params.setdefault("tokenizer", self.tokenizer)
         _check_speculation_enabled(self.model, forward_params)
         return preprocess_params, forward_params, postprocess_params
 
@@ -189,8 +194,9 @@ class Text2TextGenerationPipeline(Pipeline):
                 Generation stops after any of these strings.
             generate_kwargs:
                 Passed to the model's `generate`, e.g. `max_new_tokens`, and the speculative arguments
-                `assistant_model` (a model, or a path or Hub id, loaded once per pipeline), `drafter`,
-                `drafter_kwargs` and `speculative_*`.
+                `assistant_model` (a model, or a path or Hub id, loaded once per pipeline), `assistant_tokenizer`
+                (its tokenizer, when it differs from the pipeline's), `drafter`, `drafter_kwargs` and
+                `speculative_*`.
 
         Return:
             For one input, a list with a `dict` per returned sequence; for a list of inputs, a list of such lists, or
@@ -232,6 +238,10 @@ class Text2TextGenerationPipeline(Pipeline):
         in_batch = model_inputs["input_ids"].shape[0]
         if "assistant_model" not in generate_kwargs and self.assistant_model is not None:
             generate_kwargs["assistant_model"] = self.assistant_model
+            if self.assistant_tokenizer is not None and "assistant_tokenizer" not in generate_kwargs:
+                # the construction's assistant and its tokenizer go together (as in transformers' pipelines)
+                generate_kwargs["assistant_tokenizer"] = self.assistant_tokenizer
+                generate_kwargs.setdefault("tokenizer", self.tokenizer)
         generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
         output = self.model.generate(**model_inputs, **generate_kwargs)
         if isinstance(output, ModelOutput):  # return_dict_in_generate=True

@@ -59,6 +59,14 @@ class GammaPolicy:
                 first_round: bool) -> None:
         """Called after each round with what it drafted, accepted, and cost (seconds, host wall clock)."""
 
+    def observe_rows(self, *, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float,
+                     first_round: bool) -> None:
+        """Called instead of `observe` after a round of a padded batch, with each row's accepted drafts (the rows
+        share the round's γ and its cost). By default: `observe` with the rows' mean, rounded; the built-in `auto`
+        and `optimal` policies use every row."""
+        self.observe(drafted=drafted, accepted=round(sum(accepted_per_row) / len(accepted_per_row)),
+                     draft_time_s=draft_time_s, verify_time_s=verify_time_s, first_round=first_round)
+
 
 class HeuristicGammaPolicy(GammaPolicy):
     """transformers' schedule: +2 after a fully accepted round, -1 (not below 1) otherwise; per call only."""
@@ -74,8 +82,9 @@ class HeuristicGammaPolicy(GammaPolicy):
 
 class AutoGammaPolicy(GammaPolicy):
     """The default: the user's γ every round, unless what the call measures says drafting loses to plain steps; then
-    plain steps (γ = 0), with a one-token probe after 128, 256, 512, ... of them. A useful drafter runs exactly as
-    under `"constant"`; a useless one costs a few rounds.
+    plain steps (γ = 0), with a one-token probe after 16, 32, 64, ... of them (a stop decided on noisy timings, or a
+    drafter that becomes useful later in the text, is found again). A useful drafter runs exactly as under
+    `"constant"`; a useless one costs a few rounds.
 
     Drafting loses when the tokens per second of the last `window` drafting rounds (emitted tokens over drafting plus
     verifying time) fall below those of a plain step. A plain step costs at most a verify forward (it has fewer
@@ -85,7 +94,7 @@ class AutoGammaPolicy(GammaPolicy):
     round drafts a single token, the cheapest measurement. A probe that accepts anything resumes drafting."""
 
     window = 3  # drafting rounds the decision looks at (after the first round)
-    first_probe_after = 128  # plain steps before the first probe (then doubled after each failed probe)
+    first_probe_after = 16  # plain steps before the first probe (then doubled after each failed probe)
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
@@ -110,6 +119,15 @@ class AutoGammaPolicy(GammaPolicy):
         return 0
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+        self._observe(drafted, accepted, draft_time_s, verify_time_s, first_round)
+
+    def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
+        # a batch's tokens per second is the number of rows times a row's mean: the mean, unrounded, decides
+        self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s,
+                      first_round)
+
+    def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
+                 first_round: bool) -> None:
         if not drafted:
             if not first_round:
                 self.plain_s.append(draft_time_s + verify_time_s)
@@ -266,14 +284,23 @@ class OptimalGammaPolicy(GammaPolicy):
         return best
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+        self._observe(drafted, [accepted], draft_time_s, verify_time_s, first_round)
+
+    def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
+        self._observe(drafted, accepted_per_row, draft_time_s, verify_time_s, first_round)
+
+    def _observe(self, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float,
+                 first_round: bool) -> None:
         self.rounds += 1
         if drafted:  # plain steps say nothing about acceptance, so they do not age what is known about it
             self.reached = [r * self.decay for r in self.reached]
             self.accepted = [a * self.decay for a in self.accepted]
-            for position in range(min(accepted + 1, drafted)):
-                self.reached[position] += 1.0
-            for position in range(accepted):
-                self.accepted[position] += 1.0
+            weight = 1.0 / len(accepted_per_row)  # a round of a batch counts as one round, its rows as fractions
+            for accepted in accepted_per_row:
+                for position in range(min(accepted + 1, drafted)):
+                    self.reached[position] += weight
+                for position in range(accepted):
+                    self.accepted[position] += weight
         if first_round:  # its times include the prompt's prefill, in both models: only their ratio is usable
             self.prior_c = draft_time_s / verify_time_s / max(drafted, 1) if verify_time_s > 0 else 0.0
             return

@@ -9,8 +9,9 @@ tokens through the stopping criteria and rolls the cache back.
 What differs between layouts sits behind one small seam, `ChainLayout` / `TreeLayout`: the prefix each drafted
 position is conditioned on, the extra forward inputs (a tree's 4D attention mask and depth-based positions), and
 how the target's cache keeps the accepted drafts (a chain crops its tail; a tree compacts the accepted path's keys
-and values into place). The loops (`sequence.py` for one sequence, `batching.py` for padded batches) only order
-these steps.
+and values into place; a static cache is rewound in place). `TargetForward` says how the forward is called: eagerly,
+or compiled in a few padded shapes where plain `generate` compiles. The loops (`sequence.py` for one sequence,
+`batching.py` for padded batches) only order these steps.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import dataclasses
 
 import torch
 
-from .caches import compact_cache
+from .caches import cached_length, compact_cache, is_static, rewind_cache, static_capacity
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftContext, DraftProposal, Drafter
 from .drafters.model import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 from .trees import ancestor_mask, check_parents, tree_attention_bias
 
-__all__ = ["ChainLayout", "HiddenStateCapture", "TreeLayout", "Verdict", "capture_for", "checked_proposal",
-           "draft_context", "layout_for", "standardize", "target_logits", "verify_round"]
+__all__ = ["ChainLayout", "HiddenStateCapture", "TargetForward", "TreeLayout", "Verdict", "capture_for",
+           "checked_proposal", "draft_context", "layout_for", "standardize", "target_logits", "verify_round"]
 
 
 def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
@@ -131,24 +132,91 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
 
 
 def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,
-                  overrides: dict | None = None) -> torch.FloatTensor:
+                  overrides: dict | None = None, forward: "TargetForward | None" = None) -> torch.FloatTensor:
     """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
-    `overrides` replaces prepared inputs (a tree's attention mask and position ids)."""
+    `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
+    target (eagerly when None)."""
     cache = model_kwargs["past_key_values"]
+    new_tokens = candidate_ids.shape[1] - cached_length(cache)
+    call, padding = None, 0
+    if forward is not None and not first_round:
+        # a tree's mask and positions are built for its exact size: compiled only when that is one of the sizes
+        call, padding = forward.call_for(new_tokens, cached_length(cache), pad=not overrides)
+    if padding:
+        # filler positions after the drafts: causally invisible to them, their logits dropped and their keys rewound
+        candidate_ids = torch.cat([candidate_ids, candidate_ids[:, -1:].expand(-1, padding)], dim=-1)
+        model_kwargs = model._update_model_kwargs_for_generation(
+            {}, dict(model_kwargs), is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=padding
+        )
     model_inputs = model.prepare_inputs_for_generation(
         candidate_ids,
-        next_sequence_length=candidate_ids.shape[1] - cache.get_seq_length(),
+        next_sequence_length=new_tokens + padding,
         is_first_iteration=first_round,
         **model_kwargs,
     )
     if "logits_to_keep" in model_inputs:
-        model_inputs["logits_to_keep"] = num_drafted + 1
+        model_inputs["logits_to_keep"] = num_drafted + 1 + padding
     if overrides:
         model_inputs.update(overrides)
-    outputs = model(**model_inputs, return_dict=True)
-    return outputs.logits[:, -num_drafted - 1 :].to(  # [batch, k + 1, vocab]
+    outputs = (call or model)(**model_inputs, return_dict=True)
+    end = outputs.logits.shape[1] - padding
+    return outputs.logits[:, end - num_drafted - 1 : end].to(  # [batch, k + 1, vocab]
         dtype=torch.float32, device=candidate_ids.device, copy=True
     )
+
+
+class TargetForward:
+    """How the rounds of one call run the target's forward: eagerly, or compiled where plain `generate` compiles.
+
+    Plain `generate` compiles the target's decoding forward when the cache is static and the hardware is one it
+    compiles for (or `compile_config` asks for every device): `model._valid_auto_compile_criteria`. The rounds then
+    call transformers' own compiled forward (`model.get_compiled_call(compile_config)`, cached on the model by
+    transformers as for plain decoding). The first round, which carries the prompt, runs eagerly, as plain
+    `generate`'s prefill does. A round's forward covers 1 + k new tokens, and k varies (the policy's γ, a drafter
+    that proposes fewer, the end of the sequence); each new length would compile a new graph, so the tokens are
+    padded up to one of a few sizes (1, 2, 4, ..., and 1 + γ_max), with filler positions after the drafts that the
+    causal mask keeps out of their logits and the rewind removes from the cache. A forward that no size fits into
+    the cache's remaining room (the last rounds) runs eagerly. `compilations` counts the graphs compiled during the
+    call (new shapes and recompiles alike), from torch's dynamo counters."""
+
+    def __init__(self, compiled=None, sizes: tuple[int, ...] = (), max_cache_len: int = 0):
+        self.compiled = compiled
+        self.sizes = sizes
+        self.max_cache_len = max_cache_len
+        self.compiled_rounds = 0
+        self.compilations = 0
+
+    @classmethod
+    def for_call(cls, model, generation_config, model_kwargs, max_new_tokens: int, reads_hidden_states: bool = False
+                 ) -> "TargetForward":
+        """`max_new_tokens`: the most tokens one round's forward carries after the first (1 + γ_max, or a tree's
+        1 + budget)."""
+        cache = model_kwargs.get("past_key_values")
+        # hooks reading hidden states (`HiddenStateCapture`) would record the filler positions and break graphs
+        if reads_hidden_states or not is_static(cache) or not model._valid_auto_compile_criteria(
+            model_kwargs, generation_config
+        ):
+            return cls()
+        sizes = sorted({2 ** i for i in range(max_new_tokens.bit_length()) if 2 ** i < max_new_tokens}
+                       | {max_new_tokens})
+        return cls(model.get_compiled_call(generation_config.compile_config), tuple(sizes), static_capacity(cache))
+
+    def call_for(self, new_tokens: int, cached: int, pad: bool = True):
+        """The compiled callable and the padding for a forward over `new_tokens` after `cached` positions, or
+        `(None, 0)`: run it eagerly."""
+        if self.compiled is None:
+            return None, 0
+        for size in self.sizes:
+            if size >= new_tokens and cached + size <= self.max_cache_len and (pad or size == new_tokens):
+                return self._counted, size - new_tokens
+        return None, 0
+
+    def _counted(self, **inputs):
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        outputs = self.compiled(**inputs)
+        self.compilations += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        self.compiled_rounds += 1
+        return outputs
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -288,7 +356,8 @@ class ChainLayout:
         return verify_round(do_sample, self.proposal, target_scores, options)
 
     def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
-                          context_mask: torch.LongTensor | None = None) -> dict:
+                          context_mask: torch.LongTensor | None = None, key_length: int | None = None) -> dict:
+        """Inputs that replace the prepared ones; `key_length`: the columns a static cache attends over."""
         return {}
 
     def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:
@@ -306,7 +375,7 @@ class ChainLayout:
 
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
         """Leaves the cache holding the context and the first `kept` accepted drafts, nothing after."""
-        cache.crop(-(cache.get_seq_length() - (context_length + kept)))
+        rewind_cache(cache, context_length + kept)
 
     def kept_nodes(self, verdict: Verdict, kept: int) -> torch.LongTensor:
         """The indices of the `kept` drafts of row 0 that stay, in sequence order."""
@@ -350,15 +419,18 @@ class TreeLayout(ChainLayout):
         return Verdict(accepted, next_tokens, nodes, betas)
 
     def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
-                          context_mask: torch.LongTensor | None = None) -> dict:
+                          context_mask: torch.LongTensor | None = None, key_length: int | None = None) -> dict:
         """The 4D mask and positions of a forward over the uncached context tail and the nodes; `context_mask`
-        (`[1, context_length]`, 0 on left padding) as plain `generate` has it: padding is neither seen nor counted."""
+        (`[1, context_length]`, 0 on left padding) as plain `generate` has it: padding is neither seen nor counted.
+        `key_length`: a static cache's size, whose columns past the nodes (stale or empty) nobody sees."""
         if context_mask is None:
             context_mask = torch.ones(1, context_length, dtype=torch.long, device=self.depths.device)
         context_positions = (context_mask.long().cumsum(-1) - 1).clamp(min=0)  # [1, context_length]
         positions = torch.cat([context_positions[:, cache_length:], context_positions[:, -1:] + self.depths], dim=-1)
         bias = tree_attention_bias(self.proposal.parents, cache_length, context_length - cache_length, dtype,
                                    sees=self.sees, context_mask=context_mask)
+        if key_length is not None:
+            bias = torch.nn.functional.pad(bias, (0, key_length - bias.shape[-1]), value=torch.finfo(dtype).min)
         return {"attention_mask": bias, "position_ids": positions}  # [1, 1, tail + k, context + k], [1, tail + k]
 
     def prefix(self, candidate_ids: torch.LongTensor, context_length: int, j: int) -> torch.LongTensor:

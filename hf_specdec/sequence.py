@@ -8,9 +8,9 @@ Each round (see `rounds.py` for the shared stages):
 3. `hf_specdec.sampling` decides which drafts are accepted and draws the recovered or bonus token;
 4. the new tokens are appended one at a time through the stopping criteria (EOS, max length, stop strings, custom
    criteria, max time), so the output stops exactly where plain `generate` would;
-5. the target's `DynamicCache` keeps the accepted drafts (a crop for a chain, a compaction for a tree) and the
-   drafter is told what was kept (with the target's hidden states of the kept positions, for a drafter that reads
-   them: `Drafter.target_hidden_layers`).
+5. the target's cache keeps the accepted drafts (a crop for a chain, a compaction for a tree; a static cache moves
+   its write position back in place) and the drafter is told what was kept (with the target's hidden states of the
+   kept positions, for a drafter that reads them: `Drafter.target_hidden_layers`).
 
 Invariant between rounds: the target cache holds every token of `input_ids` but the last.
 """
@@ -24,9 +24,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .configuration import SpeculativeOptions
-from .drafters.base import Drafter
+from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
-from .rounds import capture_for, checked_proposal, layout_for, standardize, target_logits
+from .caches import cached_length, static_capacity
+from .rounds import TargetForward, capture_for, checked_proposal, layout_for, standardize, target_logits
 from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
@@ -67,7 +68,12 @@ def decode_sequence(
     finished = False
 
     # a drafter that reads the target's hidden states gets those of the positions each round keeps
+    capacity = static_capacity(cache)  # None: the cache grows
     capture = capture_for(model, drafter)
+    # compiled where plain generate compiles (a static cache), in a few padded shapes
+    forward = TargetForward.for_call(model, generation_config, model_kwargs,
+                                     1 + (tree_budget if tree_budget is not None else policy.max_gamma),
+                                     reads_hidden_states=capture is not None)
     try:
         while not finished:
             cur_len = input_ids.shape[1]
@@ -79,13 +85,19 @@ def decode_sequence(
             draft_start = time.perf_counter()
             proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
                                         tree_budget)
+            room = capacity - cur_len if capacity is not None else None
+            if room is not None and proposal.tokens.shape[1] > room:
+                # a static cache holds max_length - 1 positions: a tree's last nodes may not fit. Its first `room`
+                # nodes are a tree of their own (parents come first), drafted as before: still exact
+                proposal = DraftProposal(*(None if part is None else part[:, :room] for part in
+                                           (proposal.tokens, proposal.probs, proposal.parents)))
             layout = layout_for(proposal, drafter, gamma)
             num_drafted = proposal.tokens.shape[1]
             verify_start = time.perf_counter()
 
             # 2. one target forward over the uncached tail and the drafts
             context_mask = model_kwargs.get("attention_mask")  # [1, cur_len] or None
-            if layout.prefills_context and cur_len - cache.get_seq_length() > 1:
+            if layout.prefills_context and cur_len - cached_length(cache) > 1:
                 # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
                 # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
                 prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
@@ -97,9 +109,9 @@ def decode_sequence(
                 forward_kwargs = model._update_model_kwargs_for_generation(
                     {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
                 )
-            overrides = layout.forward_overrides(cache.get_seq_length(), cur_len, model.dtype, context_mask)
+            overrides = layout.forward_overrides(cached_length(cache), cur_len, model.dtype, context_mask, capacity)
             new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
-                                       overrides)  # [1, k + 1, V]
+                                       overrides, forward)  # [1, k + 1, V]
             new_scores = new_logits
             if len(logits_processor):
                 new_scores = standardize(new_logits, lambda row: logits_processor,
@@ -150,4 +162,6 @@ def decode_sequence(
     finally:
         if capture is not None:
             capture.close()
+        stats.target_compilations += forward.compilations
+        stats.compiled_rounds += forward.compiled_rounds
     return input_ids, scores, raw_logits

@@ -43,12 +43,23 @@ class SpeculativeStats:
     """The γ the policy chose for each round (the drafter may propose fewer; the last round may be capped)."""
     drafted_history: list[int] = dataclasses.field(default_factory=list)
     """The number of tokens actually drafted in each round (a token tree's size: its number of nodes)."""
+    beam_steps_history: list[int] = dataclasses.field(default_factory=list)
+    """Beam search (`num_beams` > 1) only: the beam steps each round took (1 + the steps accepted from the drafter's
+    beams; the first round is the prefill's plain step). Its mean is `mean_accepted_length`."""
+    target_forward_tokens: list[int] = dataclasses.field(default_factory=list)
+    """Beam search only: the positions each round's target forward computed (rows x (γ + 1): the drafter's paths;
+    the first round: the prefill), against `num_beams` x batch per step of plain beam search."""
     lenience: float = 1.0
     """The lenience the call ran with (1.0: exact; below 1: lossy, Appendix A.5)."""
     draft_time_s: float = 0.0
     """Host wall-clock seconds spent in the drafter."""
     verify_time_s: float = 0.0
     """Host wall-clock seconds spent in target forwards and verification."""
+    compiled_rounds: int = 0
+    """Rounds whose target forward ran compiled (a static cache where `generate` compiles; see `TargetForward`)."""
+    target_compilations: int = 0
+    """Graphs `torch.compile` built for the target's forward during the call (new shapes and recompiles): bounded
+    by the few padded round sizes, not by the number of rounds."""
 
     @property
     def acceptance_rate(self) -> float:

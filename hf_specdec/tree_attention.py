@@ -15,6 +15,7 @@ import weakref
 import torch
 from transformers import DynamicCache
 
+from .devices import execution_device
 from .trees import tree_attention_bias
 
 __all__ = ["check_tree_attention", "supports_tree_attention"]
@@ -50,7 +51,7 @@ def check_tree_attention(model, argument: str = "speculative_tree_budget", role:
 def _probe(model) -> bool:
     if model.config.is_encoder_decoder or "position_ids" not in inspect.signature(model.forward).parameters:
         return False
-    device = model.device
+    device = execution_device(model)  # not `model.device`: `meta` for a target dispatched by accelerate
     vocab = model.config.get_text_config(decoder=True).vocab_size
     x, a, b, c, d = (torch.tensor([[t % vocab]], device=device) for t in (3, 5, 7, 11, 13))
     # nodes b (child of a), d (child of a), c (child of b) after the context x a

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM, StaticCache
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -178,25 +178,18 @@ def test_vocabulary_mismatch():
         model.generate(prompt(), assistant_model=other, max_new_tokens=5)
 
 
-def test_beam_search_with_a_drafter_is_refused():
+def test_beam_search_with_a_drafter_is_plain_beam_search():
+    # Appendix A.4 (tests/test_beam_search.py tests it in depth): the drafter is used, not dropped
     model = hf_specdec.enable(tiny_model("llama"))
-    with pytest.raises(ValueError, match="`num_beams` > 1 cannot be combined with a drafter, got num_beams=3"):
-        model.generate(prompt(), assistant_model=model, num_beams=3, max_new_tokens=5)
+    out = model.generate(prompt(), assistant_model=model, num_beams=3, max_new_tokens=5, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(prompt(), num_beams=3, max_new_tokens=5))
+    assert out.speculative_stats.accepted_tokens > 0
 
 
 def test_use_cache_false_is_refused():
     model = hf_specdec.enable(tiny_model("llama"))
     with pytest.raises(ValueError, match="`use_cache=False` cannot be combined with a drafter"):
         model.generate(prompt(), assistant_model=model, use_cache=False, max_new_tokens=5)
-
-
-def test_static_cache_is_refused():
-    model = hf_specdec.enable(tiny_model("llama"))
-    with pytest.raises(ValueError, match=r"cache_implementation='static'\) cannot be rolled back"):
-        model.generate(prompt(), assistant_model=model, cache_implementation="static", max_new_tokens=5)
-    cache = StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match="StaticCache.*cannot be rolled back"):
-        model.generate(prompt(), assistant_model=model, past_key_values=cache, max_new_tokens=5)
 
 
 def test_model_without_cache_is_refused():

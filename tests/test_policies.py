@@ -326,8 +326,9 @@ def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 300, lambda position: 0.0, 0.15,
                       lambda k: 1.0 + 0.05 * k, stall_every)
     assert chosen[:2] == [5, 1]  # the first round (prefill) accepted nothing: one drafted token measures the cost
-    assert chosen[2:130] == [0] * 128 and chosen[130] == 1  # then plain steps, and a one-token probe after 128
-    assert sum(1 for g in chosen if g) == 2 + 1  # the next probe comes after 256 more
+    assert chosen[2:18] == [0] * 16 and chosen[18] == 1  # then plain steps, and a one-token probe after 16
+    # failed probes back off: after 32, 64, 128 more plain steps
+    assert [index for index, g in enumerate(chosen) if g] == [0, 1, 18, 51, 116, 245]
 
 
 def test_auto_keeps_a_useful_drafter_at_the_users_gamma():
@@ -347,7 +348,10 @@ def test_auto_measures_a_plain_step_when_it_is_close():
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
                       0.1, lambda k: 1.0 + k / 5)
     assert chosen[:4] == [5, 5, 5, 5] and chosen[4] == 0
-    assert chosen[5:40] == [0] * 35
+    assert chosen[5:21] == [0] * 16
+    # a probe after 16 plain steps accepts its token, so three rounds at γ measure again and stop again; the probes
+    # back off (the next comes after 32 plain steps), so a drafter that keeps losing costs few rounds
+    assert chosen[21:25] == [1, 5, 5, 5] and chosen[25:40] == [0] * 15
 
 
 def test_auto_resumes_when_a_probe_is_accepted():
@@ -357,12 +361,13 @@ def test_auto_resumes_when_a_probe_is_accepted():
     chosen = []
     for index in range(200):
         gamma = policy.next_gamma()
-        accepted = min(gamma, 3) if index >= 20 else 0  # useless at first, useful from round 20 on (found by the probe)
+        accepted = min(gamma, 3) if index >= 40 else 0  # useless at first, useful from round 40 on (found by a probe)
         policy.observe(drafted=gamma, accepted=accepted, draft_time_s=0.15 * gamma,
                        verify_time_s=1.0 + 0.05 * gamma, first_round=index == 0)
         chosen.append(gamma)
-    assert chosen[:2] == [4, 1] and chosen[2:20] == [0] * 18
-    assert chosen[130] == 1 and chosen[131:] == [4] * (200 - 131)  # the probe after 128 plain steps found it useful
+    assert chosen[:2] == [4, 1] and chosen[2:18] == [0] * 16 and chosen[18] == 1  # a probe that fails
+    assert chosen[19:51] == [0] * 32  # backs off
+    assert chosen[51] == 1 and chosen[52:] == [4] * (200 - 52)  # the next probe found it useful
 
 
 def test_auto_in_generate_with_a_drafter_that_is_never_right(target):
@@ -371,5 +376,50 @@ def test_auto_in_generate_with_a_drafter_that_is_never_right(target):
     out = run(target, ids, drafter=ScriptedDrafter(plain, period=1))
     assert torch.equal(out.sequences, plain)
     drafted = out.speculative_stats.drafted_history
-    # the prefill round, one drafted token, then plain steps (the first probe would come after 64 of them)
-    assert drafted[:2] == [5, 1] and not any(drafted[2:])
+    # the prefill round, one drafted token, then plain steps with one-token probes after 16 and 32 more
+    assert drafted[:2] == [5, 1] and drafted[2:18] == [0] * 16 and drafted[18] == 1
+    assert sum(drafted[2:]) <= 2
+
+
+def test_batched_rounds_give_the_policy_every_row():
+    """A padded batch's round tells the policy each row's accepted drafts: `optimal` learns per-position rates from
+    all rows (not from their rounded mean), and a policy that only implements `observe` gets the rounded mean."""
+    per_row = OptimalGammaPolicy(5, 8)
+    per_row.observe_rows(drafted=5, accepted_per_row=[0, 5], draft_time_s=1e-3, verify_time_s=1e-2,
+                         first_round=True)
+    mean_only = OptimalGammaPolicy(5, 8)
+    mean_only.observe(drafted=5, accepted=2, draft_time_s=1e-3, verify_time_s=1e-2, first_round=True)
+    assert per_row.reached[:5] == [1.0, 0.5, 0.5, 0.5, 0.5] and per_row.accepted[:5] == [0.5] * 5
+    assert mean_only.accepted[:3] == [1.0, 1.0, 0.0]
+
+    seen = []
+
+    class Recording(GammaPolicy):
+        def observe(self, **kwargs):
+            seen.append(kwargs)
+
+    Recording(3, 8).observe_rows(drafted=3, accepted_per_row=[0, 1, 3], draft_time_s=0.0, verify_time_s=1.0,
+                                 first_round=False)
+    assert seen == [dict(drafted=3, accepted=1, draft_time_s=0.0, verify_time_s=1.0, first_round=False)]
+
+    auto = hf_specdec.policies.AutoGammaPolicy(4, 8)
+    auto.observe_rows(drafted=4, accepted_per_row=[0, 0], draft_time_s=0.0, verify_time_s=1.0, first_round=True)
+    assert auto.next_gamma() == 1  # every row rejected everything: the cautious one-token round
+    auto = hf_specdec.policies.AutoGammaPolicy(4, 8)
+    auto.observe_rows(drafted=4, accepted_per_row=[0, 1], draft_time_s=0.0, verify_time_s=1.0, first_round=True)
+    assert auto.next_gamma() == 4
+
+
+def test_a_custom_policy_with_observe_only_still_serves_batches(target):
+    seen = []
+
+    class Recording(GammaPolicy):
+        def observe(self, **kwargs):
+            seen.append(kwargs["accepted"])
+
+    hf_specdec.policies.register_gamma_policy("recording_rows_test", Recording)
+    ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2)])
+    plain = target.generate(ids, max_new_tokens=20)
+    out = target.generate(ids, max_new_tokens=20, assistant_model=noisy_copy(target, 0.2), speculative_gamma=3,
+                          speculative_gamma_policy="recording_rows_test")
+    assert torch.equal(out, plain) and seen and all(isinstance(a, int) for a in seen)

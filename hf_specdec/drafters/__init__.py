@@ -1,12 +1,14 @@
 """Drafters: what proposes the tokens the target verifies."""
 
 from .base import DraftContext, DraftProposal, Drafter, get_drafter_class, list_drafters, register_drafter
+from .cross_tokenizer import CrossTokenizerDrafter
 from .eagle import EagleDrafter
 from .model import ModelDrafter
 from .ngram import NGramDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
+    "CrossTokenizerDrafter",
     "DraftContext",
     "DraftProposal",
     "Drafter",

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import align_module_device
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
@@ -44,6 +45,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..trees import best_subtree
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
@@ -303,11 +305,12 @@ class EagleDrafter(Drafter):
             model.fc.weight.copy_(fc + model.fc.weight * 0.1)
             head = target.get_output_embeddings()
             if head is not None and head.weight.shape[1] == config.hidden_size:
-                model.lm_head.weight.copy_(head.weight.detach()[ids].float())
+                with align_module_device(head):  # an offloaded head's weight is on `meta` until aligned
+                    model.lm_head.weight.copy_(head.weight.detach()[ids.to(head.weight.device)].float().cpu())
             model.d2t.copy_(ids - torch.arange(len(ids)))
             model.t2d.zero_()
             model.t2d[ids] = True
-        model.to(device=target.device, dtype=target.dtype)
+        model.to(device=execution_device(target), dtype=target.dtype)
         name = getattr(target.config, "_name_or_path", None) or type(target).__name__
         return cls(model, target_name=name)
 
@@ -418,7 +421,7 @@ class EagleDrafter(Drafter):
             )
         if embed is not None:
             model.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
-        model.to(device=target.device, dtype=target.dtype)
+        model.to(device=execution_device(target), dtype=target.dtype)
         return cls(model, target_name=values.get("_name_or_path") or str(pretrained), tree_top_k=tree_top_k)
 
     def _loaded_model(self, what: str) -> Eagle3DraftModel:
@@ -447,6 +450,7 @@ class EagleDrafter(Drafter):
             )
         self.target_hidden_layers = list(model.config.eagle_layers)
         self.embeddings = model.embed_tokens if model.embed_tokens is not None else target.get_input_embeddings()
+        self.embeddings_device = execution_device(self.embeddings)  # the target's may be offloaded by accelerate
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.target_device = context.input_ids.device
@@ -460,7 +464,7 @@ class EagleDrafter(Drafter):
         self.pending = None  # [1, n, features]: target features of positions seen, seen + 1, ... not yet fed
 
     def _embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
-        embeds = self.embeddings(token_ids.to(self.embeddings.weight.device))
+        embeds = self.embeddings(token_ids.to(self.embeddings_device))
         return embeds.to(device=self.device, dtype=self.dtype)
 
     def _scores(self, draft_logits: torch.Tensor, prefixes: torch.LongTensor) -> torch.FloatTensor:

@@ -15,6 +15,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..caches import croppable_after_first_forward, realign_cache, slice_cache
+from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias, best_subtree
@@ -55,8 +56,9 @@ class ModelDrafter(Drafter):
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
-            A causal LM with the same vocabulary as the target. It may sit on another device or use another dtype:
-            its inputs and logits are moved for it. It is never modified.
+            A causal LM with the same vocabulary as the target. It may sit on another device or use another dtype,
+            or be dispatched by accelerate (`device_map=...`, with layers offloaded to the CPU or disk): its inputs
+            go to the device it computes on and its logits come back to the target's. It is never modified.
         tree_top_k (`int`, *optional*, defaults to 4):
             With `speculative_tree_budget`: how many children each expanded node gets, and how many nodes of each
             depth are expanded. Unused for chains.
@@ -101,7 +103,7 @@ class ModelDrafter(Drafter):
                 "Speculative decoding needs a drafter that shares the target's tokenizer and vocabulary; use a "
                 "drafter from the same model family, or resize its embeddings to the target's vocabulary."
             )
-        self.device = model.device
+        self.device = execution_device(model)  # not `model.device`: `meta` for an offloaded model
         self.target_device = context.input_ids.device
         self.logits_processor = context.logits_processor
         self.do_sample = context.do_sample

@@ -35,7 +35,8 @@ REFUSALS = [
     r"The target's cache \(\w+, cache_implementation=.*\) cannot be rolled back",
     r"`assistant_model` \(\w+\) uses a cache that cannot be rolled back",
     r"`use_cache=False` cannot be combined with a drafter",  # the model's generation config turns the cache off
-    r"`num_beams` > 1 cannot be combined with a drafter",  # the model's generation config asks for beam search
+    # the model's generation config asks for beam search, which needs a draft model (prompt lookup is refused)
+    r"Speculative beam search \(`num_beams` > 1\) needs a draft model",
 ]
 
 # model type -> (stage, start of the error): the tiny config is not built, or plain `generate` itself fails on it.

@@ -1,0 +1,67 @@
+"""The architecture sweep with a static cache (`cache_implementation="static"`): every model type whose own plain
+`generate` runs with a static cache, decoded greedily with speculation (the target as its own drafter; prompt
+lookup) on the same static cache kind and compared token for token with plain static `generate`, or refused with a
+message naming the model class and the reason. Part of the sweep CI step (`pytest -m sweep tests/sweep`).
+
+`STATIC_NOT_RUN` lists the model types whose plain static `generate` fails on the generic tiny config (or that the
+main sweep cannot build), with the error, asserted as in the main sweep so the list stays true.
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+from test_sweep import GAMMA, NEW_TOKENS, NOT_RUN, REFUSALS, inputs_for
+from tiny import mapping_types, tiny_model
+
+import hf_specdec
+
+pytestmark = pytest.mark.sweep
+
+# a sliding window shorter than the generation: its static layers drop keys for good once full
+STATIC_REFUSALS = [*REFUSALS, r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
+                              r"its sliding-window layers keep \d+ positions",
+                   r"Speculative beam search needs the target's cache to be a croppable dynamic cache"]
+
+# model type -> start of the error plain static `generate` raises on the tiny model (not speculation's limits)
+STATIC_NOT_RUN = {
+    "cpmant": "IndexError: index_copy_(): index 27 is out of bounds for dim",
+    "deepseek_v4": "KeyError: 'heavily_compressed_attention'",
+    "prophetnet": "RuntimeError: expand(torch.FloatTensor{[1, 1, 1, 1, 1, 1, 20",
+    "t5gemma2": "KeyError: 'full_attention'",
+}
+
+
+def static_generate(model, inputs, **kwargs):
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static",
+                          **kwargs)
+
+
+@pytest.mark.parametrize("model_type", [t for t in mapping_types() if t not in NOT_RUN])
+def test_architecture_with_a_static_cache(model_type):
+    warnings.simplefilter("ignore")
+    model = tiny_model(model_type)
+    inputs = inputs_for(model, 1)
+    expected_failure = STATIC_NOT_RUN.get(model_type)
+    try:
+        plain = static_generate(model, inputs)
+    except Exception as error:  # noqa: BLE001 - asserted against the list above
+        assert expected_failure is not None, f"{model_type}: plain static generate failed: {type(error).__name__}: {error}"
+        assert f"{type(error).__name__}: {error}".splitlines()[0][:60] == expected_failure
+        return
+    assert expected_failure is None, f"{model_type} now generates with a static cache: move it out of STATIC_NOT_RUN"
+    hf_specdec.enable(model)
+    results = {}
+    for label, drafter in {"self": dict(assistant_model=model), "prompt_lookup": dict(drafter="prompt_lookup")}.items():
+        try:
+            spec = static_generate(model, inputs, speculative_gamma=GAMMA, **drafter)
+        except ValueError as error:
+            message = str(error)
+            assert any(re.search(pattern, message) for pattern in STATIC_REFUSALS), f"unexpected error: {message}"
+            results[label] = "refused: " + message
+            continue
+        assert torch.equal(spec, plain), f"{label}: silent mismatch:\n{plain}\n{spec}"
+        results[label] = "identical"
+    refused = {label for label, result in results.items() if result.startswith("refused")}
+    assert refused in (set(), set(results)) or all("assistant_model" in results[r] for r in refused), results
