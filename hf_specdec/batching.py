@@ -51,6 +51,7 @@ from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
 from .rounds import checked_proposal, draft_context, standardize, target_logits, verify_round
 from .sequence import decode_sequence
+from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -124,6 +125,8 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
     generated = [input_ids.new_empty(0) for _ in range(batch)]
     rows = list(range(batch))  # original index of each row still in the batch
+    row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
+    stats.rows.extend(row_stats)
     done_length: dict[int, int] = {}  # row -> its length when its stopping criteria fired
     ids = input_ids
     do_sample = bool(generation_config.do_sample)
@@ -131,6 +134,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     first_round = True
 
     while rows:
+        round_rows = list(rows)  # rows may leave the batch during the round
         width = ids.shape[1]
         lengths = [prompt_len + len(generated[r]) for r in rows]
         chosen_gamma = policy.next_gamma()
@@ -176,8 +180,9 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         accepted_list, betas_list = accepted.tolist(), betas.tolist()  # one device sync for all rows
         for i, r in enumerate(rows):
             n = accepted_list[i]
-            stats.record_round(chosen_gamma, num_drafted, n, betas_list[i][: min(n + 1, num_drafted)],
-                               new_forward=i == 0)
+            row_betas = betas_list[i][: min(n + 1, num_drafted)]
+            stats.record_round(chosen_gamma, num_drafted, n, row_betas, new_forward=i == 0)
+            row_stats[r].record_round(chosen_gamma, num_drafted, n, row_betas)
             view = torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None]
             count = 0
             while count < n + 1:
@@ -188,7 +193,6 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                         break
             generated[r] = view[0, prompt_len : lengths[i] + count]
             emitted.append(count)
-        stats.emitted_tokens += sum(emitted)
 
         # 5. realign: rows end together again; the cache keeps everything but each row's newest token
         most = max(emitted)
@@ -235,12 +239,18 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         verify_end = time.perf_counter()
         stats.draft_time_s += verify_start - draft_start
         stats.verify_time_s += verify_end - verify_start
+        for r in round_rows:  # each row took part in the whole round
+            row_stats[r].draft_time_s += verify_start - draft_start
+            row_stats[r].verify_time_s += verify_end - verify_start
         # the policy sees one round of the whole batch: its time, and each row's accepted drafts
         policy.observe_rows(drafted=num_drafted, accepted_per_row=accepted_list,
                             draft_time_s=verify_start - draft_start, verify_time_s=verify_end - verify_start,
                             first_round=first_round)
         first_round = False
 
+    for r, tokens in enumerate(generated):  # what each row keeps (a row that grew past its end was cut back)
+        row_stats[r].emitted_tokens = len(tokens)
+    stats.emitted_tokens += sum(len(tokens) for tokens in generated)
     return _assemble(prompts, generated, filler)
 
 
@@ -365,7 +375,8 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
     batch = input_ids.shape[0]
     pad = generation_config._pad_token_tensor
     rows_end_early = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    run = dict(generation_config=generation_config, options=options, policy=policy, stats=stats)
+    row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
+    run = dict(generation_config=generation_config, options=options, policy=policy)
     outputs, states = [], []
     for row in range(batch):
         row_kwargs = slice_kwargs(model_kwargs, row, batch, model)
@@ -374,7 +385,8 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
         row_drafter = drafter.for_call(draft_context(model, row_ids, row_processors, generation_config, row_kwargs,
                                                      _source_row(inputs_tensor, row, batch)))
         sequence, _, _ = decode_sequence(model, row_ids, logits_processor=row_processors,
-                                         stopping_criteria=stopping_criteria, drafter=row_drafter, **run, **row_kwargs)
+                                         stopping_criteria=stopping_criteria, drafter=row_drafter,
+                                         stats=row_stats[row], **run, **row_kwargs)
         outputs.append(sequence)
         states.append((row_kwargs, row_processors, row_drafter))
     if not rows_end_early:
@@ -389,8 +401,11 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
                     {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
                 )
                 outputs[row], _, _ = decode_sequence(model, outputs[row], logits_processor=row_processors,
-                                                     stopping_criteria=until_stop, drafter=row_drafter, **run,
-                                                     **row_kwargs)
+                                                     stopping_criteria=until_stop, drafter=row_drafter,
+                                                     stats=row_stats[row], **run, **row_kwargs)
+    for one_row in row_stats:  # rows decoded one after another: each forward is its own
+        stats.merge(one_row)
+    stats.rows.extend(row_stats)
     longest = max(s.shape[1] for s in outputs)
     out = input_ids.new_full((batch, longest), int(pad.reshape(-1)[0]) if pad is not None else 0)
     for row, sequence in enumerate(outputs):

@@ -167,7 +167,9 @@ def _generate_batch(model, tokenizer, rows, batch, token_ids, pad_id, device, op
                          f"{sequences.shape[0]} sequences for {len(batch)} rows; drop `num_return_sequences`, or "
                          "repeat the rows in the dataset")
     stats = getattr(out, "speculative_stats", None)
-    stats = stats.to_dict() if stats is not None else None
+    # each row's own statistics (`rows`: one entry per row of a batch; a batch of one is the call itself)
+    row_stats = [None] * len(batch) if stats is None else (
+        [row.to_dict() for row in stats.rows] if len(batch) > 1 else [stats.to_dict()])
     eos = _eos_ids(model.generation_config, options)
     records = []
     for r, index in enumerate(batch):
@@ -176,7 +178,7 @@ def _generate_batch(model, tokenizer, rows, batch, token_ids, pad_id, device, op
         new = new[: ends[0] + 1] if ends else new  # finished rows are padded after their EOS
         record = dict(rows[index])
         record.update({"index": index, completion_field: tokenizer.decode(new, skip_special_tokens=True),
-                       "num_new_tokens": len(new), "speculative_stats": stats, "batch_size": len(batch)})
+                       "num_new_tokens": len(new), "speculative_stats": row_stats[r], "batch_size": len(batch)})
         records.append(record)
     return records
 
@@ -225,9 +227,9 @@ def generate_dataset(
     (`tp_plan="auto"`) computes every batch in all its processes together, so its rows are not split.
 
     Each output line holds the input row's fields, `index` (its position in the dataset), the completion (without
-    the prompt), `num_new_tokens`, `speculative_stats` (`SpeculativeStats.to_dict()` of the `generate` call that
-    produced the row; when `batch_size` > 1 those are the batch's statistics, shared by its rows) and `batch_size`
-    (the rows of that call). The file ends in input order. An interrupted run continues with `resume=True`.
+    the prompt), `num_new_tokens`, `speculative_stats` (the row's own `SpeculativeStats.to_dict()`: its entry of
+    `speculative_stats.rows` when it was generated in a batch; a padded batch's round counts as one target call for
+    each of its rows) and `batch_size` (the rows generated together with it). The file ends in input order. An interrupted run continues with `resume=True`.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):

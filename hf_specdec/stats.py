@@ -55,6 +55,11 @@ class SpeculativeStats:
     """Host wall-clock seconds spent in the drafter."""
     verify_time_s: float = 0.0
     """Host wall-clock seconds spent in target forwards and verification."""
+    rows: list["SpeculativeStats"] = dataclasses.field(default_factory=list)
+    """For a batch of several sequences: each sequence's own statistics, in the order of the output rows (its rounds,
+    drafts, accepted and emitted tokens; a padded batch's round, shared by its rows, counts as one round and one
+    target call for each). Empty for one sequence, whose statistics are the call's. A class whose `generate` decodes
+    several times (Whisper's long-form segments) appends one entry per row per decoding pass."""
     compiled_rounds: int = 0
     """Rounds whose target forward ran compiled (a static cache where `generate` compiles; see `TargetForward`)."""
     target_compilations: int = 0
@@ -107,11 +112,28 @@ class SpeculativeStats:
         for i in range(accepted):
             self.position_accepted[i] += 1
 
+    def merge(self, other: "SpeculativeStats") -> None:
+        """Adds the rounds of `other` (another sequence decoded in the same call, with forwards of its own)."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if field.name in ("lenience", "rows"):
+                continue
+            if field.name.endswith("_history"):
+                mine.extend(theirs)
+            elif isinstance(mine, list):  # counts per length or position
+                _grow(mine, len(theirs))
+                for i, count in enumerate(theirs):
+                    mine[i] += count
+            else:
+                setattr(self, field.name, mine + theirs)
+
     def to_dict(self) -> dict[str, Any]:
-        """All fields plus the derived rates, as plain Python values (JSON-serializable)."""
+        """All fields plus the derived rates, as plain Python values (JSON-serializable); `rows` as a list of such
+        dicts."""
         output = dataclasses.asdict(self)
         for name in ("acceptance_rate", "alpha", "mean_accepted_length", "position_acceptance_rate"):
             output[name] = getattr(self, name)
+        output["rows"] = [row.to_dict() for row in self.rows]
         return output
 
 

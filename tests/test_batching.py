@@ -7,7 +7,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_specdec
 from conftest import (
     VOCAB,
+    ScriptedDrafter,
     noisy_copy,
+    prompt,
     source,
     tiny_model,
     tiny_seq2seq,
@@ -301,3 +303,29 @@ def test_realign_cache_moves_each_row_and_slice_cache_matches_it_when_rows_move_
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, -keys)
         assert layer.keys.untyped_storage().data_ptr() == pointer  # a view of the old cache, nothing copied
     assert cache.get_seq_length() == 4
+
+
+def test_each_row_of_a_batch_has_its_own_stats():
+    """`speculative_stats.rows`: one entry per output row, in order, whose tokens and rounds add up to the call's,
+    for the padded batch and for rows decoded one at a time (an encoder-decoder target)."""
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids = torch.cat([prompt(seed=1), prompt(seed=2), prompt(seed=3)])
+    reference = target.generate(ids, max_new_tokens=12)
+    drafter = ScriptedDrafter(reference[1:2], period=3)  # right for row 1 (often), wrong for the others
+    out = target.generate(ids, max_new_tokens=12, drafter=drafter, speculative_gamma=3, return_dict_in_generate=True,
+                          speculative_gamma_policy="constant")
+    stats = out.speculative_stats
+    assert torch.equal(out.sequences, reference) and len(stats.rows) == 3
+    assert [row.emitted_tokens for row in stats.rows] == [12, 12, 12]
+    assert sum(row.accepted_tokens for row in stats.rows) == stats.accepted_tokens
+    assert stats.rows[1].accepted_tokens > stats.rows[0].accepted_tokens
+    # a round's forward is shared by the rows in the batch; a row that reached its end leaves it
+    assert max(row.target_calls for row in stats.rows) == stats.target_calls
+    assert stats.to_dict()["rows"][1]["accepted_tokens"] == stats.rows[1].accepted_tokens
+
+    seq2seq = hf_specdec.enable(tiny_seq2seq("t5"))
+    sources = torch.cat([source(seed=1), source(seed=2)])
+    out = seq2seq.generate(sources, max_new_tokens=8, assistant_model=seq2seq, return_dict_in_generate=True)
+    stats = out.speculative_stats
+    assert len(stats.rows) == 2 and sum(row.target_calls for row in stats.rows) == stats.target_calls
+    assert sum(row.emitted_tokens for row in stats.rows) == stats.emitted_tokens

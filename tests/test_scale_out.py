@@ -203,6 +203,8 @@ def test_generate_dataset_matches_plain_generate_row_by_row_in_input_order(zoo_m
         assert record["completion"] == _plain_completion(target, tokenizer, row["prompt"], limit), row
         assert record["num_new_tokens"] <= limit
         assert record["speculative_stats"]["target_calls"] >= 1
+        # the row's own statistics, not its batch's: it emitted exactly its own tokens
+        assert record["speculative_stats"]["emitted_tokens"] == record["num_new_tokens"], record
     assert records[2]["batch_size"] == 1 and records[2]["num_new_tokens"] == 5
     assert sorted(record["batch_size"] for record in records) == [1, 1] + [3] * 6  # row 2, and 7 rows: 3 + 3 + 1
     # a `datasets` dataset, with the text in another field

@@ -86,6 +86,7 @@ def _checked_stats(stats):
         if not isinstance(item, dict):
             raise TypeError(f"`stats[{index}]` must be a dict from `SpeculativeStats.to_dict()`, got "
                             f"{type(item).__name__}. {fix}")
+        item = {key: value for key, value in item.items() if key != "rows"}  # per-row detail: the totals aggregate
         missing, unknown = sorted(required - set(item)), sorted(set(item) - required)
         if missing or unknown:
             raise ValueError(f"`stats[{index}]` is not a `SpeculativeStats.to_dict()`: missing keys {missing}, unknown "
