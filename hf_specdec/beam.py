@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
+from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .drafters.model import ModelDrafter
@@ -82,7 +83,6 @@ def speculative_beam_search(
 ):
     """Beam search with a drafter; see the module docstring. Returns what `_beam_search` returns."""
     _check_beam_supported(model, generation_config, model_kwargs, drafter, options, streamer)
-    from .decoding import check_multi_token_forward  # `decoding` imports this module
 
     check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
     if stats is None:

@@ -9,22 +9,20 @@ outputs) and hands the loop the prepared pieces.
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .batching import decode_batch, slice_kwargs
+from .batching import decode_batch
 from .beam import speculative_beam_search
-from .caches import (cached_length, compactable, croppable_after_first_forward, is_static, rewind_cache,
-                     static_rewind_problem)
+from .capability import check_multi_token_forward
+from .caches import compactable, croppable_after_first_forward, is_static, static_rewind_problem
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
-from .drafters.model import logits_width
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
-from .rounds import draft_context, target_logits
+from .rounds import draft_context
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention
@@ -33,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["check_multi_token_forward", "speculative_decode"]
+__all__ = ["check_multi_token_forward", "speculative_decode"]  # the check lives in `capability.py`
 
 
 def speculative_decode(
@@ -170,115 +168,3 @@ def _check_trees_supported(model, input_ids, generation_config, model_kwargs, tr
             "`speculative_tree_budget` (chains work with this cache)."
         )
     check_tree_attention(model)
-
-
-# model -> (dtype, attention implementation, refusal reason or None): nothing is written onto the user's model
-_MULTI_TOKEN_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
-_PROBE_DRAFTS = 4  # tokens of the probe's first round, as a drafter proposing γ = 4 would
-
-
-def check_multi_token_forward(model, input_ids, model_kwargs, generation_config) -> None:
-    """Refuses, with a `ValueError` naming the model class and the reason, a target whose cached forward over several
-    new tokens does not compute what step-by-step decoding computes (as plain `generate` runs it), or whose cache
-    cannot be rolled back: speculation on such a model would be silently wrong, or crash mid-generation.
-
-    A functional check, not a list of model classes: once per model object (and dtype and attention implementation),
-    on the first row of the first call, it runs the target over the row's prompt and 4 extra tokens twice, step by
-    step (1 + 4 forwards, each of 1 token after the prompt) and as speculation would (the prompt and the 4 tokens in
-    one forward, a rollback of 3, then the last 3 tokens again in one forward), and compares the logits. Cost: 7
-    target forwards over about `prompt + 4` tokens, once for the model's lifetime, i.e. about what generating 7
-    tokens costs once; later calls only look the verdict up. What it cannot see: differences that appear only past
-    lengths the probe does not reach (see `_attention_limit`).
-    """
-    key = (model.dtype, getattr(model.config, "_attn_implementation", None))
-    cached = _MULTI_TOKEN_VERDICTS.get(model)
-    if cached is None or cached[:2] != key:
-        cached = (*key, _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config))
-        _MULTI_TOKEN_VERDICTS[model] = cached
-    reason = cached[2]
-    if reason is None:
-        limit = _attention_limit(model)
-        if limit is not None and generation_config.max_length > limit[1]:
-            reason = (f"its attention selects at most {limit[0]}={limit[1]} keys per query, which makes a forward over "
-                      "several new tokens compute something else than step-by-step decoding once the sequence is "
-                      f"longer than that (this generation may reach max_length={generation_config.max_length})")
-    if reason is not None:
-        raise ValueError(
-            f"{type(model).__name__} cannot be verified exactly by speculative decoding: {reason}. Drop "
-            "`assistant_model`/`drafter` and use plain `generate` for this model."
-        )
-
-
-def _attention_limit(model) -> tuple[str, int] | None:
-    """A sparse-attention indexer's top-k: a multi-token forward picks its keys per chunk, not per token, so
-    speculation is exact only while the whole sequence fits within it (transformers' assisted generation differs
-    there as well)."""
-    config = model.config.get_text_config(decoder=True)
-    value = getattr(config, "index_topk", None)
-    return ("index_topk", value) if isinstance(value, int) else None
-
-
-@torch.no_grad()
-def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config) -> str | None:
-    """The reason `model` cannot be speculated on exactly, or None; see `check_multi_token_forward`."""
-    is_encoder_decoder = model.config.is_encoder_decoder
-    row_kwargs = slice_kwargs(model_kwargs, 0, input_ids.shape[0], model)
-    prompt = input_ids[:1]  # [1, prompt_len]
-    vocab = logits_width(model)
-    # tokens that differ from each other and from the prompt's last one
-    extra = (prompt[:, -1:] + torch.arange(1, _PROBE_DRAFTS + 1, device=prompt.device) * 7) % vocab  # [1, 4]
-    sequence = torch.cat([prompt, extra], dim=-1)
-    prompt_len = prompt.shape[1]
-
-    def advance(kwargs, new_tokens):
-        return model._update_model_kwargs_for_generation({}, dict(kwargs), is_encoder_decoder=is_encoder_decoder,
-                                                         num_new_tokens=new_tokens)
-
-    def fresh():
-        kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own
-        cache = kwargs["past_key_values"]
-        cache.activate_past_recording()
-        if is_static(cache):  # an empty copy, sized for the probe (the call's may hold fewer positions)
-            for layer in getattr(cache, "self_attention_cache", cache).layers:
-                if not layer.is_sliding:
-                    layer.max_cache_len = max(layer.max_cache_len, prompt_len + _PROBE_DRAFTS + 1)
-        return kwargs
-
-    try:
-        # step by step, as plain generate decodes: the logits after the prompt and after each extra token
-        kwargs = fresh()
-        steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
-        cached = cached_length(kwargs["past_key_values"])
-        if cached == 0:
-            return (f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
-                    "the cache is empty), so there is nothing to roll rejected drafts back from")
-        if cached != prompt_len:
-            return (f"its cache holds {cached} positions after a forward over {prompt_len} tokens, so rolling it back "
-                    "by a number of rejected tokens would misalign it")
-        for i in range(_PROBE_DRAFTS):
-            kwargs = advance(kwargs, 1)
-            steps.append(target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False)[:, -1])
-        want = torch.stack(steps, dim=1)  # [1, 5, vocab]
-
-        # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
-        # 3); then the remaining 2 drafts after it in one forward
-        kwargs = fresh()
-        cache = kwargs["past_key_values"]
-        first = target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), True)  # [1, 5, vocab]
-        if not cache.is_croppable and not is_static(cache):
-            return ("its cache keeps recurrent state that cannot be rolled back to an earlier token, so rejected "
-                    "drafts could not be undone")
-        rewind_cache(cache, prompt_len + 1)
-        kwargs = advance(kwargs, 2)
-        second = target_logits(model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False)
-    except Exception as error:  # noqa: BLE001 - any failure is a refusal that names it
-        message = str(error).splitlines()[0] if str(error) else ""
-        return f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"
-    # 'second' holds the logits after extra tokens 1, 2 and 3: positions 2-4 of `want`
-    error = max(float((first - want).abs().max()), float((second - want[:, 2:]).abs().max()))
-    scale = float(want.abs().max().clamp(min=1.0))
-    tolerance = (1e-4 if model.dtype == torch.float32 else 3e-2) * scale
-    if not error <= tolerance:
-        return (f"a cached forward over several new tokens disagrees with step-by-step decoding (largest logit "
-                f"difference {error:.3g}, against {tolerance:.3g} of rounding)")
-    return None
