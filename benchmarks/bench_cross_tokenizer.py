@@ -9,7 +9,7 @@ The pair (built by `train_cross_tokenizer_drafter.py`, under /work/runs/cross_to
 - same-tokenizer drafter: the zoo's distilled 1-layer drafter (the target's tokenizer).
 
 Methods, each at batch 1 on the zoo's held-out prompts, greedy (T=0) and sampling (T=1, no top-k / top-p), constant
-γ, interleaved per prompt: plain `generate`; ours with each drafter (`assistant_model=...`, and for the cross one
+γ, interleaved per prompt and repeated (`--repeats`, each prompt's median time): plain `generate`; ours with each drafter (`assistant_model=...`, and for the cross one
 `tokenizer=..., assistant_tokenizer=...`); transformers' assisted generation with the same drafters (for the cross
 one, its `AssistedCandidateGeneratorDifferentTokenizers` when greedy and `UniversalSpeculativeDecodingGenerator` when
 sampling), with a constant draft length of γ. Reported: α (mean β), acceptance rate, tokens per target call (target
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--drafter-dir", type=Path, default=RUNS / "drafter")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved passes; each prompt's median is used")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exactness-samples", type=int, default=300, help="0: skip the first-token check")
     parser.add_argument("--output", type=Path, default=None)
@@ -131,7 +133,7 @@ def main() -> None:
     inputs = [tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens:]
               for task in args.tasks for item in prompts[task][: args.prompts]]
     results = {"threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "gamma": gamma,
-               "prompts": len(inputs), "tasks": args.tasks,
+               "prompts": len(inputs), "repeats": args.repeats, "tasks": args.tasks,
                "target_parameters": sum(p.numel() for p in target.parameters()),
                "same_drafter_parameters": sum(p.numel() for p in same_drafter.parameters()),
                "cross_drafter_parameters": sum(p.numel() for p in cross_drafter.parameters()),
@@ -152,10 +154,12 @@ def main() -> None:
         exact = {method: True for method in methods}
         errors = {}
         stats = {name: [] for name in ours}
-        for index, ids in enumerate(inputs):
+        times = {method: [[] for _ in inputs] for method in methods}  # [method][prompt]: seconds per repeat
+        for repeat, (index, ids) in ((r, item) for r in range(args.repeats) for item in enumerate(inputs)):
             mask = torch.ones_like(ids)
             outputs = {}
-            for method in methods:  # interleaved: every method on this prompt before the next prompt
+            order = methods[repeat % len(methods):] + methods[: repeat % len(methods)]  # no method always first
+            for method in order:  # interleaved: every method on this prompt before the next prompt
                 kind, _, name = method.partition("/")
                 if method in errors:
                     continue
@@ -176,16 +180,20 @@ def main() -> None:
                     errors[method] = f"{type(error).__name__}: {str(error)[:300]}"
                     print(f"{method} failed: {errors[method]}", flush=True)
                     continue
-                calls[method] += counter.count - before
+                times[method][index].append(elapsed)
                 if kind == "ours":
-                    stats[name].append(out.speculative_stats)
+                    if not repeat:
+                        stats[name].append(out.speculative_stats)
                     out = out.sequences
-                seconds[method] += elapsed
-                tokens[method] += out.shape[1] - ids.shape[1]
+                if not repeat:  # counts from the first pass (the same seed per prompt draws the same tokens)
+                    calls[method] += counter.count - before
+                    tokens[method] += out.shape[1] - ids.shape[1]
                 outputs[method] = out
             if temperature == 0:
                 for method, out in outputs.items():
                     exact[method] &= torch.equal(out, outputs["plain"])
+        for method in methods:  # each prompt's median over the repeats, summed over the prompts
+            seconds[method] = sum(statistics.median(runs) for runs in times[method] if runs)
         plain_step = seconds["plain"] / tokens["plain"]
 
         def rate(method):
