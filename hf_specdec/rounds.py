@@ -137,11 +137,12 @@ def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_ro
     `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
     target (eagerly when None)."""
     cache = model_kwargs["past_key_values"]
-    new_tokens = candidate_ids.shape[1] - cached_length(cache)
+    cached = cached_length(cache)  # read once: a device sync for a static cache on an accelerator
+    new_tokens = candidate_ids.shape[1] - cached
     call, padding = None, 0
     if forward is not None and not first_round:
         # a tree's mask and positions are built for its exact size: compiled only when that is one of the sizes
-        call, padding = forward.call_for(new_tokens, cached_length(cache), pad=not overrides)
+        call, padding = forward.call_for(new_tokens, cached, pad=not overrides)
     if padding:
         # filler positions after the drafts: causally invisible to them, their logits dropped and their keys rewound
         candidate_ids = torch.cat([candidate_ids, candidate_ids[:, -1:].expand(-1, padding)], dim=-1)

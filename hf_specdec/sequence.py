@@ -97,19 +97,23 @@ def decode_sequence(
 
             # 2. one target forward over the uncached tail and the drafts
             context_mask = model_kwargs.get("attention_mask")  # [1, cur_len] or None
-            if layout.prefills_context and cur_len - cached_length(cache) > 1:
+            # after the first round the invariant gives the cache's length without reading it (a device sync for
+            # a static cache on an accelerator)
+            cached = cached_length(cache) if first_round else cur_len - 1
+            if layout.prefills_context and cur_len - cached > 1:
                 # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
                 # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
                 prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
                                   and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
                 target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
+                cached = cur_len - 1
             candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
             forward_kwargs = model_kwargs
             if num_drafted:
                 forward_kwargs = model._update_model_kwargs_for_generation(
                     {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
                 )
-            overrides = layout.forward_overrides(cached_length(cache), cur_len, model.dtype, context_mask, capacity)
+            overrides = layout.forward_overrides(cached, cur_len, model.dtype, context_mask, capacity)
             new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
                                        overrides, forward)  # [1, k + 1, V]
             new_scores = new_logits
