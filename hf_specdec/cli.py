@@ -374,9 +374,9 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     threads = _set_threads(args.threads)
     _check_output_dir("--output", args.output)
-    if args.prompts is None and not args.texts:
-        raise CLIError("train-drafter needs data: --prompts FILE (one instruction per line, the target answers them) "
-                       "and/or --texts FILE [FILE ...]")
+    if args.prompts is None and not args.texts and not args.synthetic_prompts:
+        raise CLIError("train-drafter needs data: --prompts FILE (one instruction per line, the target answers them), "
+                       "--texts FILE [FILE ...] and/or --synthetic-prompts N (the target writes N instructions)")
     if args.minutes is None and args.steps is None:
         raise CLIError("train-drafter needs a budget: --minutes M and/or --steps N")
     prompts = None
@@ -393,7 +393,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         accelerator=Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision), output_dir=args.output,
         resume_from_checkpoint=True if args.resume else None, draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
-        learning_rate=args.lr, seed=args.seed)
+        num_synthetic_prompts=args.synthetic_prompts, answer_dtype=args.answer_dtype,
+        generation_batch_size=args.generation_batch_size, learning_rate=args.lr, seed=args.seed)
     info = drafter.training_info
     print(f"EAGLE-3 head written to {args.output}: {info['steps']} steps, {info['wall time']}, held-out top-1 "
           f"agreement per draft step {info['held-out top-1 agreement per draft step']}")
@@ -746,14 +747,23 @@ def distill(args: argparse.Namespace) -> int:
 # ----- parser ----------------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value} (for example 1)")
-    return value
+def _int_at_least(minimum: int, wording: str):
+    """An argparse `type` accepting ints >= `minimum`, with errors that say what is expected."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wording}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {wording}, got {value} (for example {minimum})")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive int")
+_non_negative_int = _int_at_least(0, "an int >= 0")
 
 
 def _positive_float(text: str) -> float:
@@ -937,6 +947,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--ttt-steps", type=_positive_int, default=7, help="training-time-test unroll")
     sub.add_argument("--max-answer-tokens", type=_positive_int, default=256, help="longest answer to a prompt")
     sub.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step")
+    sub.add_argument("--synthetic-prompts", type=_non_negative_int, default=0, metavar="N",
+                     help="instructions the target first writes itself (Magpie), answered with --prompts")
+    sub.add_argument("--answer-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                     help="answer with a copy of the target in this dtype (default: the target's own)")
+    sub.add_argument("--generation-batch-size", type=_positive_int, default=16, help="prompts answered at once")
     training(sub)
     sub.set_defaults(func=train_drafter)
     return parser

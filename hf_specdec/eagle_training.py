@@ -17,6 +17,7 @@ tqdm bar, checkpoints every `save_every` steps in `output_dir`, and `resume_from
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -49,17 +50,25 @@ def _chat_prompt(tokenizer, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tokens: int, batch_size: int,
-                    temperature: float, show_progress: bool) -> list[tuple[list[int], int]]:
-    """The target's own answers: `(prompt + answer ids, prompt length)` per prompt, sampled in left-padded batches."""
+                    temperature: float, show_progress: bool, deadline: float | None = None,
+                    seed: int = 0) -> list[tuple[list[int], int]]:
+    """The target's own answers: `(prompt + answer ids, prompt length)` per prompt, sampled in left-padded batches
+    (in a seeded random order, prompts of similar length sharing a batch). No batch starts after `deadline`
+    (`time.perf_counter()`), so a budget may leave later prompts unanswered."""
     from tqdm.auto import tqdm
 
     encoded = [_chat_prompt(tokenizer, prompt) for prompt in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+    shuffled = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()
+    block = 4 * batch_size  # sorted by length within blocks of 4 batches: little padding, no bias to short prompts
+    order = [i for start in range(0, len(shuffled), block)
+             for i in sorted(shuffled[start : start + block], key=lambda i: len(encoded[i]))]
     sequences: list[tuple[list[int], int] | None] = [None] * len(encoded)
     for start in tqdm(range(0, len(order), batch_size), desc="answering prompts", disable=not show_progress):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         rows = order[start : start + batch_size]
         width = max(len(encoded[i]) for i in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -79,6 +88,50 @@ def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tok
                     break
             sequences[i] = (encoded[i] + answer, len(encoded[i]))
     return [s for s in sequences if s is not None]
+
+
+@torch.no_grad()
+def _synthetic_prompts(target, tokenizer, count: int, *, batch_size: int, show_progress: bool,
+                       deadline: float | None = None, max_tokens: int = 64) -> list[str]:
+    """Instructions the target writes itself (Magpie, Xu et al. 2024): sampled after the user-turn prefix of its
+    chat template, up to the template's end-of-turn token; unfinished or very short ones are dropped."""
+    from tqdm.auto import tqdm
+
+    marker = "\ue000hf_specdec\ue000"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("`num_synthetic_prompts` needs a tokenizer with a chat template (the target writes "
+                         "instructions after its user-turn prefix); pass `prompts=` or `texts=` instead.")
+    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+    if marker not in template:
+        raise ValueError("`num_synthetic_prompts`: the tokenizer's chat template does not show the user's message "
+                         "verbatim; pass `prompts=` or `texts=` instead.")
+    prefix, suffix = template.split(marker, 1)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    end_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    if not prefix_ids or not end_ids:
+        raise ValueError("`num_synthetic_prompts`: could not find the chat template's user-turn prefix and "
+                         "end-of-turn token; pass `prompts=` or `texts=` instead.")
+    end = end_ids[0]
+    found: list[str] = []
+    seen = set()
+    ids = torch.tensor([prefix_ids] * batch_size, device=target.device)
+    bar = tqdm(total=count, desc="writing prompts", disable=not show_progress)
+    for _ in range(4 * math.ceil(count / batch_size)):  # bounded: a model that never ends its turns stops here
+        if len(found) >= count or (deadline is not None and time.perf_counter() > deadline):
+            break
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                              top_k=0, top_p=0.95, max_new_tokens=max_tokens, eos_token_id=end, pad_token_id=end)
+        for row in out[:, len(prefix_ids) :].tolist():
+            if end not in row:
+                continue
+            text = tokenizer.decode(row[: row.index(end)], skip_special_tokens=True).strip()
+            if len(text) >= 12 and text not in seen and len(found) < count:
+                seen.add(text)
+                found.append(text)
+                bar.update(1)
+    bar.close()
+    return found
 
 
 @torch.no_grad()
@@ -181,6 +234,9 @@ def train_eagle_drafter(
     max_answer_tokens: int = 256,
     answer_temperature: float = 0.7,
     generation_batch_size: int = 16,
+    num_synthetic_prompts: int = 0,
+    answer_dtype: torch.dtype | str | None = None,
+    max_answer_minutes: float | None = None,
     batch_size: int = 8,
     learning_rate: float = 1e-3,
     warmup_steps: int = 20,
@@ -198,7 +254,7 @@ def train_eagle_drafter(
         prompts (`list[str]`, *optional*): instructions the target answers first (with the tokenizer's chat template
             when it has one); the head trains on the answers (self-distillation).
         texts (`list[str]` or `list[list[int]]`, *optional*): texts (or token id sequences) to train on as they are
-            (every position). Give `prompts`, `texts`, or both.
+            (every position). Give `prompts`, `texts`, `num_synthetic_prompts`, or several.
         tokenizer: the target's tokenizer (needed for `prompts` and for texts given as strings).
         max_minutes (`float`, *optional*): wall-clock budget of the whole call (answering, features, training);
             training stops when it is spent. Give it, `num_steps`, or both (the first reached ends training).
@@ -213,6 +269,16 @@ def train_eagle_drafter(
         layers (`list[int]`, *optional*): `output_hidden_states` entries read; defaults to EAGLE-3's three.
         ttt_steps (`int`, *optional*, defaults to 7): training-time-test unroll (draft steps trained).
         max_answer_tokens, answer_temperature, generation_batch_size: how the target answers `prompts`.
+        num_synthetic_prompts (`int`, *optional*, defaults to 0): instructions the target first writes itself
+            (Magpie, Xu et al. 2024: sampled after its chat template's user-turn prefix), then answers like `prompts`:
+            diverse self-distillation data without a prompt set. Needs a chat template.
+        answer_dtype (`torch.dtype` or `str`, *optional*): answer (and write prompts) with a copy of the target in
+            this dtype, for example `torch.bfloat16` on CPUs whose bfloat16 matrix kernels are several times faster.
+            The answers are only contexts: the features and the target distributions the head learns always come
+            from `target` itself, in its own dtype.
+        max_answer_minutes (`float`, *optional*): no answering batch starts after this many minutes (by default
+            half of `max_minutes`), so that features and training keep their share of the budget; prompts left
+            unanswered are not used.
         batch_size, learning_rate, warmup_steps: AdamW with linear warm-up and cosine decay over the budget.
         eval_fraction (`float`, *optional*, defaults to 0.05): sequences held out to measure agreement.
         save_every (`int`, *optional*, defaults to 200): steps between checkpoints (with `output_dir`).
@@ -224,10 +290,14 @@ def train_eagle_drafter(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    if prompts is None and texts is None:
-        raise ValueError("train_eagle_drafter needs training data: pass `prompts=` (the target answers them) and/or "
-                         "`texts=` (trained on as they are).")
-    if tokenizer is None and (prompts or any(isinstance(text, str) for text in texts or [])):
+    if isinstance(num_synthetic_prompts, bool) or not isinstance(num_synthetic_prompts, int) \
+            or num_synthetic_prompts < 0:
+        raise ValueError(f"`num_synthetic_prompts` must be an int >= 0, got {num_synthetic_prompts!r}.")
+    if prompts is None and texts is None and not num_synthetic_prompts:
+        raise ValueError("train_eagle_drafter needs training data: pass `prompts=` (the target answers them), "
+                         "`texts=` (trained on as they are) and/or `num_synthetic_prompts=` (the target writes "
+                         "instructions itself, then answers them).")
+    if tokenizer is None and (prompts or num_synthetic_prompts or any(isinstance(text, str) for text in texts or [])):
         raise ValueError("train_eagle_drafter needs `tokenizer=` (the target's) to read `prompts` or texts given as "
                          "strings; without one, pass `texts=` as token id sequences.")
     if max_minutes is None and num_steps is None:
@@ -235,6 +305,14 @@ def train_eagle_drafter(
                          "and/or `num_steps=`.")
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}.")
+    if max_answer_minutes is not None and not max_answer_minutes > 0:
+        raise ValueError(f"`max_answer_minutes` must be > 0, got {max_answer_minutes}.")
+    if isinstance(answer_dtype, str):
+        if not isinstance(getattr(torch, answer_dtype, None), torch.dtype):
+            raise ValueError(f"`answer_dtype` {answer_dtype!r} is not a torch dtype; use for example 'bfloat16'.")
+        answer_dtype = getattr(torch, answer_dtype)
+    if answer_dtype is not None and not isinstance(answer_dtype, torch.dtype):
+        raise TypeError(f"`answer_dtype` must be a torch.dtype or its name, got {answer_dtype!r}.")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}.")
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
@@ -255,13 +333,30 @@ def train_eagle_drafter(
         saved = torch.load(data_file, weights_only=True)
         sequences = [(ids.tolist(), int(start)) for ids, start in zip(saved["sequences"], saved["starts"])]
         answer_seconds = float(saved["answer_seconds"])
+        written = int(saved.get("written_prompts", 0))
     else:
         answer_start = time.perf_counter()
+        answer_minutes = max_answer_minutes if max_answer_minutes is not None else (
+            None if max_minutes is None else max_minutes / 2)
+        deadline = None if answer_minutes is None else answer_start + 60.0 * answer_minutes
         sequences = []
-        if prompts:
-            sequences += _answer_prompts(target, tokenizer, list(prompts), max_answer_tokens=max_answer_tokens,
+        written = 0
+        all_prompts = list(prompts or [])
+        if all_prompts or num_synthetic_prompts:
+            # a copy in `answer_dtype` answers; the user's model is never converted
+            answerer = target if answer_dtype in (None, target.dtype) else copy.deepcopy(target).to(answer_dtype)
+            if num_synthetic_prompts:
+                # writing prompts gets at most a quarter of the answering budget
+                write_deadline = None if deadline is None else answer_start + 0.25 * (deadline - answer_start)
+                synthetic = _synthetic_prompts(answerer, tokenizer, num_synthetic_prompts,
+                                               batch_size=generation_batch_size, show_progress=show,
+                                               deadline=write_deadline)
+                all_prompts += synthetic
+                written = len(synthetic)
+            sequences += _answer_prompts(answerer, tokenizer, all_prompts, max_answer_tokens=max_answer_tokens,
                                          batch_size=generation_batch_size, temperature=answer_temperature,
-                                         show_progress=show)
+                                         show_progress=show, deadline=deadline, seed=seed)
+            del answerer
         for text in texts or []:
             ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
             if len(ids) >= 3:
@@ -271,7 +366,7 @@ def train_eagle_drafter(
             output_dir.mkdir(parents=True, exist_ok=True)
             torch.save({"sequences": [torch.tensor(ids) for ids, _ in sequences],
                         "starts": torch.tensor([start for _, start in sequences]),
-                        "answer_seconds": answer_seconds}, data_file)
+                        "answer_seconds": answer_seconds, "written_prompts": written}, data_file)
     if len(sequences) < 2:
         raise ValueError(f"train_eagle_drafter got {len(sequences)} usable sequence(s); give more prompts or texts.")
     generator = torch.Generator().manual_seed(seed)
@@ -316,13 +411,15 @@ def train_eagle_drafter(
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     budget_s = None if max_minutes is None else max_minutes * 60.0
     state = {"step": 0, "train_seconds": 0.0}
+    train_start = time.perf_counter()
 
     def progress_fraction() -> float:
         fractions = [0.0]
         if num_steps is not None:
             fractions.append(state["step"] / num_steps)
-        if budget_s is not None:
-            fractions.append((time.perf_counter() - started) / budget_s)
+        if budget_s is not None:  # the learning-rate schedule spans the training phase's share of the budget
+            left = budget_s - (train_start - started)
+            fractions.append(1.0 if left <= 0 else (time.perf_counter() - train_start) / left)
         return min(1.0, max(fractions))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -377,10 +474,15 @@ def train_eagle_drafter(
     model = model.eval()
     agreement = eagle_agreement(model, embed, collate, eval_ids, min(ttt_steps, 4))
     drafter.model = model.to(dtype=target.dtype, device=target.device)
+    answered = [start for _, start in sequences if start > 1]  # texts start at 1, answers after their prompt
     drafter.training_info = {
-        "training data": (f"{len(prompts or [])} prompts answered by the target (sampling at T = {answer_temperature}"
-                          f", at most {max_answer_tokens} tokens)" if prompts else "")
-        + (f"{' and ' if prompts else ''}{len(texts or [])} texts" if texts else ""),
+        "training data": (f"{len(answered)} prompts answered by the target ({len(prompts or [])} given"
+                          + (f", {written} it wrote itself of {num_synthetic_prompts} asked" if num_synthetic_prompts
+                             else "")
+                          + f"; sampling at T = {answer_temperature}, at most {max_answer_tokens} tokens"
+                          + (f", answered in {answer_dtype}" if answer_dtype is not None else "") + ")"
+                          if answered else "")
+        + (f"{' and ' if answered else ''}{len(texts or [])} texts" if texts else ""),
         "training tokens": sum(len(sequences[i][0]) for i in train_ids),
         "draft vocabulary": len(hot_ids),
         "steps": state["step"],

@@ -17,16 +17,22 @@ included:
 
 The speculative arguments (`assistant_model`, `drafter`, `drafter_kwargs`, `speculative_*`) need a model enabled with
 [`hf_specdec.enable`]; the pipelines never enable one themselves, as that would modify the caller's model.
+
+An `assistant_model` given as a path or Hub id is loaded from safetensors only, never unpickled: by these pipelines,
+and by transformers' `automatic-speech-recognition` pipeline, whose registry entry this module points at
+[`SpeechRecognitionPipeline`], a subclass that changes only how assistants given by path are loaded.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import re
 from typing import Any
 
-from transformers import AutoConfig, AutoModelForSeq2SeqLM, GenerationConfig, PreTrainedModel
-from transformers.pipelines.base import Pipeline, load_model
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers.pipelines.automatic_speech_recognition import AutomaticSpeechRecognitionPipeline
+from transformers.pipelines.base import Pipeline, load_assistant_model, load_model
 from transformers.tokenization_utils_base import TruncationStrategy
 from transformers.utils import ModelOutput
 
@@ -35,6 +41,7 @@ from .mixin import SpeculativeGenerationMixin
 __all__ = [
     "REGISTERED_TASKS",
     "ReturnType",
+    "SpeechRecognitionPipeline",
     "SummarizationPipeline",
     "Text2TextGenerationPipeline",
     "TranslationPipeline",
@@ -53,7 +60,44 @@ class ReturnType(enum.Enum):
     TEXT = 1
 
 
-class Text2TextGenerationPipeline(Pipeline):
+class _PathAssistants:
+    """Loads an `assistant_model` given as a path or Hub id once per pipeline, from safetensors only."""
+
+    # tried before the classes the checkpoint's config names (none: only those, as transformers' pipelines do)
+    _assistant_classes: tuple[type, ...] = ()
+
+    def _load_assistant(self, assistant_model):
+        if not isinstance(assistant_model, str):
+            return assistant_model
+        loaded = vars(self).setdefault("_loaded_assistants", {})  # path -> model
+        if assistant_model not in loaded:  # once per pipeline, not once per call
+            _check_safetensors_checkpoint(assistant_model)
+            config = AutoConfig.from_pretrained(assistant_model)
+            # safetensors only: a path never reaches the unpickler, whatever transformers' loading defaults are
+            model = load_model(assistant_model, config=config, model_classes=self._assistant_classes,
+                               use_safetensors=True)
+            loaded[assistant_model] = model.to(device=self.model.device, dtype=self.model.dtype)
+        return loaded[assistant_model]
+
+
+def _check_safetensors_checkpoint(path: str) -> None:
+    """Refuses a local directory without safetensors weights before anything is loaded from it."""
+    if not os.path.isdir(path):
+        return  # a Hub id: `use_safetensors=True` refuses a repository without safetensors weights
+    files = sorted(os.listdir(path))
+    if any(name.endswith(".safetensors") for name in files):
+        return
+    found = [name for name in files if name.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    raise ValueError(
+        f"`assistant_model` {path!r} holds no safetensors weights"
+        f"{' (only the pickle checkpoint ' + ', '.join(found) + ')' if found else ''}. Assistants given by path are "
+        "loaded from safetensors only and never unpickled: load that checkpoint where you trust it and re-save it "
+        "with `model.save_pretrained(path)` (which writes model.safetensors), or pass the loaded model as "
+        "`assistant_model=model`."
+    )
+
+
+class Text2TextGenerationPipeline(_PathAssistants, Pipeline):
     r"""
     Text-to-text generation with an encoder-decoder model (T5, BART, Marian, ...), as transformers 4.x's pipeline of
     the same name: `pipeline("text2text-generation", model=..., tokenizer=...)`.
@@ -98,6 +142,7 @@ class Text2TextGenerationPipeline(Pipeline):
     _load_feature_extractor = False
     _load_tokenizer = True
     _default_generation_config = GenerationConfig(max_new_tokens=256)
+    _assistant_classes = (AutoModelForSeq2SeqLM,)
 
     # the task this class serves when built without one, and the prefix of its output keys
     default_task = "text2text-generation"
@@ -112,7 +157,6 @@ class Text2TextGenerationPipeline(Pipeline):
                 f"`assistant_tokenizer` ({type(assistant_tokenizer).__name__}) is the tokenizer of an "
                 "`assistant_model`, and none was given. Pass `assistant_model=` with it, or drop `assistant_tokenizer`."
             )
-        self._loaded_assistants: dict[str, PreTrainedModel] = {}
         super().__init__(model, *args, **kwargs)
         # loaded here, not by transformers' `load_assistant_model`, which fails on configs without `bos_token_id` (T5)
         self.assistant_model = self._load_assistant(assistant_model)
@@ -163,17 +207,6 @@ class Text2TextGenerationPipeline(Pipeline):
             forward_params.setdefault("tokenizer", self.tokenizer)
         _check_speculation_enabled(self.model, forward_params)
         return preprocess_params, forward_params, postprocess_params
-
-    def _load_assistant(self, assistant_model):
-        if not isinstance(assistant_model, str):
-            return assistant_model
-        if assistant_model not in self._loaded_assistants:  # once per pipeline, not once per call
-            config = AutoConfig.from_pretrained(assistant_model)
-            # safetensors only: a path never reaches the unpickler, whatever transformers' loading defaults are
-            loaded = load_model(assistant_model, config=config, model_classes=(AutoModelForSeq2SeqLM,),
-                                use_safetensors=True)
-            self._loaded_assistants[assistant_model] = loaded.to(device=self.model.device, dtype=self.model.dtype)
-        return self._loaded_assistants[assistant_model]
 
     def __call__(self, inputs: str | list[str], **kwargs):
         r"""
@@ -332,6 +365,58 @@ class TranslationPipeline(Text2TextGenerationPipeline):
         return self._parse_and_tokenize(inputs, truncation=truncation)
 
 
+class SpeechRecognitionPipeline(_PathAssistants, AutomaticSpeechRecognitionPipeline):
+    r"""
+    transformers' `automatic-speech-recognition` pipeline, with one change: an `assistant_model` given as a path or
+    Hub id, at construction or in a call (`generate_kwargs={"assistant_model": path}`), is loaded from safetensors
+    only, so a directory holding only a pickle checkpoint is refused before anything is read from it. Importing
+    `hf_specdec` points transformers' registry entry for the task at this class (unless the entry was replaced
+    by someone else), so `pipeline("automatic-speech-recognition", ...)` builds it; everything else is transformers'
+    pipeline.
+
+    An assistant given in a call is used for that call, over the one given at construction (transformers would keep
+    the construction's); `assistant_model=None` in a call decodes without one. A path assistant given at construction
+    gets its tokenizer from the same path, as in transformers, unless `assistant_tokenizer` is passed.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> from transformers import WhisperForConditionalGeneration, pipeline
+    >>> whisper = hf_specdec.enable(WhisperForConditionalGeneration.from_pretrained("openai/whisper-large-v2"))
+    >>> asr = pipeline("automatic-speech-recognition", model=whisper, tokenizer="openai/whisper-large-v2",
+    ...                feature_extractor="openai/whisper-large-v2", assistant_model="distil-whisper/distil-large-v2")
+    >>> asr("clip.wav", generate_kwargs={"num_beams": 1, "speculative_gamma": 4})
+    {'text': ...}
+    ```
+    """
+
+    def __init__(self, model: PreTrainedModel, *args, assistant_model=None, assistant_tokenizer=None, **kwargs):
+        if not isinstance(assistant_model, str):
+            super().__init__(model, *args, assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer,
+                             **kwargs)
+            return
+        super().__init__(model, *args, **kwargs)
+        # loaded after transformers placed the model, onto its device and dtype (as `load_assistant_model` does)
+        if self.model.can_generate():
+            loaded = self._load_assistant(assistant_model)
+            if assistant_tokenizer is None:
+                assistant_tokenizer = AutoTokenizer.from_pretrained(assistant_model)
+            self.assistant_model, self.assistant_tokenizer = load_assistant_model(self.model, loaded,
+                                                                                  assistant_tokenizer)
+
+    def _sanitize_parameters(self, **kwargs):
+        nested = kwargs.get("generate_kwargs") or {}
+        # as transformers merges them: a top-level generate argument over the one in `generate_kwargs`
+        call = {**nested, **kwargs}
+        preprocess_params, forward_params, postprocess_params = super()._sanitize_parameters(**kwargs)
+        if "assistant_model" in call:  # this call's assistant, over the one given at construction
+            forward_params["assistant_model"] = self._load_assistant(call["assistant_model"])
+            if "assistant_tokenizer" not in call:  # the construction's tokenizer goes with its assistant only
+                forward_params.pop("assistant_tokenizer", None)
+        return preprocess_params, forward_params, postprocess_params
+
+
 def _check_model_kind(model, task: str) -> None:
     config = getattr(model, "config", None)
     if config is None:  # a checkpoint name reaches here only when the class is built directly
@@ -456,5 +541,24 @@ def _accept_translation_pairs(registry) -> None:
     registry.check_task = check_translation_task
 
 
+def _load_speech_assistants_safely(registry=None) -> bool:
+    """Points the registry's `automatic-speech-recognition` entry at [`SpeechRecognitionPipeline`] when it holds
+    transformers' own pipeline (a class, or the dotted path transformers registers); returns whether it did. An entry
+    someone else registered is left as it is. Importing `hf_specdec.pipelines` calls it once with transformers'
+    registry (`PIPELINE_REGISTRY` when `registry` is None)."""
+    import transformers.pipelines
+
+    if registry is None:
+        registry = transformers.pipelines.PIPELINE_REGISTRY
+    entry = registry.supported_tasks.get("automatic-speech-recognition")
+    transformers_own = AutomaticSpeechRecognitionPipeline
+    if entry is None or entry.get("impl") not in (transformers_own,
+                                                  f"{transformers_own.__module__}.{transformers_own.__name__}"):
+        return False
+    entry["impl"] = SpeechRecognitionPipeline
+    return True
+
+
 REGISTERED_TASKS: list[str] = register_pipelines()
 """The tasks that importing this module registered with transformers (those the installed version lacks)."""
+_load_speech_assistants_safely()

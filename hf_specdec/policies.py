@@ -40,13 +40,24 @@ from __future__ import annotations
 import collections
 import statistics
 
+import torch
+
 from .registry import Registry
 
 __all__ = ["GammaPolicy", "get_gamma_policy_class", "list_gamma_policies", "register_gamma_policy"]
 
 
 class GammaPolicy:
-    """Base class: a constant γ. Subclasses override `next_gamma` and `observe`."""
+    """Base class: a constant γ. Subclasses override `next_gamma` and `observe`.
+
+    Shadow drafts: a loop that can take them (the one-sequence loop) sets `shadow_drafts = True`. A policy that
+    returns γ = 0 with `shadow_draft_wanted` true then gets a plain step with a one-token guess of the drafter beside
+    it (never verified or emitted), and `observe_shadow(acceptance)` before `observe`: how likely verification would
+    have accepted the guess (None when the drafter guessed nothing). It costs the guess alone, where a real γ = 1
+    round also costs a verify forward over two tokens."""
+
+    shadow_drafts = False  # set by loops that can take shadow drafts
+    shadow_draft_wanted = False  # set by the policy with a γ = 0 that should carry one
 
     def __init__(self, gamma: int, max_gamma: int):
         self.gamma = min(gamma, max_gamma)
@@ -54,6 +65,9 @@ class GammaPolicy:
 
     def next_gamma(self) -> int:
         return self.gamma
+
+    def observe_shadow(self, acceptance: float | None) -> None:
+        """Called after a shadow draft (see the class docstring), before `observe` for the same plain step."""
 
     def observe(self, *, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float,
                 first_round: bool) -> None:
@@ -91,7 +105,13 @@ class AutoGammaPolicy(GammaPolicy):
     tokens), so rounds that emit fewer tokens per second than one per verify forward are stopped at once (a round
     that accepted nothing always does); when the two are close, one plain step is measured and compared. The first
     round's times include the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the next
-    round drafts a single token, the cheapest measurement. A probe that accepts anything resumes drafting."""
+    round drafts a single token, the cheapest measurement. A probe that accepts anything resumes drafting.
+
+    Where the loop takes shadow drafts (one sequence), that single-token round and the probes are shadow drafts: plain
+    steps with the drafter's guess compared to the target's token (for sampling, accepted with Algorithm 1's
+    probability, drawn from the policy's own generator), so a useless drafter costs its first round and a guess per
+    probe, not a two-token verify forward each time. A guess of nothing (prompt lookup without a match) decides
+    nothing: the next step guesses again."""
 
     window = 3  # drafting rounds the decision looks at (after the first round)
     first_probe_after = 16  # plain steps before the first probe (then doubled after each failed probe)
@@ -106,17 +126,45 @@ class AutoGammaPolicy(GammaPolicy):
         self.measure_plain = False
         self.plain_rounds = 0
         self.probe_after = self.first_probe_after
+        self.shadow_draft_wanted = False
+        self.generator = None  # torch.Generator for sampled shadow acceptances, made on first use
 
     def next_gamma(self) -> int:
+        self.shadow_draft_wanted = False
         if self.measure_plain:
             return 0
         if not self.stopped:
+            if self.cautious and self.shadow_drafts:
+                self.shadow_draft_wanted = True
+                return 0
             return 1 if self.cautious else self.gamma
         if self.plain_rounds >= self.probe_after:
+            if self.shadow_drafts:
+                self.shadow_draft_wanted = True  # the schedule moves on once the guess says something
+                return 0
             self.plain_rounds, self.probe_after, self.probing = 0, self.probe_after * 2, True
             return 1
         self.plain_rounds += 1
         return 0
+
+    def observe_shadow(self, acceptance: float | None) -> None:
+        if acceptance is None:  # nothing guessed: guess again at the next step
+            return
+        if not 0.0 < acceptance < 1.0:
+            accepted = acceptance >= 1.0
+        else:
+            if self.generator is None:
+                self.generator = torch.Generator().manual_seed(0)
+            accepted = bool(torch.rand((), generator=self.generator) < acceptance)
+        if self.cautious:  # the first round accepted nothing: a right guess keeps drafting, a wrong one stops
+            self.cautious = False
+            self.stopped = not accepted
+            self.rounds.clear()
+        elif self.stopped:  # a probe
+            self.plain_rounds, self.probe_after = 0, self.probe_after * 2
+            if accepted:
+                self.stopped = False
+                self.rounds.clear()
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
         self._observe(drafted, accepted, draft_time_s, verify_time_s, first_round)
@@ -129,7 +177,7 @@ class AutoGammaPolicy(GammaPolicy):
     def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
         if not drafted:
-            if not first_round:
+            if not first_round and not self.shadow_draft_wanted:  # a shadow draft's step includes its guess
                 self.plain_s.append(draft_time_s + verify_time_s)
             if self.measure_plain:
                 self.measure_plain = False

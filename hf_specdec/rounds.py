@@ -472,3 +472,26 @@ def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLa
             "tokens asked for: `num_tokens` bounds a tree's depth."
         )
     return layout
+
+
+def first_draft_acceptance(guess: DraftProposal, target_scores: torch.FloatTensor, token: int, do_sample: bool,
+                           lenience: float = 1.0) -> float | None:
+    """How likely verification would have accepted the first drafted token of `guess` (one sequence) at a position
+    where the target's standardized scores are `target_scores` (`[vocab]`) and it emitted `token`; None when the
+    guess drafted nothing. Greedy: 1.0 when a first-level draft is `token` (or, with `lenience` < 1, has
+    p(x) >= lenience * max(p)), else 0.0. Sampling: min(1, p(x) / (lenience * q(x))) for a sampled draft (Algorithm 1's
+    acceptance probability, Appendix A.5's with lenience), p's mass on the distinct first-level drafts for
+    deterministic ones. Used by the `auto` policy's shadow drafts, which verify nothing."""
+    if not guess.tokens.shape[1]:
+        return None
+    first = guess.tokens[0] if guess.parents is None else guess.tokens[0][guess.parents[0] < 0]  # [n]
+    if guess.parents is None:
+        first = first[:1]
+    p = target_scores.float().softmax(dim=-1)  # [vocab]
+    if not do_sample:
+        lenient = lenience < 1.0 and bool((p[first] >= lenience * p.max()).any())
+        return float(lenient or bool((first == token).any()))
+    if guess.probs is not None and guess.parents is None:
+        q = guess.probs[0, 0].float()
+        return float(torch.clamp(p[first[0]] / (lenience * q[first[0]]), max=1.0))
+    return float(p[first.unique()].sum().clamp(max=1.0))

@@ -27,7 +27,15 @@ from .configuration import SpeculativeOptions
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
 from .caches import cached_length, static_capacity
-from .rounds import TargetForward, capture_for, checked_proposal, layout_for, standardize, target_logits
+from .rounds import (
+    TargetForward,
+    capture_for,
+    checked_proposal,
+    first_draft_acceptance,
+    layout_for,
+    standardize,
+    target_logits,
+)
 from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
@@ -74,6 +82,7 @@ def decode_sequence(
     forward = TargetForward.for_call(model, generation_config, model_kwargs,
                                      1 + (tree_budget if tree_budget is not None else policy.max_gamma),
                                      reads_hidden_states=capture is not None)
+    policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
     try:
         while not finished:
             cur_len = input_ids.shape[1]
@@ -83,8 +92,17 @@ def decode_sequence(
 
             # 1. draft
             draft_start = time.perf_counter()
-            proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size,
-                                        tree_budget)
+            guess = None
+            if chosen_gamma == 0 and policy.shadow_draft_wanted:
+                # a shadow draft: a plain step with a one-token guess beside it, never verified or emitted; the
+                # policy learns whether the drafter would have been right at the cost of the guess alone (the
+                # drafter sees a round whose draft was rejected)
+                guess = checked_proposal(drafter.propose(input_ids, 1), drafter, input_ids, 1, vocab_size,
+                                         tree_budget)
+                proposal = DraftProposal.empty(1, input_ids.device)
+            else:
+                proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma,
+                                            vocab_size, tree_budget)
             room = capacity - cur_len if capacity is not None else None
             if room is not None and proposal.tokens.shape[1] > room:
                 # a static cache holds max_length - 1 positions: a tree's last nodes may not fit. Its first `room`
@@ -157,6 +175,9 @@ def decode_sequence(
             if capture is not None:
                 extra["target_hidden_states"] = layout.kept_hidden_states(capture.take(), verdict, emitted - 1)
             layout.tell_drafter(drafter, input_ids, verdict, **extra)
+            if guess is not None:
+                policy.observe_shadow(first_draft_acceptance(guess, new_scores[0, 0], int(new_tokens[0, 0]),
+                                                             do_sample, options.speculative_lenience))
             verify_end = time.perf_counter()
             stats.draft_time_s += verify_start - draft_start
             stats.verify_time_s += verify_end - verify_start

@@ -399,6 +399,14 @@ def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokeniz
     assert main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"),
                  "--steps", "1"]) == 2
     assert "needs data" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"), "--steps", "1",
+              "--synthetic-prompts", "-2"])
+    assert "--synthetic-prompts: must be an int >= 0, got -2" in capsys.readouterr().err
+    code = main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "y"),
+                 "--steps", "1", "--synthetic-prompts", "2", "--answer-dtype", "bfloat16"])
+    assert code == 2  # the local tokenizer has no chat template to write prompts with
+    assert "`num_synthetic_prompts` needs a tokenizer with a chat template" in capsys.readouterr().err
 
 
 LAUNCHED = """
@@ -433,3 +441,41 @@ def test_training_under_a_two_process_launch_keeps_the_processes_in_step(tmp_pat
     assert len(ranks) == 2, result.stderr[-2000:]
     assert [r[1] for r in ranks] == ["2", "2"]
     assert ranks[0][2] == ranks[1][2]  # gradients averaged: the same head on both processes
+
+
+def test_the_target_writes_and_answers_its_own_prompts_in_another_dtype(local_tokenizer):
+    """`num_synthetic_prompts` (Magpie): instructions sampled after the chat template's user-turn prefix, ended by its
+    end-of-turn token, then answered like `prompts`; `answer_dtype` answers with a converted copy, never the model."""
+    import copy
+
+    from hf_specdec.eagle_training import _synthetic_prompts
+
+    tokenizer = copy.deepcopy(local_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<eos>user {{ m['content'] }}<eos>{% endfor %}"
+                               "{% if add_generation_prompt %}assistant {% endif %}")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    end = tokenizer.convert_tokens_to_ids("<eos>")
+    with torch.no_grad():  # the end-of-turn token often enough that a few rows finish within 64 tokens
+        target.get_output_embeddings().weight[end].mul_(4.0)
+    target.generation_config.eos_token_id = None
+    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    torch.manual_seed(0)
+    written = _synthetic_prompts(target, tokenizer, 6, batch_size=8, show_progress=False)
+    assert 1 <= len(written) <= 6 and len(set(written)) == len(written)
+    assert all(len(text) >= 12 and "<eos>" not in text for text in written)
+    drafter = train_eagle_drafter(target, tokenizer=tokenizer, num_synthetic_prompts=6, answer_dtype="bfloat16",
+                                  max_answer_tokens=8, generation_batch_size=8, num_steps=2, batch_size=2,
+                                  ttt_steps=2, show_progress=False)
+    assert "it wrote itself of 6 asked" in drafter.training_info["training data"]
+    assert "answered in torch.bfloat16" in drafter.training_info["training data"]
+    assert target.dtype == torch.float32  # answered by a copy: the model itself is untouched
+    assert all(torch.equal(before[name], tensor) for name, tensor in target.state_dict().items())
+    with pytest.raises(ValueError, match="`answer_dtype` 'bfloat' is not a torch dtype"):
+        train_eagle_drafter(target, tokenizer=tokenizer, num_synthetic_prompts=2, answer_dtype="bfloat", num_steps=1)
+    with pytest.raises(ValueError, match="`num_synthetic_prompts` must be an int >= 0, got -1"):
+        train_eagle_drafter(target, tokenizer=tokenizer, num_synthetic_prompts=-1, num_steps=1)
+    with pytest.raises(ValueError, match="`num_synthetic_prompts` needs a tokenizer with a chat template"):
+        train_eagle_drafter(target, tokenizer=local_tokenizer, num_synthetic_prompts=2, num_steps=1)

@@ -17,6 +17,7 @@ from conftest import (
     tiny_seq2seq,
     tiny_seq2seq_config,
 )
+from sweep.tiny import tiny_model as tiny_mapping_model
 from test_sampling_distribution import P_THRESHOLD, SAMPLES, goodness_of_fit
 
 PROCESSING = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)  # random-init decoders repeat themselves
@@ -105,6 +106,19 @@ def test_decoder_only_drafter_shares_target_encoder_outputs():
     # with different weights it is partly right, and still exact
     sequences, stats = run(target, src, assistant_model=noisy_copy(decoder, scale=0.05))
     assert torch.equal(sequences, plain) and stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("model_type", ["t5gemma", "t5gemma2"])
+def test_sliding_window_decoder_drafts_for_itself(model_type):
+    # self-attention with a window of 8 over a 12-token source: the drafter's cross-attention cache keeps the whole
+    # source (t5gemma2's merged self + cross attention crashed on a windowed one: mask 9 vs keys 14)
+    target = hf_specdec.enable(tiny_mapping_model(model_type))
+    src = source(12, seed=3)
+    assert target.config.get_text_config(decoder=True).sliding_window < src.shape[1]
+    plain = target.generate(src, max_new_tokens=NEW_TOKENS, **PROCESSING)
+    assert len(set(plain[0, 1:].tolist())) > 8
+    sequences, stats = run(target, src, assistant_model=target)
+    assert torch.equal(sequences, plain) and stats.acceptance_rate == 1.0
 
 
 def test_cache_rollback_keeps_cross_attention():

@@ -4,6 +4,7 @@ passed through transformers' pipelines (speculative output == plain output)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ import hf_specdec
 import hf_specdec.pipelines
 from conftest import noisy_copy, tiny_model
 from hf_specdec.pipelines import (
+    SpeechRecognitionPipeline,
     SummarizationPipeline,
     Text2TextGenerationPipeline,
     TranslationPipeline,
+    _load_speech_assistants_safely,
     register_pipelines,
 )
 
@@ -150,6 +153,15 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
     per_call = pipeline("text2text-generation", model=target, tokenizer=tokenizer)
     assert per_call(TEXTS, assistant_model=str(tmp_path), **GREEDY) == expected
 
+    # safetensors only: a directory with only a pickle checkpoint is refused, naming it and the fix
+    pickled = tmp_path / "pickled"
+    drafter.save_pretrained(pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(drafter.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the "
+                                         r"pickle checkpoint pytorch_model.bin\).*save_pretrained"):
+        per_call(TEXTS[0], assistant_model=str(pickled), **GREEDY)
+
     # the registered tasks load checkpoints (and their tokenizer) like any transformers pipeline
     loaded = pipeline("summarization", model=str(tmp_path))
     assert isinstance(loaded, SummarizationPipeline) and loaded.model.config.is_encoder_decoder
@@ -238,6 +250,15 @@ def test_registration_keeps_tasks_transformers_has():
     assert (task, entry["impl"], options) == ("translation", TranslationPipeline, ("en", "fr"))
     assert entry["default"][options]["model"][0] == "google-t5/t5-base"
     assert register_pipelines(registry, removed) == []  # a second call changes nothing
+
+    # the speech recognition entry is pointed at hf_specdec's subclass only where it holds transformers' own class
+    speech = "transformers.pipelines.automatic_speech_recognition.AutomaticSpeechRecognitionPipeline"
+    registry = PipelineRegistry({"automatic-speech-recognition": {"impl": speech}}, {})
+    assert _load_speech_assistants_safely(registry)
+    assert registry.check_task("automatic-speech-recognition")[1]["impl"] is SpeechRecognitionPipeline
+    custom = PipelineRegistry({"automatic-speech-recognition": {"impl": object}}, {})
+    assert not _load_speech_assistants_safely(custom) and not _load_speech_assistants_safely(PipelineRegistry({}, {}))
+    assert custom.supported_tasks["automatic-speech-recognition"]["impl"] is object
 
     # transformers 5.x lacks all three, so importing hf_specdec.pipelines registered them
     from transformers.pipelines import PIPELINE_REGISTRY

@@ -284,8 +284,11 @@ def test_lenient_sampling_distribution_and_bound(lenience):
 def test_lenience_end_to_end(target):
     ids = prompt(8, seed=3)
     drafter = noisy_copy(target, 0.8)
-    exact = run(target, ids, assistant_model=drafter, speculative_gamma=4).speculative_stats
-    lenient = run(target, ids, assistant_model=drafter, speculative_gamma=4, speculative_lenience=0.3).speculative_stats
+    # constant γ: the default policy may stop drafting for both after their first rounds, and this compares acceptance
+    exact = run(target, ids, assistant_model=drafter, speculative_gamma=4,
+                speculative_gamma_policy="constant").speculative_stats
+    lenient = run(target, ids, assistant_model=drafter, speculative_gamma=4, speculative_lenience=0.3,
+                  speculative_gamma_policy="constant").speculative_stats
     assert lenient.lenience == 0.3 and exact.lenience == 1.0
     assert lenient.acceptance_rate > exact.acceptance_rate  # argmax variant: p(x) >= l max(p) accepts more
     torch.manual_seed(0)
@@ -370,15 +373,88 @@ def test_auto_resumes_when_a_probe_is_accepted():
     assert chosen[51] == 1 and chosen[52:] == [4] * (200 - 52)  # the next probe found it useful
 
 
+class RecordingDrafter(ScriptedDrafter):
+    """A ScriptedDrafter that records each call's (sequence length, tokens asked)."""
+
+    def __init__(self, reference, period=None, right_from=None):
+        super().__init__(reference, period)
+        self.calls = []
+        self.right_from = right_from  # from this length on, always right
+
+    def propose(self, input_ids, num_tokens):
+        self.calls.append((input_ids.shape[1], num_tokens))
+        if self.right_from is not None and input_ids.shape[1] >= self.right_from:
+            start = input_ids.shape[1]
+            return hf_specdec.DraftProposal(tokens=self.reference[:, start : start + num_tokens].clone())
+        return super().propose(input_ids, num_tokens)
+
+
 def test_auto_in_generate_with_a_drafter_that_is_never_right(target):
     ids = prompt(8, seed=1)
     plain = target.generate(ids, max_new_tokens=60)
-    out = run(target, ids, drafter=ScriptedDrafter(plain, period=1))
+    drafter = RecordingDrafter(plain, period=1)
+    out = run(target, ids, drafter=drafter)
     assert torch.equal(out.sequences, plain)
     drafted = out.speculative_stats.drafted_history
-    # the prefill round, one drafted token, then plain steps with one-token probes after 16 and 32 more
-    assert drafted[:2] == [5, 1] and drafted[2:18] == [0] * 16 and drafted[18] == 1
-    assert sum(drafted[2:]) <= 2
+    # the prefill round drafts γ; everything after is plain steps: the cautious round and the probes are shadow
+    # drafts (a one-token guess beside a plain step, never verified)
+    assert drafted[0] == 5 and sum(drafted[1:]) == 0
+    asked = [(length - 8, tokens) for length, tokens in drafter.calls if tokens]
+    # guesses at the step after the prefill round, then after 16 plain steps, then after 32 more
+    assert asked == [(0, 5), (1, 1), (18, 1), (51, 1)]
+    assert out.speculative_stats.target_calls == 60  # one target forward per token, as plain generate
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_auto_shadow_draft_finds_a_drafter_that_becomes_right(target, do_sample):
+    """Useless for the first 15 tokens, always right after: a shadow probe notices and drafting resumes; the output
+    is plain generate's (greedy) and the sampled run is a valid sample (its exactness: test_sampling_distribution)."""
+    ids = prompt(8, seed=1)
+    plain = target.generate(ids, max_new_tokens=60)
+    drafter = RecordingDrafter(plain, period=1, right_from=8 + 15)
+    torch.manual_seed(0)
+    out = run(target, ids, drafter=drafter, do_sample=do_sample)
+    if not do_sample:
+        assert torch.equal(out.sequences, plain)
+        drafted = out.speculative_stats.drafted_history
+        assert drafted[0] == 5 and sum(drafted[1:19]) == 0  # stopped, one shadow probe after 16 plain steps
+        assert drafted[19] == 5 and out.speculative_stats.accepted_tokens >= 30  # the probe found it right
+    else:
+        assert out.sequences.shape[1] == 8 + 60
+
+
+def test_auto_shadow_acceptance_decides_like_a_probe():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    policy = AutoGammaPolicy(gamma=4, max_gamma=16)
+    policy.shadow_drafts = True
+    assert policy.next_gamma() == 4
+    policy.observe(drafted=4, accepted=0, draft_time_s=0.1, verify_time_s=1.0, first_round=True)
+    assert policy.next_gamma() == 0 and policy.shadow_draft_wanted  # cautious: a shadow draft, not a γ = 1 round
+    policy.observe_shadow(None)  # nothing guessed: decides nothing, guesses again
+    policy.observe(drafted=0, accepted=0, draft_time_s=0.0, verify_time_s=1.0, first_round=False)
+    assert policy.next_gamma() == 0 and policy.shadow_draft_wanted
+    policy.observe_shadow(0.0)
+    policy.observe(drafted=0, accepted=0, draft_time_s=0.1, verify_time_s=1.0, first_round=False)
+    assert not policy.plain_s  # a shadow step's time (with its guess) is not a plain step's
+    wanted = []
+    for _ in range(16):
+        assert policy.next_gamma() == 0
+        wanted.append(policy.shadow_draft_wanted)
+        policy.observe(drafted=0, accepted=0, draft_time_s=0.0, verify_time_s=1.0, first_round=False)
+    assert not any(wanted) and len(policy.plain_s) == 5
+    assert policy.next_gamma() == 0 and policy.shadow_draft_wanted  # the probe after 16 plain steps
+    policy.observe_shadow(1.0)
+    policy.observe(drafted=0, accepted=0, draft_time_s=0.1, verify_time_s=1.0, first_round=False)
+    assert policy.next_gamma() == 4  # resumed
+    # sampled acceptances are drawn from the policy's own generator: about the given rate, reproducibly
+    draws, shared = [], torch.Generator().manual_seed(1)
+    for _ in range(400):
+        probe = AutoGammaPolicy(gamma=4, max_gamma=16)
+        probe.stopped, probe.generator = True, shared
+        probe.observe_shadow(0.3)
+        draws.append(not probe.stopped)
+    assert 0.22 < sum(draws) / len(draws) < 0.38
 
 
 def test_batched_rounds_give_the_policy_every_row():

@@ -127,7 +127,9 @@ class ModelDrafter(Drafter):
         else:
             self.attention_mask = None  # decoder prompts (start tokens) are never padded
             self.encoder_inputs = self._encoder_inputs(context, forward_params)
-            cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+            # cross-attention reads the whole encoder output: no sliding-window layers there, whatever the decoder's
+            # self-attention uses (as t5gemma's own generate builds it; a windowed cross cache drops encoder keys)
+            cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache())
         cache.activate_past_recording()
         # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
         # again in `on_verified`
@@ -156,22 +158,25 @@ class ModelDrafter(Drafter):
         if encoder_mask is not None:
             encoder_mask = encoder_mask.to(self.device)
         if model.config.is_encoder_decoder:
-            # its own encoder, once, on the same source the target encoded
+            # its own encoder, once, on the same source the target encoded, under the encoder's own input name
+            # (a composite model's is not the encoder's: SpeechEncoderDecoderModel takes `inputs`, Wav2Vec2
+            # `input_values`)
+            encoder = model.get_encoder()
+            input_name = getattr(encoder, "main_input_name", None) or model.main_input_name
             source = context.inputs_tensor
             # without a source, generate passes a placeholder of -100s
             token_ids = source is not None and not source.is_floating_point()
             if source is None or (token_ids and bool((source < 0).any())) or (
-                model.main_input_name == "input_ids" and not token_ids
+                input_name == "input_ids" and not token_ids
             ):
                 raise ValueError(
                     f"The encoder-decoder `assistant_model` ({type(model).__name__}) needs the source as "
-                    f"`{model.main_input_name}`, but the target was called with "
+                    f"`{input_name}`, but the target was called with "
                     f"{'no input tensor' if source is None else 'a different kind of input'}. Call `generate` with "
                     "the tokenized source (e.g. `input_ids=...`, not `encoder_outputs=` or `inputs_embeds=`)."
                 )
-            encoder_outputs = model.get_encoder()(
-                **{model.main_input_name: source.to(self.device)}, attention_mask=encoder_mask, return_dict=True
-            )
+            encoder_outputs = encoder(**{input_name: source.to(self.device)}, attention_mask=encoder_mask,
+                                      return_dict=True)
             return {"encoder_outputs": encoder_outputs, "attention_mask": encoder_mask}
         # a decoder-only drafter reads the target's encoder outputs through its cross-attention (distil-whisper)
         hidden_size = model.config.get_text_config(decoder=True).hidden_size
@@ -368,7 +373,19 @@ class ModelDrafter(Drafter):
             inputs["position_ids"] = torch.arange(cached, seq_len, device=self.device).expand(batch, -1)
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
-        logits = self.model(**inputs).logits[:, -1]
+        if cached:
+            logits = self.model(**inputs).logits[:, -1]
+        else:
+            try:  # the drafter's first forward: a model that cannot draft this way fails here
+                logits = self.model(**inputs).logits[:, -1]
+            except (RuntimeError, TypeError, ValueError) as error:
+                raise ValueError(
+                    f"`assistant_model` ({type(self.model).__name__}) failed in its first forward as a drafter "
+                    f"({type(error).__name__}: {error}). hf_specdec runs a draft model's forward directly on the "
+                    "drafted tokens, with its cache (and, for an encoder-decoder drafter, its encoder outputs); a model "
+                    "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
+                    "lookup, an n-gram table, or another draft model."
+                ) from error
         return logits.to(device=self.target_device, dtype=torch.float32, copy=True)
 
 
