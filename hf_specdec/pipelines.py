@@ -31,6 +31,7 @@ import re
 from typing import Any
 
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import pipelines as transformers_pipelines
 from transformers.pipelines.automatic_speech_recognition import AutomaticSpeechRecognitionPipeline
 from transformers.pipelines.base import Pipeline, load_assistant_model, load_model
 from transformers.tokenization_utils_base import TruncationStrategy
@@ -43,6 +44,7 @@ __all__ = [
     "ReturnType",
     "SpeechRecognitionPipeline",
     "SummarizationPipeline",
+    "TextGenerationPipeline",
     "Text2TextGenerationPipeline",
     "TranslationPipeline",
     "register_pipelines",
@@ -365,31 +367,9 @@ class TranslationPipeline(Text2TextGenerationPipeline):
         return self._parse_and_tokenize(inputs, truncation=truncation)
 
 
-class SpeechRecognitionPipeline(_PathAssistants, AutomaticSpeechRecognitionPipeline):
-    r"""
-    transformers' `automatic-speech-recognition` pipeline, with one change: an `assistant_model` given as a path or
-    Hub id, at construction or in a call (`generate_kwargs={"assistant_model": path}`), is loaded from safetensors
-    only, so a directory holding only a pickle checkpoint is refused before anything is read from it. Importing
-    `hf_specdec` points transformers' registry entry for the task at this class (unless the entry was replaced
-    by someone else), so `pipeline("automatic-speech-recognition", ...)` builds it; everything else is transformers'
-    pipeline.
-
-    An assistant given in a call is used for that call, over the one given at construction (transformers would keep
-    the construction's); `assistant_model=None` in a call decodes without one. A path assistant given at construction
-    gets its tokenizer from the same path, as in transformers, unless `assistant_tokenizer` is passed.
-
-    Example:
-
-    ```python
-    >>> import hf_specdec
-    >>> from transformers import WhisperForConditionalGeneration, pipeline
-    >>> whisper = hf_specdec.enable(WhisperForConditionalGeneration.from_pretrained("openai/whisper-large-v2"))
-    >>> asr = pipeline("automatic-speech-recognition", model=whisper, tokenizer="openai/whisper-large-v2",
-    ...                feature_extractor="openai/whisper-large-v2", assistant_model="distil-whisper/distil-large-v2")
-    >>> asr("clip.wav", generate_kwargs={"num_beams": 1, "speculative_gamma": 4})
-    {'text': ...}
-    ```
-    """
+class _PipelineWithPathAssistants(_PathAssistants):
+    """For transformers' own generating pipelines: an `assistant_model` path or Hub id, at construction or in a call,
+    loaded from safetensors only (see [`SpeechRecognitionPipeline`]), a call's assistant over the construction's."""
 
     def __init__(self, model: PreTrainedModel, *args, assistant_model=None, assistant_tokenizer=None, **kwargs):
         if not isinstance(assistant_model, str):
@@ -415,6 +395,56 @@ class SpeechRecognitionPipeline(_PathAssistants, AutomaticSpeechRecognitionPipel
             if "assistant_tokenizer" not in call:  # the construction's tokenizer goes with its assistant only
                 forward_params.pop("assistant_tokenizer", None)
         return preprocess_params, forward_params, postprocess_params
+
+
+
+
+class SpeechRecognitionPipeline(_PipelineWithPathAssistants, AutomaticSpeechRecognitionPipeline):
+    r"""
+    transformers' `automatic-speech-recognition` pipeline, with one change: an `assistant_model` given as a path or
+    Hub id, at construction or in a call (`generate_kwargs={"assistant_model": path}`), is loaded from safetensors
+    only, so a directory holding only a pickle checkpoint is refused before anything is read from it. Importing
+    `hf_specdec` points transformers' registry entry for the task at this class (unless the entry was replaced
+    by someone else), so `pipeline("automatic-speech-recognition", ...)` builds it; everything else is transformers'
+    pipeline.
+
+    An assistant given in a call is used for that call, over the one given at construction (transformers would keep
+    the construction's); `assistant_model=None` in a call decodes without one. A path assistant given at construction
+    gets its tokenizer from the same path, as in transformers, unless `assistant_tokenizer` is passed.
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> from transformers import WhisperForConditionalGeneration, pipeline
+    >>> whisper = hf_specdec.enable(WhisperForConditionalGeneration.from_pretrained("openai/whisper-large-v2"))
+    >>> asr = pipeline("automatic-speech-recognition", model=whisper, tokenizer="openai/whisper-large-v2",
+    ...                feature_extractor="openai/whisper-large-v2", assistant_model="distil-whisper/distil-large-v2")
+    >>> asr("clip.wav", generate_kwargs={"num_beams": 1, "speculative_gamma": 4})
+    {'text': ...}
+    ```
+    """
+
+
+class TextGenerationPipeline(_PipelineWithPathAssistants, transformers_pipelines.TextGenerationPipeline):
+    r"""
+    transformers' `text-generation` pipeline, changed as [`SpeechRecognitionPipeline`] is: an `assistant_model` given
+    as a path or Hub id, at construction or in a call, is loaded from safetensors only (a directory holding only a
+    pickle checkpoint is refused before anything is read from it), and a call's assistant is used over the one given
+    at construction. Importing `hf_specdec` points the task's registry entry at this class (unless someone else
+    replaced transformers' own).
+
+    Example:
+
+    ```python
+    >>> import hf_specdec
+    >>> from transformers import AutoModelForCausalLM, pipeline
+    >>> model = hf_specdec.enable(AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-1.7B-Instruct"))
+    >>> pipe = pipeline("text-generation", model=model, tokenizer="HuggingFaceTB/SmolLM2-1.7B-Instruct")
+    >>> pipe("The capital of France is", assistant_model="HuggingFaceTB/SmolLM2-135M-Instruct", max_new_tokens=20)
+    [{'generated_text': ...}]
+    ```
+    """
 
 
 def _check_model_kind(model, task: str) -> None:
@@ -541,24 +571,30 @@ def _accept_translation_pairs(registry) -> None:
     registry.check_task = check_translation_task
 
 
-def _load_speech_assistants_safely(registry=None) -> bool:
-    """Points the registry's `automatic-speech-recognition` entry at [`SpeechRecognitionPipeline`] when it holds
-    transformers' own pipeline (a class, or the dotted path transformers registers); returns whether it did. An entry
-    someone else registered is left as it is. Importing `hf_specdec.pipelines` calls it once with transformers'
-    registry (`PIPELINE_REGISTRY` when `registry` is None)."""
+def _load_path_assistants_safely(registry=None) -> list[str]:
+    """Points the registry's `automatic-speech-recognition` and `text-generation` entries at
+    [`SpeechRecognitionPipeline`] and [`TextGenerationPipeline`] where they hold transformers' own pipeline (a class,
+    or the dotted path transformers registers); returns the tasks it pointed. An entry someone else registered is
+    left as it is. Importing `hf_specdec.pipelines` calls it once with transformers' registry (`PIPELINE_REGISTRY`
+    when `registry` is None)."""
     import transformers.pipelines
 
     if registry is None:
         registry = transformers.pipelines.PIPELINE_REGISTRY
-    entry = registry.supported_tasks.get("automatic-speech-recognition")
-    transformers_own = AutomaticSpeechRecognitionPipeline
-    if entry is None or entry.get("impl") not in (transformers_own,
-                                                  f"{transformers_own.__module__}.{transformers_own.__name__}"):
-        return False
-    entry["impl"] = SpeechRecognitionPipeline
-    return True
+    pointed = []
+    for task, ours, transformers_own in (
+        ("automatic-speech-recognition", SpeechRecognitionPipeline, AutomaticSpeechRecognitionPipeline),
+        ("text-generation", TextGenerationPipeline, transformers_pipelines.TextGenerationPipeline),
+    ):
+        entry = registry.supported_tasks.get(task)
+        if entry is None or entry.get("impl") not in (transformers_own,
+                                                      f"{transformers_own.__module__}.{transformers_own.__name__}"):
+            continue
+        entry["impl"] = ours
+        pointed.append(task)
+    return pointed
 
 
 REGISTERED_TASKS: list[str] = register_pipelines()
 """The tasks that importing this module registered with transformers (those the installed version lacks)."""
-_load_speech_assistants_safely()
+_load_path_assistants_safely()

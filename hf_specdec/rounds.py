@@ -487,10 +487,11 @@ def first_draft_acceptance(guess: DraftProposal, target_scores: torch.FloatTenso
     first = guess.tokens[0] if guess.parents is None else guess.tokens[0][guess.parents[0] < 0]  # [n]
     if guess.parents is None:
         first = first[:1]
+    if not do_sample and lenience >= 1.0:
+        return float(bool((first == token).any()))
     p = target_scores.float().softmax(dim=-1)  # [vocab]
     if not do_sample:
-        lenient = lenience < 1.0 and bool((p[first] >= lenience * p.max()).any())
-        return float(lenient or bool((first == token).any()))
+        return float(bool((first == token).any() | (p[first] >= lenience * p.max()).any()))
     if guess.probs is not None and guess.parents is None:
         q = guess.probs[0, 0].float()
         return float(torch.clamp(p[first[0]] / (lenience * q[first[0]]), max=1.0))

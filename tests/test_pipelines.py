@@ -18,8 +18,9 @@ from hf_specdec.pipelines import (
     SpeechRecognitionPipeline,
     SummarizationPipeline,
     Text2TextGenerationPipeline,
+    TextGenerationPipeline,
     TranslationPipeline,
-    _load_speech_assistants_safely,
+    _load_path_assistants_safely,
     register_pipelines,
 )
 
@@ -203,6 +204,36 @@ def test_text_generation_pipeline_passes_speculative_arguments(tokenizer):
     assert assisted([prompt, prompt], **GREEDY) == [expected, expected]
 
 
+def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(tokenizer, tmp_path):
+    target = hf_specdec.enable(tiny_model("llama", seed=0, vocab_size=len(tokenizer)))
+    drafter = noisy_copy(target, 0.3)
+    drafter.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    prompt = "the quick brown fox jumps over"
+    pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
+    assert isinstance(pipe, TextGenerationPipeline)  # importing hf_specdec pointed the task at it
+    expected = pipe(prompt, **GREEDY)
+
+    from_path = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path / "draft"))
+    loaded = from_path.assistant_model
+    assert loaded is not drafter and all(torch.equal(value, drafter.state_dict()[name])
+                                         for name, value in loaded.state_dict().items())
+    assert from_path(prompt, speculative_gamma=4, **GREEDY) == expected
+    assert pipe(prompt, assistant_model=str(tmp_path / "draft"), **GREEDY) == expected  # a path in a call
+    assert list(pipe._loaded_assistants) == [str(tmp_path / "draft")]  # loaded once per pipeline
+    assert from_path(prompt, assistant_model=None, **GREEDY) == expected  # a call's choice wins, None included
+
+    pickled = tmp_path / "pickled"
+    drafter.save_pretrained(pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(drafter.state_dict(), pickled / "pytorch_model.bin")
+    refusal = rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the pickle checkpoint pytorch_model.bin\)"
+    with pytest.raises(ValueError, match=refusal):
+        pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(pickled))
+    with pytest.raises(ValueError, match=refusal):
+        pipe(prompt, assistant_model=str(pickled), **GREEDY)
+
+
 def test_wrong_model_kind_is_a_clear_error(tokenizer):
     decoder_only = tiny_model("llama", vocab_size=len(tokenizer))
     with pytest.raises(ValueError, match=r"`text2text-generation` pipeline needs an encoder-decoder model .*"
@@ -253,12 +284,17 @@ def test_registration_keeps_tasks_transformers_has():
 
     # the speech recognition entry is pointed at hf_specdec's subclass only where it holds transformers' own class
     speech = "transformers.pipelines.automatic_speech_recognition.AutomaticSpeechRecognitionPipeline"
-    registry = PipelineRegistry({"automatic-speech-recognition": {"impl": speech}}, {})
-    assert _load_speech_assistants_safely(registry)
+    from transformers.pipelines.text_generation import TextGenerationPipeline as TransformersTextGeneration
+
+    registry = PipelineRegistry({"automatic-speech-recognition": {"impl": speech},
+                                 "text-generation": {"impl": TransformersTextGeneration}}, {})
+    assert _load_path_assistants_safely(registry) == ["automatic-speech-recognition", "text-generation"]
     assert registry.check_task("automatic-speech-recognition")[1]["impl"] is SpeechRecognitionPipeline
-    custom = PipelineRegistry({"automatic-speech-recognition": {"impl": object}}, {})
-    assert not _load_speech_assistants_safely(custom) and not _load_speech_assistants_safely(PipelineRegistry({}, {}))
+    assert registry.check_task("text-generation")[1]["impl"] is TextGenerationPipeline
+    custom = PipelineRegistry({"automatic-speech-recognition": {"impl": object}, "text-generation": {"impl": int}}, {})
+    assert _load_path_assistants_safely(custom) == [] and _load_path_assistants_safely(PipelineRegistry({}, {})) == []
     assert custom.supported_tasks["automatic-speech-recognition"]["impl"] is object
+    assert custom.supported_tasks["text-generation"]["impl"] is int
 
     # transformers 5.x lacks all three, so importing hf_specdec.pipelines registered them
     from transformers.pipelines import PIPELINE_REGISTRY

@@ -499,3 +499,24 @@ def test_a_custom_policy_with_observe_only_still_serves_batches(target):
     out = target.generate(ids, max_new_tokens=20, assistant_model=noisy_copy(target, 0.2), speculative_gamma=3,
                           speculative_gamma_policy="recording_rows_test")
     assert torch.equal(out, plain) and seen and all(isinstance(a, int) for a in seen)
+
+
+def test_first_draft_acceptance_is_what_verification_would_accept():
+    from hf_specdec.rounds import first_draft_acceptance
+
+    scores = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0]))  # p over 4 tokens
+    chain = hf_specdec.DraftProposal(tokens=torch.tensor([[1, 2]]))
+    assert first_draft_acceptance(hf_specdec.DraftProposal.empty(1, torch.device("cpu")), scores, 0, False) is None
+    assert first_draft_acceptance(chain, scores, 0, do_sample=False) == 0.0  # greedy: only the argmax is accepted
+    assert first_draft_acceptance(chain, scores, 1, do_sample=False) == 1.0
+    assert first_draft_acceptance(chain, scores, 0, do_sample=False, lenience=0.5) == 1.0  # 0.3 >= 0.5 * 0.5
+    assert first_draft_acceptance(chain, scores, 0, do_sample=False, lenience=0.7) == 0.0
+    q = torch.tensor([[[0.1, 0.6, 0.2, 0.1]]])  # the draft was sampled from q: accepted with min(1, p / q)
+    sampled = hf_specdec.DraftProposal(tokens=torch.tensor([[1]]), probs=q)
+    assert first_draft_acceptance(sampled, scores, 0, do_sample=True) == pytest.approx(0.5)
+    assert first_draft_acceptance(sampled, scores, 0, do_sample=True, lenience=0.5) == pytest.approx(1.0)
+    # a tree's first level (parents -1), deterministic: p's mass on its distinct tokens
+    tree = hf_specdec.DraftProposal(tokens=torch.tensor([[1, 2, 3]]), parents=torch.tensor([[-1, -1, 0]]))
+    assert first_draft_acceptance(tree, scores, 0, do_sample=True) == pytest.approx(0.5)
+    assert first_draft_acceptance(tree, scores, 2, do_sample=False) == 1.0
+    assert first_draft_acceptance(tree, scores, 3, do_sample=False) == 0.0  # token 3 is not on the first level
