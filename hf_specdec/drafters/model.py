@@ -373,19 +373,19 @@ class ModelDrafter(Drafter):
             inputs["position_ids"] = torch.arange(cached, seq_len, device=self.device).expand(batch, -1)
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
-        if cached:
+        try:
             logits = self.model(**inputs).logits[:, -1]
-        else:
-            try:  # the drafter's first forward: a model that cannot draft this way fails here
-                logits = self.model(**inputs).logits[:, -1]
-            except (RuntimeError, TypeError, ValueError) as error:
-                raise ValueError(
-                    f"`assistant_model` ({type(self.model).__name__}) failed in its first forward as a drafter "
-                    f"({type(error).__name__}: {error}). hf_specdec runs a draft model's forward directly on the "
-                    "drafted tokens, with its cache (and, for an encoder-decoder drafter, its encoder outputs); a model "
-                    "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
-                    "lookup, an n-gram table, or another draft model."
-                ) from error
+        except (RuntimeError, TypeError, ValueError) as error:
+            if cached:
+                raise
+            # the drafter's first forward: a model that cannot draft this way fails here
+            raise ValueError(
+                f"`assistant_model` ({type(self.model).__name__}) failed in its first forward as a drafter "
+                f"({type(error).__name__}: {error}). hf_specdec runs a draft model's forward directly on the "
+                "drafted tokens, with its cache (and, for an encoder-decoder drafter, its encoder outputs); a model "
+                "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
+                "lookup, an n-gram table, or another draft model."
+            ) from error
         return logits.to(device=self.target_device, dtype=torch.float32, copy=True)
 
 
