@@ -114,13 +114,42 @@ class SpeculativeGenerationMixin:
         # and restack its outputs by row: the call's stats accumulate in one object, attached to the final output
         stats = SpeculativeStats(lenience=options.speculative_lenience)
         overridden = _overrides_generate(type(self))
+        if type(self) in _IGNORES_CUSTOM_GENERATE:
+            raise _ignored_drafter_error(self)
         decoding_loop = functools.partial(_decoding_method, drafter=drafter, options=options,
                                           streamer=call.get("streamer"), stats=stats, attach_stats=not overridden)
         call.set("custom_generate", decoding_loop)
-        output = parent_generate(*call.args, **call.kwargs)
+        try:
+            output = parent_generate(*call.args, **call.kwargs)
+        except ValueError as error:
+            # transformers' check of unused arguments, in a class whose `generate` never hands decoding over
+            if not (overridden and "not used by the model" in str(error) and "'custom_generate'" in str(error)):
+                raise
+            raise ValueError(
+                f"{type(self).__name__} cannot run speculative decoding: its own `generate` decodes with a loop of "
+                "its own instead of transformers' (it does not take `custom_generate`), so a drafter has nowhere to "
+                "run. Drop `assistant_model`/`drafter` for this model."
+            ) from error
+        if overridden and not stats.target_calls:
+            # its own `generate` took `custom_generate` and decoded with a loop of its own anyway (Dia): the output is
+            # plain decoding's, but the drafter was ignored; refused, from the start for the next calls
+            _IGNORES_CUSTOM_GENERATE.add(type(self))
+            raise _ignored_drafter_error(self)
         if overridden and isinstance(output, dict):  # `ModelOutput`s are dicts; tensors carry no stats
             output["speculative_stats"] = stats
         return output
+
+
+# enabled classes whose own `generate` was seen to take `custom_generate` and not use it
+_IGNORES_CUSTOM_GENERATE: set[type] = set()
+
+
+def _ignored_drafter_error(model) -> ValueError:
+    return ValueError(
+        f"{type(model).__name__} cannot run speculative decoding: its own `generate` takes `custom_generate` but "
+        "decodes with a loop of its own, so the drafter would be ignored. Drop `assistant_model`/`drafter` for this "
+        "model."
+    )
 
 
 def _overrides_generate(cls: type) -> bool:
@@ -361,3 +390,37 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         )
     model.__class__ = _speculative_class(type(model))
     return model
+
+
+def _hint_enable_on_unused_arguments() -> None:
+    """Makes transformers' "`model_kwargs` are not used" error name `hf_specdec.enable` when hf_specdec's arguments
+    reach a model that was never enabled.
+
+    transformers rejects them there as unused model arguments, without saying why; this wraps its check
+    (`GenerationMixin._validate_model_kwargs`) once, when hf_specdec is imported. Only that error's message changes:
+    what is accepted, refused and generated stays transformers' own.
+    """
+    validate = GenerationMixin._validate_model_kwargs
+    if getattr(validate, "_names_hf_specdec_enable", False):
+        return
+
+    @functools.wraps(validate)
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]):
+        try:
+            return validate(self, model_kwargs)
+        except ValueError as error:
+            ours = sorted(name for name in model_kwargs
+                          if name in ("drafter", "drafter_kwargs") or name.startswith("speculative_"))
+            if not ours or isinstance(self, SpeculativeGenerationMixin):
+                raise
+            raise ValueError(
+                f"{error}. {', '.join(f'`{name}`' for name in ours)} are hf_specdec's arguments, and this "
+                f"{type(self).__name__} was not enabled for speculative decoding: call `model = "
+                "hf_specdec.enable(model)` first (it changes only that instance)."
+            ) from error
+
+    _validate_model_kwargs._names_hf_specdec_enable = True
+    GenerationMixin._validate_model_kwargs = _validate_model_kwargs
+
+
+_hint_enable_on_unused_arguments()

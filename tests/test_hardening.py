@@ -124,6 +124,20 @@ def test_bad_speculative_value_names_its_source_not_a_drafter(target):
         target.generate(prompt(), generation_config=config)
 
 
+def test_speculative_arguments_on_a_model_never_enabled_name_the_fix():
+    """transformers rejects them as unused `model_kwargs`; the message also says to call `hf_specdec.enable`, while a
+    typo that is not one of ours gets transformers' message unchanged and the model stays as it was."""
+    plain = tiny_model("llama", seed=0)
+    with pytest.raises(ValueError, match=r"not used by the model: \['speculative_gamma', 'drafter'\].*`drafter`, "
+                                         r"`speculative_gamma` are hf_specdec's arguments, and this LlamaForCausalLM "
+                                         r"was not enabled .*call `model = hf_specdec\.enable\(model\)` first"):
+        plain.generate(prompt(), max_new_tokens=2, speculative_gamma=4, drafter="prompt_lookup")
+    with pytest.raises(ValueError, match=r"not used by the model: \['speculativ_gamma'\] \(note: typos in the generate "
+                                         r"arguments will also show up in this list\)$"):
+        plain.generate(prompt(), max_new_tokens=2, speculativ_gamma=4)
+    assert not isinstance(plain, hf_specdec.SpeculativeGenerationMixin)
+
+
 def test_misspelt_speculative_field_in_a_config_fails_like_the_keyword(target, tmp_path):
     with pytest.raises(TypeError, match=r"Unknown speculative argument\(s\) \['speculative_gama'\] passed to "
                                         r"`generate` \(did you mean `speculative_gamma` for `speculative_gama`\?\)"):

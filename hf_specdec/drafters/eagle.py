@@ -47,9 +47,9 @@ from transformers.models.llama.modeling_llama import (
 
 from ..devices import execution_device
 from ..sampling import sample_tokens
-from ..trees import best_subtree
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 from .model import logits_width
+from .tree_builder import DynamicTree
 
 __all__ = ["Eagle3DraftModel", "EagleDrafter", "default_eagle_layers"]
 
@@ -537,66 +537,36 @@ class EagleDrafter(Drafter):
         return DraftProposal(tokens=tokens, probs=torch.stack(probs, dim=1)[:, :kept] if probs else None)
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, hidden: torch.Tensor) -> DraftProposal:
-        """EAGLE-2's dynamic tree over the layer's outputs: `hidden` `[1, 1, h]` is the output at the last real
-        position. Nodes are numbered in the order they are grown (topological); deterministic (top-k), so `probs`
-        is None and sampling treats each node as a point mass."""
-        model = self.model
-        budget, top_k = self.tree_budget, min(self.tree_top_k, self.vocab_size)
-        device, target_device = self.device, self.target_device
-        log_q = self._scores(model.logits(hidden[:, -1]).float(), input_ids).log_softmax(dim=-1)  # [1, vocab]
-        child_log_q, child_tokens = log_q.topk(top_k, dim=-1)
-        finite = torch.isfinite(child_log_q[0])
-        node_tokens = child_tokens[0][finite]
-        node_scores = child_log_q[0][finite]
-        node_parents = torch.full_like(node_tokens, -1)
-        if not node_tokens.numel():
-            return DraftProposal.empty(1, input_ids.device)
-        node_hidden = hidden[0].expand(node_tokens.shape[0], -1)  # [n, h]: the output that predicted each node
-        node_paths = node_tokens[:, None]  # [n, depth]: each newest node's path below the root
-        newest_start = 0
-        fed_keys = fed_values = None  # [1, kv, fed, d]
-        visible = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [fed, fed]: ancestors among fed nodes
-        node_row = torch.full((node_tokens.shape[0],), -1, dtype=torch.long, device=device)  # fed row of a node
+        """EAGLE-2's dynamic tree ([`DynamicTree`]) over the layer's outputs: `hidden` `[1, 1, h]` is the output at
+        the last real position. Each expanded node is fed with the output that predicted it."""
+        model, device = self.model, self.device
+        tree = DynamicTree(self._scores(model.logits(hidden[:, -1]).float(), input_ids).log_softmax(dim=-1),
+                           self.tree_budget, self.tree_top_k, device)
+        if not len(tree):
+            return tree.proposal()
+        node_hidden = hidden[0].expand(len(tree), -1)  # [n, h]: the output that predicted each node
+        fed_keys = fed_values = None  # [1, kv, expanded, d]
         real = self.keys.shape[2]
         for depth in range(1, num_tokens):
-            ranked = node_scores.sort(descending=True, stable=True).indices[:budget]
-            frontier = ranked[ranked >= newest_start][:top_k]  # [f]: host sync
-            size = frontier.shape[0]
-            if size == 0:
+            expansion = tree.expand()
+            if expansion is None:
                 break
-            parents = node_parents[frontier].to(device)
-            fed = visible.shape[0]
-            parent_rows = node_row[parents.clamp(min=0)]
-            parent_visible = torch.where((parents >= 0)[:, None], visible[parent_rows.clamp(min=0)] if fed else
-                                         visible.new_zeros(size, 0), False)  # [f, fed]
-            new_rows = torch.cat([parent_visible, torch.eye(size, dtype=torch.bool, device=device)], dim=1)
-            visible = torch.cat([torch.cat([visible, visible.new_zeros(fed, size)], dim=1), new_rows])
-            node_row[frontier.to(device)] = torch.arange(fed, fed + size, device=device)
-            allowed = torch.cat([torch.ones(size, real, dtype=torch.bool, device=device), new_rows], dim=1)
+            size = expansion.tokens.shape[0]
+            allowed = torch.cat([torch.ones(size, real, dtype=torch.bool, device=device), expansion.mask],
+                                dim=1)  # [f, real + expanded]
             keys = self.keys if fed_keys is None else torch.cat([self.keys, fed_keys], dim=2)
             values = self.values if fed_values is None else torch.cat([self.values, fed_values], dim=2)
             positions = torch.full((1, size), self.seen - 1 + depth, device=device)
-            out, new_keys, new_values = model(self._embed(node_tokens[frontier][None]),
-                                              node_hidden[frontier.to(device)][None], positions, project=False,
-                                              past_keys=keys, past_values=values, mask=allowed[None, None])
+            out, new_keys, new_values = model(self._embed(expansion.tokens[None]),
+                                              node_hidden[expansion.nodes.to(device)][None], positions,
+                                              project=False, past_keys=keys, past_values=values,
+                                              mask=allowed[None, None])
             fed_keys = new_keys if fed_keys is None else torch.cat([fed_keys, new_keys], dim=2)
             fed_values = new_values if fed_values is None else torch.cat([fed_values, new_values], dim=2)
-            paths = node_paths[frontier - newest_start]  # [f, depth]
-            prefixes = torch.cat([input_ids.expand(size, -1), paths], dim=-1)
-            log_q = self._scores(model.logits(out[0]).float(), prefixes).log_softmax(dim=-1)  # [f, vocab]
-            child_log_q, child_tokens = log_q.topk(top_k, dim=-1)  # [f, top_k]
-            child_scores = node_scores[frontier][:, None] + child_log_q  # -inf where masked: never kept
-            newest_start = node_tokens.shape[0]
-            node_paths = torch.cat([paths.repeat_interleave(top_k, dim=0), child_tokens.reshape(-1, 1)], dim=-1)
-            node_tokens = torch.cat([node_tokens, child_tokens.reshape(-1)])
-            node_parents = torch.cat([node_parents, frontier.repeat_interleave(top_k)])
-            node_scores = torch.cat([node_scores, child_scores.reshape(-1)])
-            node_hidden = torch.cat([node_hidden, out[0].repeat_interleave(top_k, dim=0)])
-            node_row = torch.cat([node_row, node_row.new_full((size * top_k,), -1)])
-        finite = torch.isfinite(node_scores)
-        scores = torch.where(finite, node_scores, torch.finfo(node_scores.dtype).min)
-        kept, parents = best_subtree(node_parents[None], scores[None], min(budget, int(finite.sum())))
-        return DraftProposal(tokens=node_tokens[kept], parents=parents)
+            prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
+            tree.grow(self._scores(model.logits(out[0]).float(), prefixes).log_softmax(dim=-1))
+            node_hidden = torch.cat([node_hidden, out[0].repeat_interleave(tree.top_k, dim=0)])
+        return tree.proposal()
 
     def on_verified(self, input_ids: torch.LongTensor, num_accepted: torch.LongTensor,
                     attention_mask: torch.LongTensor | None = None, accepted_nodes: torch.LongTensor | None = None,

@@ -18,8 +18,9 @@ from ..caches import croppable_after_first_forward, realign_cache, slice_cache
 from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
-from ..trees import additive_bias, best_subtree
+from ..trees import additive_bias
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .tree_builder import DynamicTree
 
 __all__ = ["ModelDrafter"]
 
@@ -166,6 +167,12 @@ class ModelDrafter(Drafter):
             source = context.inputs_tensor
             # without a source, generate passes a placeholder of -100s
             token_ids = source is not None and not source.is_floating_point()
+            if (input_name == "input_ids" and source is not None and not token_ids
+                    and source.shape[-1] == model.config.get_text_config(decoder=False).hidden_size
+                    and "inputs_embeds" in inspect.signature(encoder.forward).parameters):
+                # a source given as embeddings (Pop2Piano's `generate` always passes `inputs_embeds`), of the
+                # width the drafter's encoder takes: encoded as embeddings
+                input_name = "inputs_embeds"
             if source is None or (token_ids and bool((source < 0).any())) or (
                 input_name == "input_ids" and not token_ids
             ):
@@ -175,8 +182,8 @@ class ModelDrafter(Drafter):
                     f"{'no input tensor' if source is None else 'a different kind of input'}. Call `generate` with "
                     "the tokenized source (e.g. `input_ids=...`, not `encoder_outputs=` or `inputs_embeds=`)."
                 )
-            encoder_outputs = encoder(**{input_name: source.to(self.device)}, attention_mask=encoder_mask,
-                                      return_dict=True)
+            source = source.to(device=self.device, dtype=model.dtype if input_name == "inputs_embeds" else None)
+            encoder_outputs = encoder(**{input_name: source}, attention_mask=encoder_mask, return_dict=True)
             return {"encoder_outputs": encoder_outputs, "attention_mask": encoder_mask}
         # a decoder-only drafter reads the target's encoder outputs through its cross-attention (distil-whisper)
         hidden_size = model.config.get_text_config(decoder=True).hidden_size
@@ -279,78 +286,39 @@ class ModelDrafter(Drafter):
         self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
-        """EAGLE-2's dynamic tree for one sequence (`input_ids`: `[1, seq_len]`), at most `num_tokens` deep.
-
-        Nodes are numbered in the order they are grown (depth by depth), which is topological. Scores stay on the
-        device; the one host sync per depth is the choice of the frontier (its size)."""
-        budget = self.tree_budget
+        """EAGLE-2's dynamic tree ([`DynamicTree`]) for one sequence (`input_ids`: `[1, seq_len]`), at most
+        `num_tokens` deep. The expanded nodes are fed to the drafter's cache depth by depth, each seeing the context
+        and its ancestors."""
         device = self.device
-        target_device = self.target_device
         # depth 1: the chain's own first step over the uncached tail
         logits = self._next_logits(input_ids)  # [1, vocab]
         context_length = input_ids.shape[1]  # every context token is cached now
         self.tree_context_length = context_length
-        log_q = self.logits_processor(input_ids, logits).log_softmax(dim=-1)  # [1, vocab]
-        top_k = min(self.tree_top_k, log_q.shape[-1])
-        child_log_q, child_tokens = log_q.topk(top_k, dim=-1)  # [1, top_k]
-        node_tokens = child_tokens[0]  # [n]
-        node_parents = torch.full((top_k,), -1, dtype=torch.long, device=target_device)  # [n]
-        node_scores = child_log_q[0].clamp(max=0.0)  # [n]: cumulative log q, never increasing along a path
-        newest_start = 0  # the newest depth's nodes are node_tokens[newest_start:]
-        newest_paths = child_tokens.reshape(-1, 1)  # [newest, depth]: each newest node's path below the root
-
-        # the tree nodes fed to the drafter's cache (the expanded ones), in cache order: visible[r] says which of
-        # them the node of row r may see (itself and its ancestors); row 0 is the root, which sees none
-        visible = torch.zeros(1, 0, dtype=torch.bool, device=device)  # [1 + fed, fed]
-        node_row = torch.zeros(top_k, dtype=torch.long, device=device)  # [n]: a fed node's row in visible
+        tree = DynamicTree(self.logits_processor(input_ids, logits).log_softmax(dim=-1), self.tree_budget,
+                           self.tree_top_k, device)
         root_position = context_length - 1 - self.tree_padding
         context_visible = torch.ones(context_length, dtype=torch.bool, device=device)  # [context_length]
         if self.tree_padding:
             context_visible[: self.attention_mask.shape[1]] = self.attention_mask[0].to(device) != 0
-        dtype = self.model.dtype
-
         for depth in range(1, num_tokens):  # expand the nodes at `depth`
-            # only a node among the best `budget` so far can be kept (its children rank below it); taken in rank
-            # order, the newest nodes that can are the best of their depth
-            ranked = node_scores.sort(descending=True, stable=True).indices[:budget]  # [<= budget]
-            frontier = ranked[ranked >= newest_start][:top_k]  # [f]: host sync
-            frontier_size = frontier.shape[0]
-            if frontier_size == 0:
+            expansion = tree.expand()
+            if expansion is None:
                 break
-            # attention of the frontier: the context, the fed ancestors and itself
-            parents = node_parents[frontier].to(device)  # [f]
-            parent_rows = torch.where(parents >= 0, node_row[parents.clamp(min=0)], 0)  # [f]
-            fed = visible.shape[1]
-            new_rows = torch.cat([visible[parent_rows], torch.eye(frontier_size, dtype=torch.bool, device=device)],
-                                 dim=1)  # [f, fed + f]
-            visible = torch.cat([torch.cat([visible, visible.new_zeros(1 + fed, frontier_size)], dim=1), new_rows])
-            node_row[frontier.to(device)] = torch.arange(1 + fed, 1 + fed + frontier_size, device=device)
-            allowed = torch.cat([context_visible.expand(frontier_size, -1), new_rows], dim=1)  # [f, keys]
-            bias = additive_bias(allowed[None, None], dtype)  # [1, 1, f, context_length + fed + f]
-            position = min(root_position + depth, self.max_position)
+            size = expansion.tokens.shape[0]
+            allowed = torch.cat([context_visible.expand(size, -1), expansion.mask], dim=1)  # [f, keys]
             logits = self.model(
-                input_ids=node_tokens[frontier][None].to(device),
-                attention_mask=bias,
-                position_ids=torch.full((1, frontier_size), position, dtype=torch.long, device=device),
+                input_ids=expansion.tokens[None].to(device),
+                attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
+                position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
+                                        device=device),
                 past_key_values=self.cache,
                 use_cache=True,
             ).logits[0]  # [f, vocab]
-            logits = logits.to(device=target_device, dtype=torch.float32, copy=True)
+            logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
-            paths = newest_paths[frontier - newest_start]  # [f, depth]
-            prefixes = torch.cat([input_ids.expand(frontier_size, -1), paths], dim=-1)  # [f, seq_len + depth]
-            log_q = self.logits_processor(prefixes, logits).log_softmax(dim=-1)  # [f, vocab]
-            child_log_q, child_tokens = log_q.topk(top_k, dim=-1)  # [f, top_k]
-            child_scores = node_scores[frontier][:, None] + child_log_q.clamp(max=0.0)  # [f, top_k]
-            newest_start = node_tokens.shape[0]
-            newest_paths = torch.cat([paths.repeat_interleave(top_k, dim=0), child_tokens.reshape(-1, 1)], dim=-1)
-            node_tokens = torch.cat([node_tokens, child_tokens.reshape(-1)])
-            node_parents = torch.cat([node_parents, frontier.repeat_interleave(top_k)])
-            node_scores = torch.cat([node_scores, child_scores.reshape(-1)])
-            node_row = torch.cat([node_row, node_row.new_zeros(frontier_size * top_k)])
-
-        kept, parents = best_subtree(node_parents[None], node_scores[None], budget)  # [1, k] each
-        return DraftProposal(tokens=node_tokens[kept], parents=parents)
+            prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
+            tree.grow(self.logits_processor(prefixes, logits).log_softmax(dim=-1))
+        return tree.proposal()
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""

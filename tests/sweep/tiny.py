@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -97,7 +98,53 @@ OVERRIDES = {
     "hunyuan_v1_moe": dict(head_dim=16),
     "ministral": dict(head_dim=16),
     "nemotron": dict(num_key_value_heads=2),
+    # BLT's cache is built from the composite config, which transformers' own tests give the decoder's sizes; its
+    # local decoder reads the global transformer's states, and the hash embeddings shrink as in those tests
+    "blt": dict(num_hidden_layers=LAYERS, num_attention_heads=4, hidden_size=HIDDEN,
+                encoder_hash_byte_group_size=[2, 3], encoder_hash_byte_group_vocab=64),
+    "blt_local_encoder": dict(hidden_size_global=HIDDEN),
+    "blt_local_decoder": dict(hidden_size_global=HIDDEN),
+    # Dia stops through its own EOS logits processors, which need an EOS id: the audio special tokens (EOS, pad, BOS)
+    # follow the codebook entries at the top of its vocabulary; its cross-attention reads the text encoder
+    "dia_decoder": dict(eos_token_id=VOCAB - 4, pad_token_id=VOCAB - 3, bos_token_id=VOCAB - 2,
+                        cross_hidden_size=HIDDEN, cross_num_attention_heads=4, cross_head_dim=16,
+                        cross_num_key_value_heads=4),
+    # the vision and audio adapters map their tower's width onto the text model's
+    "dots3_note_vision_encoder": dict(adapter_in_dim=HIDDEN, adapter_out_dim=HIDDEN),
+    "dots3_note_audio_encoder": dict(adapter_input_size=HIDDEN, adapter_out_dim=HIDDEN),
+    # tied embeddings scaled with the head (tiny_model) make these repeat the last token for ever: untied, they
+    # generate varied tokens, so a wrong draft would show
+    "fun_asr_nano": dict(tie_word_embeddings=False),
+    "voxtral_realtime": dict(tie_word_embeddings=False),
+    # sub-configs without a model type of their own, keyed "<model type>.<sub-config name>"
+    "fun_asr_nano.adaptor_config": dict(intermediate_size=HIDDEN // 4),  # a quarter of the text hidden size
+    "gemma4_assistant.text_config": dict(num_kv_shared_layers=LAYERS),  # an assistant shares every layer's cache
+    "nemotron3_diarization.head_config": dict(audio_hidden_size=HIDDEN),  # the diarization audio encoder's width
+    "nemotron3_5_transcribe_word_timestamp": dict(blank_token_id=VOCAB - 1),  # the last class of its vocabulary
+    # MusicGen's decoder: pad (= BOS = decoder start) is the id after its codebook entries, as in its checkpoints
+    "musicgen_decoder": dict(pad_token_id=VOCAB, bos_token_id=VOCAB),
+    "musicgen_melody_decoder": dict(pad_token_id=VOCAB, bos_token_id=VOCAB),
 }
+# arguments for a type's default config where transformers' own default does not validate: the Gemma 4 assistant's
+# text model has no per-layer inputs, MoE block or double-wide MLP
+DEFAULTS = {
+    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                                              enable_moe_block=False, use_double_wide_mlp=False)),
+}
+# generation-config values a type's checkpoints ship and its own `generate` reads
+GENERATION = {
+    # MusicGen's `generate` reads these without filling in defaults: its decoder starts from the pad id, one sequence
+    # per prompt, no beams
+    "musicgen": dict(decoder_start_token_id=VOCAB, num_return_sequences=1, num_beams=1),
+    "musicgen_melody": dict(decoder_start_token_id=VOCAB, num_return_sequences=1, num_beams=1),
+    # Pop2Piano conditions on a composer token, one per composer its config counts (as sweetcocoa/pop2piano's)
+    "pop2piano": dict(composer_to_feature_token={f"composer{i}": 2051 + i for i in range(1, 22)}),
+}
+
+
+# model types whose causal-LM class is built from one sub-config of the type's composite config, as transformers'
+# own tests build them (`MusicgenForCausalLM` takes a `MusicgenDecoderConfig`)
+CAUSAL_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 
 
 def mapping_types() -> dict[str, str]:
@@ -176,7 +223,8 @@ def _shrink(values: dict, top: bool) -> dict:
             out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     for name, sub in list(out.items()):
         if isinstance(sub, dict) and ("model_type" in sub or name.endswith("_config") or name in ("encoder", "decoder")):
-            out[name] = _shrink(sub, top=False)
+            keyed = OVERRIDES.get(f"{out.get('model_type')}.{name}", {})  # for a sub-config without a type
+            out[name] = _shrink(sub, top=False) | keyed
     # special token ids inside the tiny vocabulary; no EOS so that generations run their full length
     for name in ("bos_token_id", "pad_token_id", "decoder_start_token_id"):
         if isinstance(out.get(name), int) and out[name] >= VOCAB:
@@ -192,7 +240,11 @@ def _shrink(values: dict, top: bool) -> dict:
 
 def tiny_config(model_type: str, **overrides):
     cls = CONFIG_MAPPING[model_type]
-    values = _shrink(cls().to_dict(), top=True) | overrides
+    values = _shrink(cls(**DEFAULTS.get(model_type, {})).to_dict(), top=True)
+    if model_type in CAUSAL_SUB_CONFIG:  # the causal-LM class takes one part of the composite config
+        values = values[CAUSAL_SUB_CONFIG[model_type]]
+        cls = CONFIG_MAPPING[values["model_type"]]
+    values |= overrides
     if mapping_types()[model_type] == "causal" and "is_decoder" in values:
         values["is_decoder"] = True  # encoder families (BERT, RoBERTa) as causal LMs, as their docs ask
     values.pop("model_type", None)
@@ -205,7 +257,11 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     """A tiny `model_type` model; `overrides` replace top-level config values."""
     torch.manual_seed(seed)
     kind = mapping_types()[model_type]
-    model = AUTO_CLASSES[kind].from_config(tiny_config(model_type, **overrides)).eval()
+    config = tiny_config(model_type, **overrides)
+    if model_type in CAUSAL_SUB_CONFIG:  # the auto class maps the composite config only
+        model = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).eval()
+    else:
+        model = AUTO_CLASSES[kind].from_config(config).eval()
     # random-init logits are nearly flat: a larger head makes greedy choices robust to rounding
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and getattr(head, "weight", None) is not None:
@@ -216,4 +272,6 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     generation = model.generation_config
     generation.eos_token_id = None
     generation.forced_eos_token_id = None
+    for name, value in GENERATION.get(model_type, {}).items():
+        setattr(generation, name, value)
     return model
