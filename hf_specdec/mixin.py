@@ -154,12 +154,17 @@ def _ignored_drafter_error(model) -> ValueError:
 
 def _overrides_generate(cls: type) -> bool:
     """Whether a class between `cls` and `GenerationMixin` defines its own `generate` (Whisper, SeamlessM4T)."""
+    return _overriding_class(cls, "generate") is not None
+
+
+def _overriding_class(cls: type, name: str) -> type | None:
+    """The first class between `cls` and `GenerationMixin` that defines `name` itself, or None."""
     for base in cls.__mro__:
         if base is GenerationMixin:
-            return False
-        if base is not SpeculativeGenerationMixin and "generate" in vars(base):
-            return True
-    return False
+            return None
+        if base is not SpeculativeGenerationMixin and name in vars(base):
+            return base
+    return None
 
 
 class _BoundCall:
@@ -229,6 +234,15 @@ def _decoding_method(
 
 def _check_model_supported(model, inputs_embeds) -> None:
     """What can be refused from the model and the call alone, before `generate` runs any forward."""
+    own_sample = _overriding_class(type(model), "_sample")
+    if own_sample is not None:
+        # transformers' assisted generation replaces it too
+        raise ValueError(
+            f"{type(model).__name__} cannot run speculative decoding: it decodes with its own `_sample` (defined by "
+            f"{own_sample.__name__}: work done between tokens, such as generating audio), which hf_specdec's loop "
+            "would replace, so the output would differ from plain `generate`. Drop `assistant_model`/`drafter` for "
+            "this model."
+        )
     if getattr(model, "_is_stateful", False):
         # transformers' assisted generation refuses these too
         raise ValueError(

@@ -65,6 +65,34 @@ def test_realignment_moves_indexer_keys_with_their_rows():
     assert layer.keys.shape[2] == layer.indexer_keys.shape[1] == 2
 
 
+def test_a_class_with_its_own_sample_is_refused_before_any_forward():
+    """VibeVoice, CSM, Higgs Audio V2 and PocketTTS decode with their own `_sample` (audio made between tokens):
+    hf_specdec's loop would replace it and differ from plain `generate`, so they are refused by name, before any
+    forward; plain `generate` keeps running theirs. Here a Llama whose `_sample` counts its calls."""
+    from transformers import LlamaForCausalLM
+
+    class OwnSampleLlama(LlamaForCausalLM):
+        def _sample(self, *args, **kwargs):
+            self.own_sample_calls = getattr(self, "own_sample_calls", 0) + 1
+            return super()._sample(*args, **kwargs)
+
+    base = tiny_model("llama")
+    model = OwnSampleLlama(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    plain = model.generate(prompt(), max_new_tokens=4, do_sample=False)
+    assert model.own_sample_calls == 1
+    hf_specdec.enable(model)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    for drafter in (dict(drafter="prompt_lookup"), dict(assistant_model=base)):
+        with pytest.raises(ValueError, match=r"^OwnSampleLlama cannot run speculative decoding: it decodes with its own "
+                                             r"`_sample` \(defined by OwnSampleLlama: .*Drop `assistant_model`/`drafter`"):
+            model.generate(prompt(), max_new_tokens=4, do_sample=False, **drafter)
+    assert not calls
+    assert torch.equal(model.generate(prompt(), max_new_tokens=4, do_sample=False), plain)
+    assert model.own_sample_calls == 2
+
+
 def test_model_that_never_fills_its_cache_is_refused_before_any_forward():
     model = hf_specdec.enable(sweep_model("openai-gpt"))
     calls = []

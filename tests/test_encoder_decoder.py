@@ -218,12 +218,22 @@ def test_encoder_decoder_drafter_vocabulary_mismatch_is_refused():
         target.generate(source(), assistant_model=tiny_seq2seq("t5", vocab_size=64), max_new_tokens=3)
 
 
-def test_encoder_decoder_drafter_needs_the_tokenized_source():
+def test_a_source_given_as_embeddings_reaches_the_drafter_as_embeddings():
+    """An encoder-decoder drafter whose encoder takes embeddings of the source's width encodes them as embeddings
+    (Pop2Piano's `generate` always passes `inputs_embeds`); a drafter of another width needs the tokenized source."""
     target = hf_specdec.enable(tiny_seq2seq("t5"))
-    src = source()
-    embeds = target.get_input_embeddings()(src)
+    embeds = target.get_input_embeddings()(source())  # [1, src_len, d_model]
+    plain = target.generate(inputs_embeds=embeds, max_new_tokens=8)
+    for drafter in (target, noisy_copy(target, scale=0.05), tiny_seq2seq("t5", seed=1)):
+        out = target.generate(inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=8,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain) and out.speculative_stats.target_calls > 0
+    stats = target.generate(inputs_embeds=embeds, assistant_model=target, max_new_tokens=8,
+                            return_dict_in_generate=True).speculative_stats
+    assert stats.accepted_tokens == stats.drafted_tokens > 0  # the target as its own drafter: always right
     with pytest.raises(ValueError, match="needs the source as `input_ids`"):
-        target.generate(inputs_embeds=embeds, assistant_model=tiny_seq2seq("t5", seed=1), max_new_tokens=3)
+        target.generate(inputs_embeds=embeds, assistant_model=tiny_seq2seq("t5", seed=1, d_model=48),
+                        max_new_tokens=3)
 
 
 def test_decoder_only_llama_causal_drafter_still_works_for_decoder_only_target():

@@ -49,6 +49,8 @@ REFUSALS = [
     # and ignores it (Dia)
     r"\w+ cannot run speculative decoding: its own `generate` (decodes|takes `custom_generate` but decodes) with a "
     r"loop of its own",
+    # a class that decodes with its own `_sample` (VibeVoice's audio between tokens), which the loop would replace
+    r"\w+ cannot run speculative decoding: it decodes with its own `_sample`",
 ]
 
 # model type -> (stage, start of the error): the tiny config is not built, or plain `generate` itself fails on it.

@@ -87,7 +87,8 @@ OVERRIDES = {
     "moonshine_streaming": dict(num_key_value_heads=4),  # its attention views queries with this head count
     "speech-encoder-decoder": dict(decoder_start_token_id=2, pad_token_id=0),
     "qwen3_asr": dict(eos_token_id=3),  # required to be an integer (generation still runs without one)
-    "vibevoice": dict(eos_token_id=3),
+    "vibevoice": dict(eos_token_id=3, pad_token_id=3, audio_bos_token_id=VOCAB - 3, audio_eos_token_id=VOCAB - 2,
+                      audio_token_id=VOCAB - 1),
     "dots3_note_text": dict(head_dim=32),  # its sliding-window layers' head: qk_nope_head_dim + qk_rope_head_dim
     # the audio pad token follows every codebook's tokens and the text vocabulary: 2049 x 32 + 128
     "kyutai_speech_to_text": dict(audio_pad_token_id=2049 * 32 + VOCAB),
