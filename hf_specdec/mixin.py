@@ -115,7 +115,7 @@ class SpeculativeGenerationMixin:
         stats = SpeculativeStats(lenience=options.speculative_lenience)
         overridden = _overrides_generate(type(self))
         if type(self) in _IGNORES_CUSTOM_GENERATE:
-            raise _ignored_drafter_error(self)
+            raise _own_loop_error(self, _IGNORED_DRAFTER)
         decoding_loop = functools.partial(_decoding_method, drafter=drafter, options=options,
                                           streamer=call.get("streamer"), stats=stats, attach_stats=not overridden)
         call.set("custom_generate", decoding_loop)
@@ -125,16 +125,14 @@ class SpeculativeGenerationMixin:
             # transformers' check of unused arguments, in a class whose `generate` never hands decoding over
             if not (overridden and "not used by the model" in str(error) and "'custom_generate'" in str(error)):
                 raise
-            raise ValueError(
-                f"{type(self).__name__} cannot run speculative decoding: its own `generate` decodes with a loop of "
-                "its own instead of transformers' (it does not take `custom_generate`), so a drafter has nowhere to "
-                "run. Drop `assistant_model`/`drafter` for this model."
-            ) from error
+            raise _own_loop_error(self, "its own `generate` decodes with a loop of its own instead of "
+                                        "transformers' (it does not take `custom_generate`), so a drafter has "
+                                        "nowhere to run") from error
         if overridden and not stats.target_calls:
             # its own `generate` took `custom_generate` and decoded with a loop of its own anyway (Dia): the output is
             # plain decoding's, but the drafter was ignored; refused, from the start for the next calls
             _IGNORES_CUSTOM_GENERATE.add(type(self))
-            raise _ignored_drafter_error(self)
+            raise _own_loop_error(self, _IGNORED_DRAFTER)
         if overridden and isinstance(output, dict):  # `ModelOutput`s are dicts; tensors carry no stats
             output["speculative_stats"] = stats
         return output
@@ -144,12 +142,14 @@ class SpeculativeGenerationMixin:
 _IGNORES_CUSTOM_GENERATE: set[type] = set()
 
 
-def _ignored_drafter_error(model) -> ValueError:
-    return ValueError(
-        f"{type(model).__name__} cannot run speculative decoding: its own `generate` takes `custom_generate` but "
-        "decodes with a loop of its own, so the drafter would be ignored. Drop `assistant_model`/`drafter` for this "
-        "model."
-    )
+_IGNORED_DRAFTER = ("its own `generate` takes `custom_generate` but decodes with a loop of its own, so the drafter "
+                    "would be ignored")
+
+
+def _own_loop_error(model, reason: str) -> ValueError:
+    """The refusal of a class that decodes with a loop of its own, which speculative decoding cannot run in."""
+    return ValueError(f"{type(model).__name__} cannot run speculative decoding: {reason}. Drop `assistant_model`/"
+                      "`drafter` for this model.")
 
 
 def _overrides_generate(cls: type) -> bool:
@@ -237,12 +237,9 @@ def _check_model_supported(model, inputs_embeds) -> None:
     own_sample = _overriding_class(type(model), "_sample")
     if own_sample is not None:
         # transformers' assisted generation replaces it too
-        raise ValueError(
-            f"{type(model).__name__} cannot run speculative decoding: it decodes with its own `_sample` (defined by "
-            f"{own_sample.__name__}: work done between tokens, such as generating audio), which hf_specdec's loop "
-            "would replace, so the output would differ from plain `generate`. Drop `assistant_model`/`drafter` for "
-            "this model."
-        )
+        raise _own_loop_error(model, f"it decodes with its own `_sample` (defined by {own_sample.__name__}: work "
+                                     "done between tokens, such as generating audio), which hf_specdec's loop would "
+                                     "replace, so the output would differ from plain `generate`")
     if getattr(model, "_is_stateful", False):
         # transformers' assisted generation refuses these too
         raise ValueError(
