@@ -13,10 +13,13 @@ Phases (each skipped when its output exists):
    `--train-minutes` of wall clock (writing, answering and features included);
 2. `distill_drafter` trains a 1-layer drafter (the target's first layer, norm and head to start) on the same answers
    with the same time budget;
-3. the benchmark: plain `generate`, transformers' prompt lookup, ours, the EAGLE head (chain and tree), the distilled
+3. the benchmark (`--dtype float32` or `bfloat16`; the cost curve of the target's forwards is measured first):
+   plain `generate`, transformers' prompt lookup, ours, the EAGLE head (chain and tree), the distilled
    drafter and an early exit (the target's first 6 of 30 layers, untrained), with default settings, on held-out
    prompts by kind (open questions, summaries, code edits, extraction), greedy and T = 0.7; interleaved, repeated,
-   medians; tokens per target call, speedup against plain, and identity with plain (greedy).
+   medians; tokens per target call, speedup against plain, and identity with plain (greedy); where a bfloat16
+   output is not identical, where it first differs and the target's top-2 logit gap there (a multi-token forward
+   rounds differently from a one-token one, so near-ties may flip, as in transformers' assisted generation).
 """
 
 from __future__ import annotations
@@ -103,6 +106,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree-budget", type=int, default=8, help="nodes of the EAGLE tree row (from the cost curve)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the target (and drafters) in the benchmark; training always runs on the "
+                             "float32 target. In bfloat16 this CPU's one-token step is faster and a forward over "
+                             "9 tokens costs ~1.2 one-token forwards (float32: ~1.5), the regime speculation needs")
     parser.add_argument("--sampled-prompts", type=int, default=4, help="open prompts also decoded at T = 0.7")
     parser.add_argument("--prompts-per-kind", type=int, default=None, help="at most this many prompts of each kind")
     parser.add_argument("--output", type=Path, default=None, help="JSON results")

@@ -61,14 +61,29 @@ def _generate(target, ids, method: dict, max_new_tokens: int, sample: bool):
     return out, time.perf_counter() - start, None
 
 
+def _cost_curve(target, args) -> dict:
+    """The target's cached forwards over k causal tokens and over trees of k - 1 nodes, in one-token forwards, at a
+    context of 200 (`bench_memory_bound.cost_curves`): what tree budgets and γ must be chosen from."""
+    from bench_memory_bound import cost_curves
+    from bench_real_model import early_exit
+
+    sizes = sorted({1, 2, 3, 4, 6, 9, args.tree_budget + 1, 17})
+    costs = cost_curves(target, early_exit(target), 200, sizes, [args.tree_budget + 1, 17], [1], repeats=7)
+    return {key: costs[key] for key in ("target_step_ms", "v_causal", "v_tree_mask")}
+
+
 def run_benchmark(target, tokenizer, args):
     import hf_specdec
+    from bench_memory_bound import divergence
 
-    target = hf_specdec.enable(target)
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    target = hf_specdec.enable(target.to(dtype))
     methods = _methods(target, args)
     names = list(methods)
-    results = {"device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, float32",
+    results = {"device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {dtype}",
                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": []}
+    results["cost_curve"] = _cost_curve(target, args)
+    print("cost curve (one-token forwards):", json.dumps(results["cost_curve"]), flush=True)
     training = {}
     for name in ("eagle", "distilled"):
         for file in ("training_log.json", "timing.json", "distill_log.json"):
@@ -108,6 +123,10 @@ def run_benchmark(target, tokenizer, args):
                         plain = outputs["plain"]
                         row["identical_to_plain"] = bool(outputs[name].shape == plain.shape
                                                          and torch.equal(outputs[name], plain))
+                        if not row["identical_to_plain"]:
+                            width = min(outputs[name].shape[1], plain.shape[1])
+                            row["divergence"] = divergence(target, ids[0], plain[0, ids.shape[1]:width],
+                                                           outputs[name][0, ids.shape[1]:width])
                     if name in stats:
                         row["tokens_per_call"] = stats[name].emitted_tokens / max(stats[name].target_calls, 1)
                         row["acceptance"] = stats[name].accepted_tokens / max(stats[name].drafted_tokens, 1)

@@ -38,6 +38,7 @@ while a useless one costs almost nothing.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 
 import torch
@@ -96,33 +97,52 @@ class HeuristicGammaPolicy(GammaPolicy):
 
 class AutoGammaPolicy(GammaPolicy):
     """The default: the user's γ every round, unless what the call measures says drafting loses to plain steps; then
-    plain steps (γ = 0), with a one-token probe after 16, 32, 64, ... of them (a stop decided on noisy timings, or a
-    drafter that becomes useful later in the text, is found again). A useful drafter runs exactly as under
-    `"constant"`; a useless one costs a few rounds.
+    plain steps (γ = 0), with a probe after 16, 32, 64, ... of them (a stop decided on noisy timings, or a drafter
+    that becomes useful later in the text, is found again). A useful drafter runs as under `"constant"`; a useless
+    one costs a few rounds.
 
-    Drafting loses when the tokens per second of the last `window` drafting rounds (emitted tokens over drafting plus
-    verifying time) fall below those of a plain step. A plain step costs at most a verify forward (it has fewer
-    tokens), so rounds that emit fewer tokens per second than one per verify forward are stopped at once (a round
-    that accepted nothing always does); when the two are close, one plain step is measured and compared. The first
-    round's times include the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the next
-    round drafts a single token, the cheapest measurement. A probe that accepts anything resumes drafting.
+    Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over
+    drafting plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less
+    (about the last ten rounds; what was measured before a stop counts at half weight after a resume), and it is
+    judged from the third drafting round on, half a standard error of its mean tokens per round more optimistic than
+    measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on average yet has runs of unlucky rounds, and a
+    decision on the last three rounds alone stopped such a drafter (an EAGLE tree that paid 1.4x) for most of its
+    call. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
+    forward stops without a plain step to compare; when the two are close, one plain step is measured.
 
-    Where the loop takes shadow drafts (one sequence), that single-token round and the probes are shadow drafts: plain
-    steps with the drafter's guess compared to the target's token (for sampling, accepted with Algorithm 1's
-    probability, drawn from the policy's own generator), so a useless drafter costs its first round and a guess per
-    probe, not a two-token verify forward each time. A guess of nothing (prompt lookup without a match) decides
-    nothing: the next step guesses again."""
+    A probe, where the loop takes shadow drafts (one sequence), is a run of plain steps, each with the drafter's
+    one-token guess beside it, compared with the target's token (for sampling, accepted with Algorithm 1's
+    probability, drawn from the policy's own generator). A guess that would have been accepted resumes drafting. The
+    run ends without one once its guesses have cost `shadow_budget` (half) of a plain step: a drafter whose guess
+    costs a third of a step (an early exit on a compute-bound CPU) gets one guess, a cheap feature head several, a
+    nearly free one (prompt lookup) many. A guess of nothing (prompt lookup without a match) decides nothing. Loops
+    without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted draft.
 
-    window = 3  # drafting rounds the decision looks at (after the first round)
-    first_probe_after = 16  # plain steps before the first probe (then doubled after each failed probe)
+    The first round drafts the user's γ. Its times include the prompt's prefill, so it counts for acceptance only; if
+    it accepted nothing, the drafter is probed at once. (Starting with a probe instead would save a useless drafter
+    its first round, 2-3 plain steps here, but it would also change what every test of a short call exercises.)"""
+
+    decay = 0.9  # weight of the drafting round before, per drafting round, in the drafting rate
+    min_rounds = 3  # drafting rounds (after the first) before the rate decides
+    optimism = 0.5  # standard errors added to the measured rate before it is compared (a stop needs evidence)
+    first_probe_after = 16  # plain steps before the first probe (then doubled after each probe)
+    shadow_budget = 0.5  # a probe's guesses may cost this many plain steps in all
+    resume_weight = 0.5  # weight, at a resume, of the rounds measured before the stop
+    stop_below = 0.95  # stop when the drafting rate falls below this fraction of a plain step's rate
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
-        self.rounds = collections.deque(maxlen=self.window)  # (emitted tokens, seconds, verify seconds)
+        # decayed sums over drafting rounds: rounds, emitted tokens, their squares, drafting plus verifying seconds
+        self.weight = self.tokens = self.squares = self.seconds = 0.0
+        self.drafting_rounds = 0
+        self.verify_s = collections.deque(maxlen=5)  # verify seconds of recent drafting rounds
         self.plain_s = collections.deque(maxlen=5)  # seconds of recent plain steps
-        self.cautious = False  # the first round accepted nothing: measure with one drafted token
+        self.cautious = False  # no shadow drafts: the first round accepted nothing, measure with one drafted token
         self.stopped = False
-        self.probing = False
+        self.probing = False  # no shadow drafts: this round is a γ = 1 probe
+        self.shadow = False  # in a shadow phase: plain steps with a guess each
+        self.shadow_spent = 0.0  # seconds of the current shadow phase's guesses
+        self.shadow_outcome = None  # the current step's guess: accepted (bool) or None (nothing guessed)
         self.measure_plain = False
         self.plain_rounds = 0
         self.probe_after = self.first_probe_after
@@ -131,40 +151,33 @@ class AutoGammaPolicy(GammaPolicy):
 
     def next_gamma(self) -> int:
         self.shadow_draft_wanted = False
+        self.shadow_outcome = None
         if self.measure_plain:
             return 0
+        if self.shadow:
+            self.shadow_draft_wanted = True
+            return 0
         if not self.stopped:
-            if self.cautious and self.shadow_drafts:
-                self.shadow_draft_wanted = True
-                return 0
             return 1 if self.cautious else self.gamma
         if self.plain_rounds >= self.probe_after:
+            self.plain_rounds, self.probe_after = 0, self.probe_after * 2
             if self.shadow_drafts:
-                self.shadow_draft_wanted = True  # the schedule moves on once the guess says something
+                self.shadow, self.shadow_spent, self.shadow_draft_wanted = True, 0.0, True
                 return 0
-            self.plain_rounds, self.probe_after, self.probing = 0, self.probe_after * 2, True
+            self.probing = True
             return 1
         self.plain_rounds += 1
         return 0
 
     def observe_shadow(self, acceptance: float | None) -> None:
-        if acceptance is None:  # nothing guessed: guess again at the next step
-            return
-        if not 0.0 < acceptance < 1.0:
-            accepted = acceptance >= 1.0
+        if acceptance is None:  # nothing guessed: decides nothing
+            self.shadow_outcome = None
+        elif not 0.0 < acceptance < 1.0:
+            self.shadow_outcome = acceptance >= 1.0
         else:
             if self.generator is None:
                 self.generator = torch.Generator().manual_seed(0)
-            accepted = bool(torch.rand((), generator=self.generator) < acceptance)
-        if self.cautious:  # the first round accepted nothing: a right guess keeps drafting, a wrong one stops
-            self.cautious = False
-            self.stopped = not accepted
-            self.rounds.clear()
-        elif self.stopped:  # a probe
-            self.plain_rounds, self.probe_after = 0, self.probe_after * 2
-            if accepted:
-                self.stopped = False
-                self.rounds.clear()
+            self.shadow_outcome = bool(torch.rand((), generator=self.generator) < acceptance)
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
         self._observe(drafted, accepted, draft_time_s, verify_time_s, first_round)
@@ -177,43 +190,77 @@ class AutoGammaPolicy(GammaPolicy):
     def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
         if not drafted:
-            if not first_round and not self.shadow_draft_wanted:  # a shadow draft's step includes its guess
+            if self.shadow_draft_wanted:  # a shadow step: its drafting time is the guess's, the rest a plain step's
+                self.plain_s.append(verify_time_s)
+                self._observe_guess(draft_time_s)
+                return
+            if not first_round:
                 self.plain_s.append(draft_time_s + verify_time_s)
             if self.measure_plain:
                 self.measure_plain = False
                 self._decide()
             return
-        if first_round:
-            self.cautious = accepted == 0
+        if first_round:  # its times include the prefill; if it accepted nothing, probe at once (or a γ = 1 round)
+            if accepted == 0:
+                self.shadow, self.shadow_spent = self.shadow_drafts, 0.0
+                self.cautious = not self.shadow_drafts
             return
-        if self.probing:  # a probe: resume on any accepted draft, with a fresh record
+        if self.probing:  # a γ = 1 probe: resume on any accepted draft
             self.probing = False
             if accepted:
-                self.stopped = False
-                self.rounds.clear()
+                self._resume()
             return
-        self.rounds.append((accepted + 1, draft_time_s + verify_time_s, verify_time_s))
-        if self.cautious:
+        self.weight = self.decay * self.weight + 1.0
+        self.tokens = self.decay * self.tokens + accepted + 1
+        self.squares = self.decay * self.squares + (accepted + 1) ** 2
+        self.seconds = self.decay * self.seconds + draft_time_s + verify_time_s
+        self.drafting_rounds += 1
+        self.verify_s.append(verify_time_s)
+        if self.cautious:  # a γ = 1 round after a first round that accepted nothing
             self.cautious = False
             if accepted == 0:
-                self._decide()  # nothing accepted in two rounds: stops unless drafting is nearly free
-                return
-            self.rounds.clear()  # a γ = 1 round says little about the user's γ
+                self._decide(optimism=0.0)  # nothing accepted in two rounds: stops unless drafting is nearly free
+            else:  # a γ = 1 round says little about the user's γ: start afresh
+                self.weight = self.tokens = self.squares = self.seconds = 0.0
+                self.drafting_rounds = 0
             return
-        if len(self.rounds) == self.window:
+        if self.drafting_rounds >= self.min_rounds:
             self._decide()
 
-    def _decide(self) -> None:
-        tokens = sum(r[0] for r in self.rounds)
-        seconds = sum(r[1] for r in self.rounds)
-        verify = statistics.median(r[2] for r in self.rounds)
-        drafting_rate = tokens / seconds
+    def _observe_guess(self, guess_s: float) -> None:
+        if self.shadow_outcome is None:  # nothing guessed (or no guess reported): guess again
+            return
+        if self.shadow_outcome:
+            self._resume()
+            return
+        self.shadow_spent += guess_s
+        if self.shadow_spent + guess_s > self.shadow_budget * statistics.median(self.plain_s):
+            self.shadow, self.stopped, self.plain_rounds = False, True, 0  # one more guess would pass the budget
+
+    def _resume(self) -> None:
+        self.stopped = self.shadow = self.cautious = False
+        # what the last drafting stretch measured still counts, at less weight: a guess that hit says the drafter may
+        # pay again, not that it does (one that needs several rounds to lose again would cost them on every resume)
+        self.weight, self.tokens, self.squares, self.seconds = (
+            value * self.resume_weight for value in (self.weight, self.tokens, self.squares, self.seconds))
+
+    def _decide(self, optimism: float | None = None) -> None:
+        # the measured rate, half a standard error (of the mean tokens per round) more optimistic: rounds that emit
+        # 1, 1, 1 tokens may be bad luck for a drafter that averages 2 (a token's spread at least, so a few equal
+        # rounds do not look certain)
+        mean = self.tokens / self.weight
+        spread = max(self.squares / self.weight - mean * mean, 0.25)
+        optimism = self.optimism if optimism is None else optimism
+        drafting_rate = self.tokens / self.seconds * (1.0 + optimism * math.sqrt(spread / self.weight) / mean)
+        verify = statistics.median(self.verify_s)
         if drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
             self.stopped = True
         elif self.plain_s:
-            self.stopped = drafting_rate < 1.0 / statistics.median(self.plain_s)
+            self.stopped = drafting_rate < self.stop_below / statistics.median(self.plain_s)
         elif drafting_rate < 2.0 / verify:  # close: a plain step may cost half a verify forward; measure one
             self.measure_plain = True
+        if self.stopped:
+            self.plain_rounds = 0
 
 
 class OptimalGammaPolicy(GammaPolicy):

@@ -144,6 +144,60 @@ def test_round_hands_over_the_hidden_states_of_the_kept_positions(tree_budget):
     torch.testing.assert_close(handed, expected, atol=2e-4, rtol=1e-3)
 
 
+class ProposalLog(hf_specdec.EagleDrafter):
+    """Records every non-empty proposal (sequence length, tokens) in the shared list `log`; with `eager`, also feeds
+    the pending target features at plain steps (what the drafter did before it left them pending)."""
+
+    log: list
+    eager = False
+
+    def propose(self, input_ids, num_tokens, attention_mask=None):
+        if self.eager and num_tokens == 0:
+            self._feed_context(input_ids)
+        proposal = super().propose(input_ids, num_tokens, attention_mask)
+        if num_tokens:
+            self.log.append((input_ids.shape[1], proposal.tokens.tolist()))
+        return proposal
+
+
+class EveryThirdRound(hf_specdec.policies.GammaPolicy):
+    """Drafts γ every third round and takes plain steps between."""
+
+    def __init__(self, gamma, max_gamma):
+        super().__init__(gamma, max_gamma)
+        self.round = -1
+
+    def next_gamma(self):
+        self.round += 1
+        return self.gamma if self.round % 3 == 0 else 0
+
+
+@pytest.mark.parametrize("tree_budget", [None, 6])
+def test_plain_steps_leave_the_features_pending_and_the_drafts_unchanged(tree_budget, monkeypatch):
+    """At a plain step the head does not run: the target features wait and are fed in one forward when drafts are
+    next asked for. The drafts are those of a head fed at every step, and the output is plain generate's."""
+    # registered for this test only (the registry's list is part of other tests' error messages)
+    monkeypatch.setitem(hf_specdec.policies._POLICIES._classes, "every_third_round", EveryThirdRound)
+    target, trained = trained_head("llama")
+    ids = prompt(7, seed=5)
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    logs, forwards = {}, {}
+    for eager in (False, True):
+        drafter = ProposalLog(trained.model)
+        drafter.log, drafter.eager = logs.setdefault(eager, []), eager
+        counter = [0]
+        handle = trained.model.register_forward_hook(lambda *args: counter.__setitem__(0, counter[0] + 1))
+        try:
+            out = target.generate(ids, drafter=drafter, max_new_tokens=30, do_sample=False,
+                                  speculative_gamma_policy="every_third_round", speculative_tree_budget=tree_budget)
+        finally:
+            handle.remove()
+        assert torch.equal(out, plain)
+        forwards[eager] = counter[0]
+    assert logs[False] == logs[True] and len(logs[False]) >= 5
+    assert forwards[False] < forwards[True]  # fewer head forwards: none at plain steps
+
+
 def exact_distribution(model, ids, config, length: int = 3):
     """P(x1..x_length | prompt) under the target with the sampling processors, by enumeration."""
     procs = processors(model, ids, config)

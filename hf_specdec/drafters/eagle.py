@@ -503,8 +503,10 @@ class EagleDrafter(Drafter):
         if batch != 1:
             raise ValueError("EagleDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row "
                              "for it).")
+        if num_tokens == 0:  # a plain step: the features wait, and are fed in one forward when drafts are asked
+            return DraftProposal.empty(batch, input_ids.device)
         hidden = self._feed_context(input_ids)
-        if num_tokens == 0 or hidden is None:
+        if hidden is None:
             return DraftProposal.empty(batch, input_ids.device)
         if self.tree_budget is not None:
             return self._propose_tree(input_ids, num_tokens, hidden)
