@@ -111,10 +111,11 @@ class SpeculativeGenerationConfig(GenerationConfig):
             above p(x) / l.
         speculative_gamma_policy (`str`, *optional*, defaults to `"auto"`):
             How γ is chosen before each round: `"auto"` (`speculative_gamma` while drafting pays; when the call's
-            own measurements show its rounds emit fewer tokens per second than plain steps, plain steps, probing
-            one drafted token after 16, 32, 64, ... of them, so a drafter that accepts nothing costs a few rounds),
-            `"constant"` (always `speculative_gamma`), `"heuristic"` (+2 after a
-            fully accepted round, -1 otherwise, starting from `speculative_gamma`, never persisted), or `"optimal"`
+            own measurements over its last ten or so rounds show it emits fewer tokens per second than 95% of a
+            plain step's, plain steps, probing the drafter again after 16, 32, 64, ... of them with one-token
+            guesses, so a drafter that accepts nothing costs a few rounds), `"constant"` (always
+            `speculative_gamma`), `"heuristic"` (+2 after a fully accepted round, -1 otherwise, starting from
+            `speculative_gamma`, never persisted), or `"optimal"`
             (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the
             drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
         speculative_max_gamma (`int`, *optional*):

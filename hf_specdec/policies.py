@@ -251,7 +251,8 @@ class AutoGammaPolicy(GammaPolicy):
         mean = self.tokens / self.weight
         spread = max(self.squares / self.weight - mean * mean, 0.25)
         optimism = self.optimism if optimism is None else optimism
-        drafting_rate = self.tokens / self.seconds * (1.0 + optimism * math.sqrt(spread / self.weight) / mean)
+        benefit_of_doubt = 1.0 + optimism * math.sqrt(spread / self.weight) / mean
+        drafting_rate = self.tokens / max(self.seconds, 1e-12) * benefit_of_doubt
         verify = statistics.median(self.verify_s)
         if drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
             self.stopped = True

@@ -391,7 +391,8 @@ class RecordingDrafter(ScriptedDrafter):
 
 
 def guess_runs(drafter, prompt_length):
-    """The steps (new tokens so far) at which `drafter` was asked for a one-token guess, as runs of consecutive steps."""
+    """The steps (new tokens so far) at which `drafter` was asked for a one-token guess, as runs of consecutive
+    steps."""
     steps = [length - prompt_length for length, tokens in drafter.calls if tokens == 1]
     runs = []
     for step in steps:
@@ -520,7 +521,8 @@ def test_auto_sampled_shadow_acceptance_draws_from_its_own_generator():
 def simulate_with_shadow(policy, seed, acceptance, draft_cost, verify_cost, guess_cost, new_tokens=96):
     """Tokens per second of `policy` in a modelled one-sequence `generate` (shadow drafts taken): times in one-token
     forwards with an 8% log-normal jitter and 2-4x stalls in 2% of the steps; the first round also carries the
-    prompt's prefill (4 forwards in the target, 0.8 in the drafter); position i of a draft (and a guess, position 0) is accepted with probability acceptance[i]."""
+    prompt's prefill (4 forwards in the target, 0.8 in the drafter); position i of a draft (and a guess: position 0)
+    is accepted with probability acceptance[i]."""
     policy.shadow_drafts = True
     rng, timing = random.Random(seed), random.Random(seed + 99)
 
