@@ -47,6 +47,7 @@ from transformers import (
 from transformers.utils import ModelOutput
 
 from .caches import realign_cache, slice_cache
+from .devices import seconds_agreement
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
 from .rounds import checked_proposal, draft_context, standardize, target_logits, verify_round
@@ -132,6 +133,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     do_sample = bool(generation_config.do_sample)
     max_length = generation_config.max_length
     first_round = True
+    agree = seconds_agreement(model)  # a tensor-parallel target's processes decide from the same seconds
 
     while rows:
         round_rows = list(rows)  # rows may leave the batch during the round
@@ -236,16 +238,15 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                 for i, r in enumerate(rows):
                     row_drafters[r].on_verified(torch.cat([prompts[r, text_start[r]:], generated[r]])[None],
                                                 kept_accepted[i : i + 1])
-        verify_end = time.perf_counter()
-        stats.draft_time_s += verify_start - draft_start
-        stats.verify_time_s += verify_end - verify_start
+        draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
+        stats.draft_time_s += draft_s
+        stats.verify_time_s += verify_s
         for r in round_rows:  # each row took part in the whole round
-            row_stats[r].draft_time_s += verify_start - draft_start
-            row_stats[r].verify_time_s += verify_end - verify_start
+            row_stats[r].draft_time_s += draft_s
+            row_stats[r].verify_time_s += verify_s
         # the policy sees one round of the whole batch: its time, and each row's accepted drafts
-        policy.observe_rows(drafted=num_drafted, accepted_per_row=accepted_list,
-                            draft_time_s=verify_start - draft_start, verify_time_s=verify_end - verify_start,
-                            first_round=first_round)
+        policy.observe_rows(drafted=num_drafted, accepted_per_row=accepted_list, draft_time_s=draft_s,
+                            verify_time_s=verify_s, first_round=first_round)
         first_round = False
 
     for r, tokens in enumerate(generated):  # what each row keeps (a row that grew past its end was cut back)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["execution_device"]
+__all__ = ["execution_device", "seconds_agreement"]
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:
@@ -26,3 +26,34 @@ def execution_device(model: torch.nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
+
+
+def seconds_agreement(model: torch.nn.Module):
+    """A function `agree(*seconds) -> tuple` that gives every process serving `model` the same timings.
+
+    A model sharded by tensor parallelism (transformers' `tp_plan`: weights are `DTensor`s on a device mesh) runs one
+    forward in all the processes of its mesh together, so they must take the same steps: the same γ, the same plain
+    steps. A policy that decides from measured seconds would not: each process measures its own, and a decision near
+    a threshold can go one way in one process and the other way in the next, after which their collectives no longer
+    match and the run crashes or hangs. `agree` replaces the seconds with the slowest process's (one all-reduce over
+    the mesh, the same result in every process). For a model that is not sharded it returns the seconds as given."""
+    mesh = None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support shards nothing
+        DTensor = None
+    if DTensor is not None:
+        mesh = next((parameter.device_mesh for parameter in model.parameters() if isinstance(parameter, DTensor)),
+                    None)
+    if mesh is None or mesh.size() == 1:
+        return lambda *seconds: seconds
+    local = next(parameter.to_local() for parameter in model.parameters() if isinstance(parameter, DTensor))
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+    def agree(*seconds):
+        values = torch.tensor(seconds, dtype=torch.float64, device=local.device)
+        for group in groups:  # the max over each axis in turn is the max over the whole mesh
+            torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
+        return tuple(values.tolist())
+
+    return agree

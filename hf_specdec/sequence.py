@@ -27,6 +27,7 @@ from .configuration import SpeculativeOptions
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
 from .caches import cached_length, static_capacity
+from .devices import seconds_agreement
 from .rounds import (
     TargetForward,
     capture_for,
@@ -83,6 +84,7 @@ def decode_sequence(
                                      1 + (tree_budget if tree_budget is not None else policy.max_gamma),
                                      reads_hidden_states=capture is not None)
     policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
+    agree = seconds_agreement(model)  # a tensor-parallel target's processes decide from the same seconds
     try:
         while not finished:
             cur_len = input_ids.shape[1]
@@ -178,11 +180,11 @@ def decode_sequence(
             if guess is not None:
                 policy.observe_shadow(first_draft_acceptance(guess, new_scores[0, 0], int(new_tokens[0, 0]),
                                                              do_sample, options.speculative_lenience))
-            verify_end = time.perf_counter()
-            stats.draft_time_s += verify_start - draft_start
-            stats.verify_time_s += verify_end - verify_start
-            policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=verify_start - draft_start,
-                           verify_time_s=verify_end - verify_start, first_round=first_round)
+            draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
+            stats.draft_time_s += draft_s
+            stats.verify_time_s += verify_s
+            policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=draft_s, verify_time_s=verify_s,
+                           first_round=first_round)
             first_round = False
     finally:
         if capture is not None:
