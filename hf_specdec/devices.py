@@ -37,14 +37,11 @@ def seconds_agreement(model: torch.nn.Module):
     a threshold can go one way in one process and the other way in the next, after which their collectives no longer
     match and the run crashes or hangs. `agree` replaces the seconds with the slowest process's (one all-reduce over
     the mesh, the same result in every process). For a model that is not sharded it returns the seconds as given."""
-    mesh = None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support shards nothing
-        DTensor = None
-    if DTensor is not None:
-        mesh = next((parameter.device_mesh for parameter in model.parameters() if isinstance(parameter, DTensor)),
-                    None)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):  # nothing can be sharded
+        return lambda *seconds: seconds
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((parameter.device_mesh for parameter in model.parameters() if isinstance(parameter, DTensor)), None)
     if mesh is None or mesh.size() == 1:
         return lambda *seconds: seconds
     local = next(parameter.to_local() for parameter in model.parameters() if isinstance(parameter, DTensor))

@@ -13,7 +13,7 @@ import hf_specdec
 from conftest import VOCAB, prompt, tiny_config
 from hf_specdec.distill import train_eagle_drafter
 from hf_specdec.drafters.eagle import Eagle3DraftModel
-from test_sampling_distribution import goodness_of_fit, processors
+from test_sampling_distribution import exact_distribution, goodness_of_fit, processors
 
 ARCHS = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 
@@ -196,22 +196,6 @@ def test_plain_steps_leave_the_features_pending_and_the_drafts_unchanged(tree_bu
         forwards[eager] = counter[0]
     assert logs[False] == logs[True] and len(logs[False]) >= 5
     assert forwards[False] < forwards[True]  # fewer head forwards: none at plain steps
-
-
-def exact_distribution(model, ids, config, length: int = 3):
-    """P(x1..x_length | prompt) under the target with the sampling processors, by enumeration."""
-    procs = processors(model, ids, config)
-    table = {(): 1.0}
-    for _ in range(length):
-        grown = {}
-        for prefix, probability in table.items():
-            seq = torch.cat([ids, torch.tensor([list(prefix)], dtype=torch.long)], dim=-1)
-            with torch.no_grad():
-                probs = procs(seq, model(seq).logits[:, -1].float()).softmax(-1)[0]
-            for token in torch.nonzero(probs).flatten().tolist():
-                grown[prefix + (token,)] = probability * probs[token].item()
-        table = grown
-    return table
 
 
 def samples(model, ids, config, n, **kwargs):

@@ -65,7 +65,7 @@ def nan(q):
 def test_proposal_probs_that_break_exactness_are_refused(target, make_probs, match):
     with pytest.raises(ValueError, match=match):
         target.generate(prompt(), drafter=ProbsDrafter(make_probs), do_sample=True, speculative_gamma=3,
-                        max_new_tokens=6)
+                        speculative_gamma_policy="constant", max_new_tokens=6)  # 3 drafts in the first round
 
 
 def test_valid_sampled_probs_pass_the_check(target):
@@ -89,7 +89,7 @@ def test_a_proposal_that_is_not_a_draft_proposal_names_the_fix(target):
 
 def test_gamma_above_the_default_max_is_honoured(target):
     out = target.generate(prompt(), drafter="prompt_lookup", speculative_gamma=40, max_new_tokens=60,
-                          return_dict_in_generate=True)
+                          speculative_gamma_policy="constant", return_dict_in_generate=True)
     assert out.speculative_stats.gamma_history[0] == 40
     assert torch.equal(out.sequences, target.generate(prompt(), max_new_tokens=60))
 

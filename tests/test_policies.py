@@ -328,7 +328,9 @@ def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
 
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 300, lambda position: 0.0, 0.15,
                       lambda k: 1.0 + 0.05 * k, stall_every)
-    assert chosen[:2] == [5, 1]  # the first round (prefill) accepted nothing: one drafted token measures the cost
+    # the first round drafts one token (nothing is known of the drafter yet); it accepted nothing, so one more
+    # drafted token measures the cost (a round without the prefill)
+    assert chosen[:2] == [1, 1]
     assert chosen[2:18] == [0] * 16 and chosen[18] == 1  # then plain steps, and a one-token probe after 16
     # failed probes back off: after 32, 64, 128 more plain steps
     assert [index for index, g in enumerate(chosen) if g] == [0, 1, 18, 51, 116, 245]
@@ -340,7 +342,7 @@ def test_auto_keeps_a_useful_drafter_at_the_users_gamma():
     # accepts 2 of 5 per round; verify over k tokens costs 1 + 0.1k, drafting 0.1 per token: pays
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 100, lambda position: 1.0 if position < 2 else 0.0,
                       0.1, lambda k: 1.0 + 0.1 * k)
-    assert chosen == [5] * 100
+    assert chosen == [1] + [5] * 99  # one token in the first round, before anything is measured
 
 
 def test_auto_measures_a_plain_step_when_it_is_close():
@@ -350,7 +352,7 @@ def test_auto_measures_a_plain_step_when_it_is_close():
     # loses to a plain step, which the policy measures once and then keeps taking
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
                       0.1, lambda k: 1.0 + k / 5)
-    assert chosen[:4] == [5, 5, 5, 5] and chosen[4] == 0
+    assert chosen[:4] == [1, 5, 5, 5] and chosen[4] == 0
     assert chosen[5:21] == [0] * 16
     # a probe after 16 plain steps accepts its token, so drafting resumes; what was measured before the stop still
     # counts (at half weight), so one more losing round at γ stops it again; the probes back off (the next comes
@@ -369,7 +371,7 @@ def test_auto_resumes_when_a_probe_is_accepted():
         policy.observe(drafted=gamma, accepted=accepted, draft_time_s=0.15 * gamma,
                        verify_time_s=1.0 + 0.05 * gamma, first_round=index == 0)
         chosen.append(gamma)
-    assert chosen[:2] == [4, 1] and chosen[2:18] == [0] * 16 and chosen[18] == 1  # a probe that fails
+    assert chosen[:2] == [1, 1] and chosen[2:18] == [0] * 16 and chosen[18] == 1  # a probe that fails
     assert chosen[19:51] == [0] * 32  # backs off
     assert chosen[51] == 1 and chosen[52:] == [4] * (200 - 52)  # the next probe found it useful
 
@@ -392,8 +394,8 @@ class RecordingDrafter(ScriptedDrafter):
 
 def guess_runs(drafter, prompt_length):
     """The steps (new tokens so far) at which `drafter` was asked for a one-token guess, as runs of consecutive
-    steps."""
-    steps = [length - prompt_length for length, tokens in drafter.calls if tokens == 1]
+    steps (the first call, the first round's one-token draft, is not a guess)."""
+    steps = [length - prompt_length for length, tokens in drafter.calls[1:] if tokens == 1]
     runs = []
     for step in steps:
         if runs and step == runs[-1][-1] + 1:
@@ -410,10 +412,10 @@ def test_auto_in_generate_with_a_drafter_that_is_never_right(target):
     out = run(target, ids, drafter=drafter)
     assert torch.equal(out.sequences, plain)
     drafted = out.speculative_stats.drafted_history
-    # the prefill round drafts γ; everything after is plain steps: the probes are shadow drafts (a one-token guess
-    # beside a plain step, never verified)
-    assert drafted[0] == 5 and sum(drafted[1:]) == 0
-    assert drafter.calls[0] == (8, 5) and all(tokens in (0, 1) for _, tokens in drafter.calls[1:])
+    # the prefill round drafts one token; everything after is plain steps: the probes are shadow drafts (a
+    # one-token guess beside a plain step, never verified)
+    assert drafted[0] == 1 and sum(drafted[1:]) == 0
+    assert drafter.calls[0] == (8, 1) and all(tokens in (0, 1) for _, tokens in drafter.calls[1:])
     # a probe right after the prefill round, the next after 16 plain steps, then after 32 more; each probe guesses
     # until its guesses have cost half a plain step (how many that is depends on this machine's timings)
     runs = guess_runs(drafter, 8)
@@ -436,7 +438,7 @@ def test_auto_shadow_draft_finds_a_drafter_that_becomes_right(target, do_sample)
     if not do_sample:
         assert torch.equal(out.sequences, plain)
         drafted = out.speculative_stats.drafted_history
-        assert drafted[0] == 5 and sum(drafted[1:16]) == 0  # stopped while the drafter is wrong
+        assert drafted[0] == 1 and sum(drafted[1:16]) == 0  # stopped while the drafter is wrong
         resumed = next(index for index, count in enumerate(drafted) if index and count)
         assert resumed <= 15 + 17 + 1  # a probe found it right: at the latest the one after 16 more plain steps
         assert all(count == 5 for count in drafted[resumed:-1]) and out.speculative_stats.accepted_tokens >= 30
@@ -457,8 +459,8 @@ def shadow_policy():
 
     policy = AutoGammaPolicy(gamma=4, max_gamma=16)
     policy.shadow_drafts = True
-    assert policy.next_gamma() == 4
-    policy.observe(drafted=4, accepted=0, draft_time_s=2.0, verify_time_s=5.0, first_round=True)
+    assert policy.next_gamma() == 1  # the first round drafts one token
+    policy.observe(drafted=1, accepted=0, draft_time_s=2.0, verify_time_s=5.0, first_round=True)
     assert policy.shadow and not policy.stopped and not policy.plain_s
     return policy
 

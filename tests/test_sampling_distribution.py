@@ -47,6 +47,22 @@ def exact_two_token_distribution(model, ids, config):
     return table
 
 
+def exact_distribution(model, ids, config, length: int = 3):
+    """P(x1..x_length | prompt) under the target with the sampling processors, by enumeration."""
+    procs = processors(model, ids, config)
+    table = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, probability in table.items():
+            seq = torch.cat([ids, torch.tensor([list(prefix)], dtype=torch.long)], dim=-1)
+            with torch.no_grad():
+                probs = procs(seq, model(seq).logits[:, -1].float()).softmax(-1)[0]
+            for token in torch.nonzero(probs).flatten().tolist():
+                grown[prefix + (token,)] = probability * probs[token].item()
+        table = grown
+    return table
+
+
 def goodness_of_fit(table, samples):
     outcomes = sorted(table, key=table.get, reverse=True)
     observed, expected = [], []

@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_specdec
 from conftest import ARCHITECTURES, VOCAB, noisy_copy, prompt, tiny_model, tiny_seq2seq
-from test_sampling_distribution import exact_two_token_distribution, goodness_of_fit, sample_pairs
+from test_sampling_distribution import exact_distribution, exact_two_token_distribution, goodness_of_fit, sample_pairs
 from hf_specdec.caches import compact_cache
 from hf_specdec.rounds import TreeLayout
 from hf_specdec.trees import ancestor_mask, chain_parents, tree_attention_bias, tree_depths
@@ -222,29 +222,39 @@ def sampling_target():
 
 
 def test_point_mass_tree_samples_follow_target(sampling_target):
+    """Three siblings (the likeliest first tokens), each with a child (its likeliest next token): a depth-2 tree of
+    deterministic nodes, verified over three-token samples (the first round drafts the whole tree)."""
     target = sampling_target
     ids = prompt(6, seed=11)
-    table = exact_two_token_distribution(target, ids, SAMPLING)
-    # the three likeliest first tokens as siblings, each with the likeliest second token after it (deterministic)
+    table = exact_distribution(target, ids, SAMPLING, length=3)
+    pairs = {}
+    for (x1, x2, _), p in table.items():
+        pairs[(x1, x2)] = pairs.get((x1, x2), 0.0) + p
     firsts = {}
-    for (x1, x2), p in sorted(table.items(), key=lambda item: -item[1]):
+    for (x1, x2), p in sorted(pairs.items(), key=lambda item: -item[1]):
         if x1 not in firsts and len(firsts) < 3:
             firsts[x1] = x2
+    asked = []
 
     class Siblings(hf_specdec.Drafter):
         def propose(self, input_ids, num_tokens):
+            asked.append(num_tokens)
             if num_tokens < 2:
                 return hf_specdec.DraftProposal.empty(1, input_ids.device)
             tokens = [t for pair in firsts.items() for t in pair]
             parents = [p for i in range(len(firsts)) for p in (-1, 2 * i)]
             return hf_specdec.DraftProposal(tokens=torch.tensor([tokens]), parents=torch.tensor([parents]))
 
-    samples = sample_pairs(target, ids, SAMPLING, 2000, drafter=Siblings(), speculative_gamma=2,
-                           speculative_tree_budget=6)
+    torch.manual_seed(1234)
+    samples = [tuple(target.generate(ids, do_sample=True, max_new_tokens=3, drafter=Siblings(), speculative_gamma=2,
+                                     speculative_tree_budget=6, speculative_gamma_policy="constant", **SAMPLING)
+                     [0, ids.shape[1]:].tolist()) for _ in range(2000)]
+    assert asked.count(2) == 2000  # every first round drafted the whole tree
     assert goodness_of_fit(table, samples) > 1e-3
-    # power: emitting the drafted paths as they are fails the same test
-    wrong = [list(firsts.items())[i % 3] for i in range(2000)]
-    assert goodness_of_fit(table, wrong) < 1e-3
+    # power: accepting a drafted child whenever its parent was emitted (no ratio test below the root) fails the test
+    # (outcomes the target cannot produce, or a distribution it does not have)
+    wrong = [(x1, firsts[x1], x3) if x1 in firsts else (x1, x2, x3) for x1, x2, x3 in samples]
+    assert any(sample not in table for sample in wrong) or goodness_of_fit(table, wrong) < 1e-3
 
 
 def test_model_drafter_tree_samples_follow_target(sampling_target):
