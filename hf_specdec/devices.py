@@ -41,14 +41,14 @@ def seconds_agreement(model: torch.nn.Module):
         return lambda *seconds: seconds
     from torch.distributed.tensor import DTensor
 
-    mesh = next((parameter.device_mesh for parameter in model.parameters() if isinstance(parameter, DTensor)), None)
-    if mesh is None or mesh.size() == 1:
+    sharded = next((parameter for parameter in model.parameters() if isinstance(parameter, DTensor)), None)
+    if sharded is None or sharded.device_mesh.size() == 1:
         return lambda *seconds: seconds
-    local = next(parameter.to_local() for parameter in model.parameters() if isinstance(parameter, DTensor))
+    mesh, device = sharded.device_mesh, sharded.to_local().device
     groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
     def agree(*seconds):
-        values = torch.tensor(seconds, dtype=torch.float64, device=local.device)
+        values = torch.tensor(seconds, dtype=torch.float64, device=device)
         for group in groups:  # the max over each axis in turn is the max over the whole mesh
             torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
         return tuple(values.tolist())
