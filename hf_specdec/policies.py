@@ -107,7 +107,9 @@ class AutoGammaPolicy(GammaPolicy):
     judged from the third drafting round on, half a standard error of its mean tokens per round more optimistic than
     measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on average yet has runs of unlucky rounds, and a
     decision on the last three rounds alone stopped such a drafter (an EAGLE tree that paid 1.4x) for most of its
-    call. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
+    call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, as a plain step's
+    cost is a median: stalls of another process, on a loaded machine every few steps, must not stop a drafter that
+    pays. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
     forward stops without a plain step to compare; when the two are close, one plain step is measured.
 
     A probe, where the loop takes shadow drafts (one sequence), is a run of plain steps, each with the drafter's
@@ -131,6 +133,7 @@ class AutoGammaPolicy(GammaPolicy):
     resume_weight = 0.5  # weight, at a resume, of the rounds measured before the stop
     stop_below = 0.95  # stop when the drafting rate falls below this fraction of a plain step's rate
     first_gamma = 1  # tokens drafted in the first round, before anything is measured
+    max_jump = 1.5  # a drafting round's seconds count for at most this times the median of the last five
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
@@ -138,6 +141,7 @@ class AutoGammaPolicy(GammaPolicy):
         self.weight = self.tokens = self.squares = self.seconds = 0.0
         self.drafting_rounds = 0
         self.verify_s = collections.deque(maxlen=5)  # verify seconds of recent drafting rounds
+        self.round_s = collections.deque(maxlen=5)  # drafting plus verifying seconds of recent drafting rounds
         self.plain_s = collections.deque(maxlen=5)  # seconds of recent plain steps
         self.cautious = False  # no shadow drafts: the first round accepted nothing, measure with one drafted token
         self.stopped = False
@@ -216,10 +220,14 @@ class AutoGammaPolicy(GammaPolicy):
             if accepted:
                 self._resume()
             return
+        spent = draft_time_s + verify_time_s
+        if len(self.round_s) >= 2:  # a stall counts for at most `max_jump` times the median of recent rounds
+            spent = min(spent, self.max_jump * statistics.median(self.round_s))
+        self.round_s.append(draft_time_s + verify_time_s)
         self.weight = self.decay * self.weight + 1.0
         self.tokens = self.decay * self.tokens + accepted + 1
         self.squares = self.decay * self.squares + (accepted + 1) ** 2
-        self.seconds = self.decay * self.seconds + draft_time_s + verify_time_s
+        self.seconds = self.decay * self.seconds + spent
         self.drafting_rounds += 1
         self.verify_s.append(verify_time_s)
         if self.cautious:  # a γ = 1 round after a first round that accepted nothing
@@ -229,6 +237,7 @@ class AutoGammaPolicy(GammaPolicy):
             else:  # a γ = 1 round says little about the user's γ: start afresh
                 self.weight = self.tokens = self.squares = self.seconds = 0.0
                 self.drafting_rounds = 0
+                self.round_s.clear()
             return
         if self.drafting_rounds >= self.min_rounds:
             self._decide()
@@ -258,7 +267,10 @@ class AutoGammaPolicy(GammaPolicy):
         spread = max(self.squares / self.weight - mean * mean, 0.25)
         optimism = self.optimism if optimism is None else optimism
         benefit_of_doubt = 1.0 + optimism * math.sqrt(spread / self.weight) / mean
-        drafting_rate = self.tokens / max(self.seconds, 1e-12) * benefit_of_doubt
+        # seconds per round: their mean, at most `max_jump` times the median of the last five (the first rounds were
+        # not capped one by one)
+        seconds = min(self.seconds / self.weight, self.max_jump * statistics.median(self.round_s))
+        drafting_rate = mean / max(seconds, 1e-12) * benefit_of_doubt
         verify = statistics.median(self.verify_s)
         if drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
             self.stopped = True
