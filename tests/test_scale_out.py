@@ -366,9 +366,10 @@ status = main(["generate", "--target", folder + "/target", "--tp-plan", "auto", 
                "--max-new-tokens", "8", "--batch-size", "2", "--threads", "1"])
 refused = main(["generate", "--target", folder + "/gpt2", "--tp-plan", "auto", "--drafter", "prompt_lookup",
                 "--prompt", "a"])
-print("RESULT", json.dumps({"rank": rank, "tp_size": model.tp_size, "sharded": sharded, "same": same,
-                             "plain": plain.tolist(), "status": status, "refused": refused, "agreed": agreed}),
-      flush=True)
+# one file per process: the two processes' prints to one pipe can interleave within a line
+with open(f"{folder}/result{rank}.json", "w") as out:
+    json.dump({"rank": rank, "tp_size": model.tp_size, "sharded": sharded, "same": same, "plain": plain.tolist(),
+               "status": status, "refused": refused, "agreed": agreed}, out)
 """
 
 
@@ -386,7 +387,7 @@ def test_tensor_parallel_target_is_exact_with_a_replicated_drafter(saved, local_
     script.write_text(TENSOR_PARALLEL)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(script), str(folder)], capture_output=True, text=True, env=_env(), timeout=300)
-    results = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    results = [json.loads(path.read_text()) for path in sorted(folder.glob("result*.json"))]
     # a process that aborts (a collective mismatch in gloo) prints its reason first: show it with the end
     assert len(results) == 2, "\n".join([line for line in result.stderr.splitlines() if "what()" in line]
                                         + [result.stderr[-3000:]])
