@@ -220,10 +220,10 @@ class AutoGammaPolicy(GammaPolicy):
             if accepted:
                 self._resume()
             return
-        spent = draft_time_s + verify_time_s
+        measured = spent = draft_time_s + verify_time_s
         if len(self.round_s) >= 2:  # a stall counts for at most `max_jump` times the median of recent rounds
-            spent = min(spent, self.max_jump * statistics.median(self.round_s))
-        self.round_s.append(draft_time_s + verify_time_s)
+            spent = min(measured, self.max_jump * statistics.median(self.round_s))
+        self.round_s.append(measured)
         self.weight = self.decay * self.weight + 1.0
         self.tokens = self.decay * self.tokens + accepted + 1
         self.squares = self.decay * self.squares + (accepted + 1) ** 2

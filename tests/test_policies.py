@@ -452,9 +452,9 @@ def test_auto_shadow_draft_finds_a_drafter_that_becomes_right(target, do_sample)
     if not do_sample:
         assert torch.equal(out.sequences, plain)
         drafted = out.speculative_stats.drafted_history
-        assert drafted[0] == 1 and sum(drafted[1:16]) == 0, drafted  # stopped while the drafter is wrong
+        assert drafted[0] == 1 and sum(drafted[1:16]) == 0, str(drafted)  # stopped while the drafter is wrong
         resumed = next(index for index, count in enumerate(drafted) if index and count)
-        assert resumed <= 15 + 17 + 1, drafted  # a probe found it right: at the latest after 16 more plain steps
+        assert resumed <= 15 + 17 + 1, str(drafted)  # a probe found it right: at the latest after 16 more plain steps
         assert all(count == 5 for count in drafted[resumed:-1]), str(drafted)
         assert out.speculative_stats.accepted_tokens >= 30
     else:
