@@ -329,3 +329,43 @@ def test_each_row_of_a_batch_has_its_own_stats():
     stats = out.speculative_stats
     assert len(stats.rows) == 2 and sum(row.target_calls for row in stats.rows) == stats.target_calls
     assert sum(row.emitted_tokens for row in stats.rows) == stats.emitted_tokens
+
+
+class ScheduledPolicy(hf_specdec.policies.GammaPolicy):
+    """γ from a fixed cycle that starts and goes on with plain steps (γ = 0): a user policy may do both."""
+
+    schedule = (0, 0, 3, 0, 2, 4, 0, 1)
+
+    def __init__(self, gamma, max_gamma):
+        super().__init__(gamma, max_gamma)
+        self.rounds = 0
+
+    def next_gamma(self):
+        self.rounds += 1
+        return self.schedule[(self.rounds - 1) % len(self.schedule)]
+
+
+hf_specdec.policies.register_gamma_policy("scheduled_batch_test", ScheduledPolicy)
+
+
+@pytest.mark.parametrize("drafter_kind", ("always_right", "partly_right", "never_right"))
+def test_plain_steps_before_and_between_drafting_rounds_in_a_batch(drafter_kind):
+    # a padded batch whose first rounds draft nothing: the model drafter's cache is empty when the batch is first
+    # realigned (this crashed: AttributeError on the rows it had never fed)
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids, mask = padded_batch()
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
+    drafters = {"always_right": dict(assistant_model=target),
+                "partly_right": dict(assistant_model=noisy_copy(target, scale=0.5)),
+                "never_right": dict(assistant_model=tiny_model("llama", seed=7))}
+    sequences, stats = run(target, ids, mask, speculative_gamma_policy="scheduled_batch_test",
+                           **drafters[drafter_kind])
+    assert torch.equal(sequences, plain)
+    assert stats.gamma_history[:6] == [0, 0, 3, 0, 2, 4]
+    assert stats.drafted_tokens > 0
+    if drafter_kind == "always_right":
+        assert stats.acceptance_rate == 1.0
+    if drafter_kind == "partly_right":
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    if drafter_kind == "never_right":
+        assert stats.accepted_tokens == 0

@@ -125,6 +125,10 @@ class ModelDrafter(Drafter):
                 )
             self.attention_mask = context.model_kwargs.get("attention_mask")  # [batch, prompt_len] or None
             cache = DynamicCache(config=model.config)
+            # a padded batch: what the cache holds, per row (nothing yet: a round may come before any drafting)
+            batch = context.input_ids.shape[0]
+            self.fed_ids = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
+            self.fed_mask = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
         else:
             self.attention_mask = None  # decoder prompts (start tokens) are never padded
             self.encoder_inputs = self._encoder_inputs(context, forward_params)
@@ -260,6 +264,8 @@ class ModelDrafter(Drafter):
             excess = self.cache.get_seq_length() - keep
             if excess > 0:
                 self.cache.crop(-excess)
+            return
+        if not self.fed_ids.shape[1]:  # a padded batch whose rounds have not drafted yet: nothing is cached
             return
         # a padded batch, re-padded so that rows end together: keep, per row, the cached tokens that are still its
         # prefix, moved to the row's new columns (the same realignment as the target's cache)
