@@ -1,4 +1,5 @@
-"""Draft-length (γ) policies: `auto` (the default: constant γ, plain steps when drafting is measured not to pay),
+"""Draft-length (γ) policies: `auto` (the default: the user's γ; a smaller one, or plain steps, when drafting is
+measured not to pay),
 `constant`, `heuristic` (+2 / -1) and `optimal` (Theorem 3.8 with online estimates).
 
 A policy is created for one `generate` call, so nothing it learns outlives the call or lands on a user object.
@@ -58,6 +59,7 @@ class GammaPolicy:
     round also costs a verify forward over two tokens."""
 
     shadow_drafts = False  # set by loops that can take shadow drafts
+    trees = False  # set by loops that verify token trees (`speculative_tree_budget`): γ is then the trees' depth
     shadow_draft_wanted = False  # set by the policy with a γ = 0 that should carry one
 
     def __init__(self, gamma: int, max_gamma: int):
@@ -123,7 +125,16 @@ class AutoGammaPolicy(GammaPolicy):
     The first round drafts one token (`first_gamma`), the next ones the user's γ: nothing is known yet of the
     drafter, and a first round of γ drafts cost a useless drafter (an early exit of SmolLM2-135M in bfloat16) γ - 1
     drafting steps and a wider prefill, 1.5-2.5 plain steps: 9% of a 26-token answer. Its times include the prompt's
-    prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once."""
+    prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once.
+
+    Before it stops, a chain steps down: where a verify forward's cost grows with its tokens (a batch on a CPU, where
+    γ = 5 loses and γ = 1 pays), a smaller γ may pay where the user's does not. From the measured acceptance rate of
+    each draft position (decayed like the rate; rows of a batch count as fractions of a round), a plain step's seconds
+    P and the median seconds R of recent drafting rounds at γ, taken as linear in the drafts (P + g (R - P) / γ for g
+    drafts), it predicts the tokens per second of each smaller γ; the best is tried, afresh, when predicted to beat a
+    plain step by `step_down_gain`, otherwise drafting stops (and a probe that resumes it resumes the smaller γ). A
+    useless drafter is predicted to lose at every γ and stops as before. Trees do not step down: their cost is set by
+    the tree budget, not by the depth."""
 
     decay = 0.9  # weight of the drafting round before, per drafting round, in the drafting rate
     min_rounds = 3  # drafting rounds (after the first) before the rate decides
@@ -134,11 +145,15 @@ class AutoGammaPolicy(GammaPolicy):
     stop_below = 0.95  # stop when the drafting rate falls below this fraction of a plain step's rate
     first_gamma = 1  # tokens drafted in the first round, before anything is measured
     max_jump = 1.5  # a drafting round's seconds count for at most this times the median of the last five
+    step_down_gain = 1.05  # a smaller γ is tried when predicted to beat a plain step by this factor
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
         # decayed sums over drafting rounds: rounds, emitted tokens, their squares, drafting plus verifying seconds
         self.weight = self.tokens = self.squares = self.seconds = 0.0
+        # decayed sums over drafting rounds, per draft position: rounds that reached it, and that accepted its draft
+        self.position_reached = [0.0] * self.gamma
+        self.position_accepted = [0.0] * self.gamma
         self.drafting_rounds = 0
         self.verify_s = collections.deque(maxlen=5)  # verify seconds of recent drafting rounds
         self.round_s = collections.deque(maxlen=5)  # drafting plus verifying seconds of recent drafting rounds
@@ -189,12 +204,28 @@ class AutoGammaPolicy(GammaPolicy):
             self.shadow_outcome = bool(torch.rand((), generator=self.generator) < acceptance)
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
+        self._count_positions(drafted, [accepted])
         self._observe(drafted, accepted, draft_time_s, verify_time_s, first_round)
 
     def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
+        self._count_positions(drafted, accepted_per_row)
         # a batch's tokens per second is the number of rows times a row's mean: the mean, unrounded, decides
         self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s,
                       first_round)
+
+    def _count_positions(self, drafted: int, accepted_per_row: list[int]) -> None:
+        """What a chain's drafts were worth, per position, whatever the round's kind (a batch's rows as fractions of
+        one round); plain steps say nothing of it."""
+        if not drafted or self.trees:
+            return
+        self.position_reached = [self.decay * value for value in self.position_reached]
+        self.position_accepted = [self.decay * value for value in self.position_accepted]
+        weight = 1.0 / len(accepted_per_row)
+        for accepted in accepted_per_row:
+            for position in range(min(accepted + 1, drafted, len(self.position_reached))):
+                self.position_reached[position] += weight
+                if position < accepted:
+                    self.position_accepted[position] += weight
 
     def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
@@ -280,6 +311,39 @@ class AutoGammaPolicy(GammaPolicy):
             self.measure_plain = True
         if self.stopped:
             self.plain_rounds = 0
+            self._step_down()
+
+    def _step_down(self) -> None:
+        """Drafting at γ was measured to lose; tries the smaller γ predicted to pay best, if any (see the class
+        docstring). Without a plain step measured yet, measures one first."""
+        if self.trees or self.gamma <= 1:
+            return
+        # E[tokens per round] for γ = 0, 1, ..., γ - 1: 1 + sum_{i<=γ} prod_{j<=i} a_j (a_j: position j's rate)
+        tokens, survive = [1.0], 1.0
+        for reached, accepted in zip(self.position_reached[: self.gamma - 1], self.position_accepted):
+            survive *= accepted / reached if reached else 0.0
+            tokens.append(tokens[-1] + survive)
+        if tokens[-1] < self.step_down_gain:
+            return  # too few drafts accepted for any smaller γ to pay, even with free drafts
+        if not self.plain_s:
+            self.stopped, self.measure_plain = False, True  # decided again after it
+            return
+        plain = statistics.median(self.plain_s)
+        # seconds each draft adds to a round, linear in γ (recent rounds' median: a stall must not decide the γ)
+        per_draft = max(statistics.median(self.round_s) - plain, 0.0) / self.gamma
+
+        def rate(gamma):  # tokens per second, at those costs
+            return tokens[gamma] / (plain + gamma * per_draft)
+
+        best = max(range(1, self.gamma), key=rate)
+        if rate(best) < self.step_down_gain / plain:
+            return
+        # start afresh at the smaller γ: what drafting cost at the old one says little of the new one's costs
+        self.gamma, self.stopped = best, False
+        self.weight = self.tokens = self.squares = self.seconds = 0.0
+        self.drafting_rounds = 0
+        self.round_s.clear()
+        self.verify_s.clear()
 
 
 class OptimalGammaPolicy(GammaPolicy):

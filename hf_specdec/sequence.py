@@ -84,6 +84,7 @@ def decode_sequence(
                                      1 + (tree_budget if tree_budget is not None else policy.max_gamma),
                                      reads_hidden_states=capture is not None)
     policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
+    policy.trees = tree_budget is not None
     agree = seconds_agreement(model)  # a tensor-parallel target's processes decide from the same seconds
     try:
         while not finished:
