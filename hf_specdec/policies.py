@@ -328,7 +328,7 @@ class AutoGammaPolicy(GammaPolicy):
         if not self.plain_s:
             self.stopped, self.measure_plain = False, True  # decided again after it
             return
-        plain = statistics.median(self.plain_s)
+        plain = max(statistics.median(self.plain_s), 1e-12)
         # seconds each draft adds to a round, linear in γ (recent rounds' median: a stall must not decide the γ)
         per_draft = max(statistics.median(self.round_s) - plain, 0.0) / self.gamma
 
