@@ -49,6 +49,32 @@ from .registry import Registry
 __all__ = ["GammaPolicy", "get_gamma_policy_class", "list_gamma_policies", "register_gamma_policy"]
 
 
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E[tokens per round] for γ = 0 ... len(rates), with rates[j] the acceptance rate at draft position j given that
+    position was reached: 1 + sum_{i<=γ} prod_{j<=i} rates[j], in one pass."""
+    tokens, survive = [1.0], 1.0
+    for rate in rates:
+        survive *= rate
+        tokens.append(tokens[-1] + survive)
+    return tokens
+
+
+def count_positions(reached: list[float], accepted: list[float], drafted: int, accepted_per_row: list[int],
+                    decay: float) -> tuple[list[float], list[float]]:
+    """Decayed counts, per draft position, of the rounds that reached it and that accepted its draft, after one more
+    round of `drafted` drafts; a round of a batch counts as one round, its rows as fractions. Returns the new
+    (reached, accepted)."""
+    reached = [decay * value for value in reached]
+    accepted = [decay * value for value in accepted]
+    weight = 1.0 / len(accepted_per_row)
+    for row_accepted in accepted_per_row:
+        for position in range(min(row_accepted + 1, drafted, len(reached))):
+            reached[position] += weight
+            if position < row_accepted:
+                accepted[position] += weight
+    return reached, accepted
+
+
 class GammaPolicy:
     """Base class: a constant γ. Subclasses override `next_gamma` and `observe`.
 
@@ -214,18 +240,10 @@ class AutoGammaPolicy(GammaPolicy):
                       first_round)
 
     def _count_positions(self, drafted: int, accepted_per_row: list[int]) -> None:
-        """What a chain's drafts were worth, per position, whatever the round's kind (a batch's rows as fractions of
-        one round); plain steps say nothing of it."""
-        if not drafted or self.trees:
-            return
-        self.position_reached = [self.decay * value for value in self.position_reached]
-        self.position_accepted = [self.decay * value for value in self.position_accepted]
-        weight = 1.0 / len(accepted_per_row)
-        for accepted in accepted_per_row:
-            for position in range(min(accepted + 1, drafted, len(self.position_reached))):
-                self.position_reached[position] += weight
-                if position < accepted:
-                    self.position_accepted[position] += weight
+        """What a chain's drafts were worth, per position, whatever the round's kind; plain steps say nothing of it."""
+        if drafted and not self.trees:
+            self.position_reached, self.position_accepted = count_positions(
+                self.position_reached, self.position_accepted, drafted, accepted_per_row, self.decay)
 
     def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
@@ -318,11 +336,9 @@ class AutoGammaPolicy(GammaPolicy):
         docstring). Without a plain step measured yet, measures one first."""
         if self.trees or self.gamma <= 1:
             return
-        # E[tokens per round] for γ = 0, 1, ..., γ - 1: 1 + sum_{i<=γ} prod_{j<=i} a_j (a_j: position j's rate)
-        tokens, survive = [1.0], 1.0
-        for reached, accepted in zip(self.position_reached[: self.gamma - 1], self.position_accepted):
-            survive *= accepted / reached if reached else 0.0
-            tokens.append(tokens[-1] + survive)
+        # E[tokens per round] for γ = 0, 1, ..., γ - 1
+        tokens = expected_tokens([accepted / reached if reached else 0.0 for reached, accepted
+                                  in zip(self.position_reached[: self.gamma - 1], self.position_accepted)])
         if tokens[-1] < self.step_down_gain:
             return  # too few drafts accepted for any smaller γ to pay, even with free drafts
         if not self.plain_s:
@@ -386,14 +402,6 @@ class OptimalGammaPolicy(GammaPolicy):
         slope = min(slope, mean_t / (mean_k + 1.0))
         return mean_t - slope * mean_k, slope
 
-    def expected_tokens(self, rates: list[float]) -> list[float]:
-        """E[tokens per round] for γ = 0 ... max_gamma: 1 + sum_{i<=γ} prod_{j<=i} a_j, in one pass."""
-        tokens, survive = [1.0], 1.0
-        for rate in rates:
-            survive *= rate
-            tokens.append(tokens[-1] + survive)
-        return tokens
-
     def verify_seconds(self, gamma: int, line: tuple[float, float] | None = None) -> float:
         """The median of recent verify times of rounds that drafted `gamma` (robust to stalls), shrunk towards the
         fitted line by how many there are."""
@@ -417,7 +425,7 @@ class OptimalGammaPolicy(GammaPolicy):
 
     def tokens_per_second(self, rates: list[float]) -> list[float]:
         """Expected tokens per second for γ = 0 ... max_gamma."""
-        return [tokens / seconds for tokens, seconds in zip(self.expected_tokens(rates), self.round_seconds())]
+        return [tokens / seconds for tokens, seconds in zip(expected_tokens(rates), self.round_seconds())]
 
     def drafting_hopeless(self) -> bool:
         """Whether to stop drafting: only on measured costs (medians of plain steps and of at least three γ = 1 rounds:
@@ -439,7 +447,7 @@ class OptimalGammaPolicy(GammaPolicy):
                 return 0  # its drafts all failed: take a plain step, which also measures its cost
             # Theorem 3.8, at most doubling the user's γ: a few drafts and prefill-laden costs extrapolate poorly
             speedups = [tokens / (gamma * self.prior_c + 1.0)
-                        for gamma, tokens in enumerate(self.expected_tokens(self.acceptance_rates()))]
+                        for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))]
             return max(range(min(2 * self.gamma, self.max_gamma) + 1), key=lambda g: (speedups[g], -g))
         if self.rounds == 2 and 0 not in self.verify_s:  # one measured γ = k: the fitted line is flat
             return next(iter(self.verify_s)) // 2  # measure a second point (k = 1: a plain step) before trusting it
@@ -471,14 +479,8 @@ class OptimalGammaPolicy(GammaPolicy):
                  first_round: bool) -> None:
         self.rounds += 1
         if drafted:  # plain steps say nothing about acceptance, so they do not age what is known about it
-            self.reached = [r * self.decay for r in self.reached]
-            self.accepted = [a * self.decay for a in self.accepted]
-            weight = 1.0 / len(accepted_per_row)  # a round of a batch counts as one round, its rows as fractions
-            for accepted in accepted_per_row:
-                for position in range(min(accepted + 1, drafted)):
-                    self.reached[position] += weight
-                for position in range(accepted):
-                    self.accepted[position] += weight
+            self.reached, self.accepted = count_positions(self.reached, self.accepted, drafted, accepted_per_row,
+                                                          self.decay)
         if first_round:  # its times include the prompt's prefill, in both models: only their ratio is usable
             self.prior_c = draft_time_s / verify_time_s / max(drafted, 1) if verify_time_s > 0 else 0.0
             return
