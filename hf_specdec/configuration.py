@@ -39,8 +39,8 @@ class SpeculativeOptions:
     speculative_lenience: float = 1.0
     """Lenience l in (0, 1] (Appendix A.5); 1.0 is the exact algorithm, smaller values are lossy."""
     speculative_gamma_policy: str = "auto"
-    """How γ is chosen each round: "auto" (one token first, then γ, or plain steps while drafting is measured not to
-    pay), "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
+    """How γ is chosen each round: "auto" (one token first, then γ; a smaller γ predicted to pay, or plain steps, while
+    drafting is measured not to pay), "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
     speculative_max_gamma: int | None = None
     """The largest γ any policy may choose; None: max(16, speculative_gamma)."""
     speculative_tree_budget: int | None = None
@@ -113,8 +113,10 @@ class SpeculativeGenerationConfig(GenerationConfig):
             How γ is chosen before each round: `"auto"` (one drafted token in the first round, before anything is
             measured, then `speculative_gamma` while drafting pays; when the call's
             own measurements over its last ten or so rounds show it emits fewer tokens per second than 95% of a
-            plain step's, plain steps, probing the drafter again after 16, 32, 64, ... of them with one-token
-            guesses, so a drafter that accepts nothing costs a few rounds), `"constant"` (always
+            plain step's, a chain steps down to the smaller γ predicted to pay best (from the acceptance measured
+            per draft position and the rounds' cost taken as linear in their drafts), else takes plain steps,
+            probing the drafter again after 16, 32, 64, ... of them with one-token guesses, so a drafter that
+            accepts nothing costs a few rounds), `"constant"` (always
             `speculative_gamma`), `"heuristic"` (+2 after a fully accepted round, -1 otherwise, starting from
             `speculative_gamma`, never persisted), or `"optimal"`
             (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the

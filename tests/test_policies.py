@@ -329,7 +329,8 @@ def test_speculative_metric_offline(target):
         hf_specdec.metrics.load("nope")
 
 
-# the default policy: the user's γ while drafting pays, plain steps (with rare probes) when it is measured not to
+# the default policy: the user's γ while drafting pays; a smaller γ, or plain steps (with rare probes), when it is
+# measured not to
 
 
 def test_auto_is_the_default():
