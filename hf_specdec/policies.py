@@ -284,9 +284,7 @@ class AutoGammaPolicy(GammaPolicy):
             if accepted == 0:
                 self._decide(optimism=0.0)  # nothing accepted in two rounds: stops unless drafting is nearly free
             else:  # a γ = 1 round says little about the user's γ: start afresh
-                self.weight = self.tokens = self.squares = self.seconds = 0.0
-                self.drafting_rounds = 0
-                self.round_s.clear()
+                self._restart_rate()
             return
         if self.drafting_rounds >= self.min_rounds:
             self._decide()
@@ -356,10 +354,15 @@ class AutoGammaPolicy(GammaPolicy):
             return
         # start afresh at the smaller γ: what drafting cost at the old one says little of the new one's costs
         self.gamma, self.stopped = best, False
+        self._restart_rate()
+        self.verify_s.clear()
+
+    def _restart_rate(self) -> None:
+        """Forgets the measured drafting rate (its decayed sums and recent round times): the next rounds draft a
+        different γ."""
         self.weight = self.tokens = self.squares = self.seconds = 0.0
         self.drafting_rounds = 0
         self.round_s.clear()
-        self.verify_s.clear()
 
 
 class OptimalGammaPolicy(GammaPolicy):
