@@ -30,7 +30,8 @@ def _methods(target, args):
     return {
         "plain": {},
         "transformers prompt lookup": {"prompt_lookup_num_tokens": 10},
-        "ours prompt lookup": {"drafter": "prompt_lookup"},
+        "ours prompt lookup": {"drafter": "prompt_lookup"},  # γ = 10, the drafter's default since stop 33
+        "ours prompt lookup, γ = 5": {"drafter": "prompt_lookup", "speculative_gamma": 5},  # the default before
         "EAGLE head, chain": {"drafter": eagle},
         f"EAGLE head, tree {args.tree_budget}": {"drafter": eagle, "speculative_tree_budget": args.tree_budget},
         "distilled 1-layer": {"assistant_model": distilled},

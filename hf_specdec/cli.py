@@ -277,6 +277,7 @@ def demo(args: argparse.Namespace) -> int:
     if args.gguf_file is not None:
         raise CLIError("--gguf-file names a file inside --model DIR; pass --model too")
     target, tokenizer = _load_target(None)
+    gamma = 4 if args.gamma is None else args.gamma  # the embedded drafters' tuned draft length
     names = ["prompt_lookup", "ngram", "model"] if args.drafter == "all" else [args.drafter]
     drafters = {name: _load_drafter([name], embedded_target=True) for name in names}
     example = load_prompts()[args.task][args.index]
@@ -285,11 +286,11 @@ def demo(args: argparse.Namespace) -> int:
     methods = {"plain": lambda: GenerationMixin.generate(target, ids, **common)}
     for name, drafter_kwargs in drafters.items():
         methods[name] = (lambda kwargs: lambda: target.generate(
-            ids, speculative_gamma=args.gamma, return_dict_in_generate=True, **kwargs, **common))(drafter_kwargs)
+            ids, speculative_gamma=gamma, return_dict_in_generate=True, **kwargs, **common))(drafter_kwargs)
     warm = dict(max_new_tokens=4, do_sample=False)  # first calls pay one-off costs (allocations, lazy init)
     GenerationMixin.generate(target, ids[:, :8], **warm)
     for drafter_kwargs in drafters.values():
-        target.generate(ids[:, :8], speculative_gamma=args.gamma, **drafter_kwargs, **warm)
+        target.generate(ids[:, :8], speculative_gamma=gamma, **drafter_kwargs, **warm)
     seconds, outputs = _interleaved(methods, args.repeats, "demo")
     median = {name: statistics.median(times) for name, times in seconds.items()}
     plain = outputs["plain"]
@@ -302,7 +303,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"{threads}; times are medians of {args.repeats} interleaved run(s), spread = (max - min) / median")
     labels = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
     all_same = True
-    print(f"{'drafter (gamma=' + str(args.gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
+    print(f"{'drafter (gamma=' + str(gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
           f"{'alpha':>6} {'tokens/call':>11} {'identical':>9}")
     print(f"{'none (plain generate)':28s} {median['plain']:8.2f} {_spread(seconds['plain']):6.0%} {1:7.2f}x")
     for name in drafters:
@@ -836,7 +837,9 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--gamma", type=_positive_int, nargs=gamma_nargs, default=[4], metavar="N",
                              help="one or more draft lengths, each measured")
         else:
-            sub.add_argument("--gamma", type=_positive_int, default=4, metavar="N", help="draft length")
+            sub.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
+                             help="draft length (default: the drafter's own, as in `generate`: 10 for prompt "
+                                  "lookup, else 5)")
         sub.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
                          help="tokens to generate per prompt")
         sub.add_argument("--prompt", default=None, metavar="TEXT",
@@ -855,7 +858,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--index", type=int, default=0, choices=range(TASK_PROMPTS), metavar=f"0-{TASK_PROMPTS - 1}",
                      help="which held-out prompt of the task")
     sub.add_argument("--max-new-tokens", type=_positive_int, default=96, metavar="N", help="tokens to generate")
-    sub.add_argument("--gamma", type=_positive_int, default=4, metavar="N", help="draft length")
+    sub.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
+                     help="draft length (default: 4 with the embedded zoo; with --model, each drafter's own default: "
+                          "10 for prompt lookup, 5 for an EAGLE head)")
     sub.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
                      help="interleaved timed runs of each method; the median is shown")
     sub.add_argument("--model", default=None, metavar="DIR",

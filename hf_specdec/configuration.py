@@ -91,6 +91,21 @@ class SpeculativeOptions:
         object.__setattr__(self, "speculative_max_gamma", int(max_gamma))
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
+    def with_default_gamma(self, gamma: int | None, source: str = "the drafter") -> "SpeculativeOptions":
+        """These options with `gamma` (a drafter's `default_gamma`, named `source` in errors) as γ when
+        `speculative_gamma` was left unset, capped by an explicitly set `speculative_max_gamma`; an explicitly set
+        `speculative_gamma` always wins."""
+        if gamma is None or "speculative_gamma" in self.given:
+            return self
+        if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral) or not 1 <= gamma <= MAX_GAMMA:
+            raise ValueError(
+                f"`default_gamma` of {source} must be None or an int in [1, {MAX_GAMMA}], got {gamma!r}. Fix the "
+                "drafter class's `default_gamma`, or pass `speculative_gamma=` to `generate`."
+            )
+        max_gamma = self.speculative_max_gamma if "speculative_max_gamma" in self.given else None
+        return dataclasses.replace(self, speculative_gamma=gamma if max_gamma is None else min(gamma, max_gamma),
+                                   speculative_max_gamma=max_gamma)
+
 
 SPECULATIVE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SpeculativeOptions)
                                          if f.name.startswith("speculative_")}
@@ -103,8 +118,10 @@ class SpeculativeGenerationConfig(GenerationConfig):
     `generate(...)` as a keyword argument, which then wins for that call.
 
     Args:
-        speculative_gamma (`int`, *optional*, defaults to 5):
+        speculative_gamma (`int`, *optional*):
             How many tokens the drafter proposes before the target verifies them in one forward (γ in the paper).
+            `None` (the default) drafts 5, or the drafter's own default (`Drafter.default_gamma`): prompt lookup
+            drafts 10, like transformers' recommended `prompt_lookup_num_tokens`.
         speculative_lenience (`float`, *optional*, defaults to 1.0):
             Lenience l in (0, 1] of the paper's Appendix A.5. `1.0` keeps the output exactly the target's; smaller
             values accept more drafts and are lossy, with the guarantee that no token is sampled with probability
@@ -152,13 +169,15 @@ class SpeculativeGenerationConfig(GenerationConfig):
 
     def __init__(self, **kwargs):
         for name, default in SPECULATIVE_DEFAULTS.items():
-            setattr(self, name, kwargs.pop(name, default))
+            # γ left unset stays None: its default depends on the drafter (and on beam search) of each call
+            setattr(self, name, kwargs.pop(name, None if name == "speculative_gamma" else default))
         super().__init__(**kwargs)
 
     def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None):
         super().validate(strict=strict, user_set_attributes=user_set_attributes)
         _check_no_unknown_fields(self, "this `SpeculativeGenerationConfig`")
-        SpeculativeOptions(**{name: getattr(self, name) for name in SPECULATIVE_DEFAULTS})
+        SpeculativeOptions(**{name: getattr(self, name) for name in SPECULATIVE_DEFAULTS
+                              if getattr(self, name) is not None})
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
@@ -178,8 +197,11 @@ def resolve_speculative_options(
 ) -> SpeculativeOptions:
     """Pops the `speculative_*` keyword arguments of one `generate` call and resolves every field.
 
-    Priority: the call's keyword argument, then the first config in `configs` that has the attribute (the
-    `generation_config` passed to the call, then the model's own), then the default. Nothing is written anywhere.
+    Priority: the call's keyword argument, then the first config in `configs` that sets the attribute (the
+    `generation_config` passed to the call, then the model's own), then the default. None sets nothing, like a
+    field transformers leaves at its default in a passed `generation_config` (the model's own value applies);
+    `speculative_gamma` left None everywhere may be chosen by the drafter (`with_default_gamma`). Nothing is written
+    anywhere.
     A bad value fails naming where it came from; an unknown `speculative_*` name fails in a config as in the call.
     """
     sources = ["the `generation_config` passed to `generate`", "`model.generation_config` (the model's "
@@ -195,12 +217,13 @@ def resolve_speculative_options(
             _check_no_unknown_fields(config, source)
     values, origin = {}, {}
     for name, default in SPECULATIVE_DEFAULTS.items():
-        if name in call_kwargs:
-            values[name], origin[name] = call_kwargs.pop(name), "the `generate` call's keyword arguments"
-            continue
+        # None sets nothing: the next source decides (`speculative_gamma` None everywhere: 5, or the drafter's own)
         values[name], origin[name] = next(
-            ((getattr(config, name), source) for config, source in zip(configs, sources)
-             if config is not None and hasattr(config, name)),
+            ((value, source) for value, source in (
+                (call_kwargs.pop(name, None), "the `generate` call's keyword arguments"),
+                *((getattr(config, name, None), source) for config, source in zip(configs, sources)
+                  if config is not None))
+             if value is not None),
             (default, "the defaults"),
         )
     try:

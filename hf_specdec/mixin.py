@@ -36,8 +36,8 @@ class SpeculativeGenerationMixin:
     - `drafter` (`str`, [`Drafter`] or [`~transformers.PreTrainedModel`], *optional*): any drafter, by registered
       name (see [`list_drafters`]), as an instance, or as a model. `drafter_kwargs` (`dict`, *optional*) are passed
       to the registered class when `drafter` is a name.
-    - `speculative_gamma` (`int`, *optional*, defaults to 5), `speculative_lenience` (`float`, *optional*, defaults
-      to 1.0): see [`SpeculativeGenerationConfig`].
+    - `speculative_gamma` (`int`, *optional*, defaults to 5, or the drafter's `default_gamma`: 10 for prompt
+      lookup), `speculative_lenience` (`float`, *optional*, defaults to 1.0): see [`SpeculativeGenerationConfig`].
 
     Without `assistant_model` and `drafter`, `generate` is exactly transformers' `generate`. With one, the output
     is token for token what plain `generate` returns when greedy, and distributed exactly as it when sampling.
@@ -82,6 +82,7 @@ class SpeculativeGenerationMixin:
             tokenizer = _calling_pipeline_tokenizer(self)
         drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs, tokenizer=tokenizer,
                                   assistant_tokenizer=assistant_tokenizer, target=self)
+        options = options.with_default_gamma(getattr(drafter, "default_gamma", None), type(drafter).__name__)
         generation_config = call.get("generation_config")
         _reject_conflicting_arguments(call.get("custom_generate"), call.get("synced_gpus"), generation_config,
                                       self.generation_config, call.extra)

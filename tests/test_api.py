@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalL
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
+from hf_specdec.configuration import resolve_speculative_options
 from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_config, tiny_model
 
 
@@ -79,6 +80,24 @@ def test_gamma_priority_call_then_config_then_model():
     assert gammas_used(model, ids, generation_config=config) == {4}
     assert gammas_used(model, ids, generation_config=config, speculative_gamma=2) == {2}  # the call wins
     assert config.speculative_gamma == 4  # and the config is untouched
+    # a config (or a call) that leaves γ None sets nothing: the next source decides
+    unset = hf_specdec.SpeculativeGenerationConfig(max_new_tokens=30)
+    assert unset.speculative_gamma is None
+    assert gammas_used(model, ids, generation_config=unset) == {3}
+    assert gammas_used(model, ids, max_new_tokens=30, speculative_gamma=None) == {3}
+    model.generation_config.speculative_gamma = None
+    assert gammas_used(model, ids, generation_config=unset) == {5}
+
+
+def test_config_leaves_gamma_unset_through_a_round_trip(tmp_path):
+    config = hf_specdec.SpeculativeGenerationConfig(max_new_tokens=8)
+    config.validate()
+    config.save_pretrained(tmp_path)
+    assert '"speculative_gamma": null' in (tmp_path / "generation_config.json").read_text()
+    loaded = hf_specdec.SpeculativeGenerationConfig.from_pretrained(tmp_path)
+    assert loaded.speculative_gamma is None
+    options = resolve_speculative_options({}, loaded)
+    assert options.speculative_gamma == 5 and "speculative_gamma" not in options.given
 
 
 def test_nothing_is_written_into_user_objects():

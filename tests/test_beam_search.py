@@ -193,6 +193,10 @@ def test_stats_count_accepted_beam_steps():
     explicit = target.generate(prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11, speculative_gamma=5,
                                return_dict_in_generate=True)
     assert explicit.speculative_stats.gamma_history[1] == 5
+    # and so does a `SpeculativeGenerationConfig` that leaves it unset
+    config = hf_specdec.SpeculativeGenerationConfig(num_beams=2, max_new_tokens=11, return_dict_in_generate=True)
+    out = target.generate(prompt(8), assistant_model=target, generation_config=config)
+    assert out.speculative_stats.gamma_history[1] == DEFAULT_BEAM_GAMMA
 
 
 @pytest.mark.parametrize("kwargs, match", [

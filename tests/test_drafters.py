@@ -191,6 +191,57 @@ def test_prompt_lookup_accepts_on_repetitive_text(looping_target):
     assert out.speculative_stats.acceptance_rate > 0.5  # a repeating continuation is copied
 
 
+def test_prompt_lookup_drafts_ten_when_gamma_is_left_unset():
+    """`PromptLookupDrafter.default_gamma`: 10 wherever `speculative_gamma` is left unset (no argument, None, a
+    `SpeculativeGenerationConfig` without it); anything set wins, and an explicit `speculative_max_gamma` caps it.
+    Exact at that γ with a copy that is right (the block), then wrong (the text after it)."""
+    target = markov_target()
+    seed = prompt(6, seed=3)
+    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1]:]
+    ids = torch.cat([seed, block, seed], dim=-1)
+    plain = target.generate(ids, max_new_tokens=60)
+    common = dict(drafter="prompt_lookup", speculative_gamma_policy="constant", max_new_tokens=60,
+                  return_dict_in_generate=True)
+
+    def gammas(**kwargs):
+        out = target.generate(ids, **common, **kwargs)
+        assert torch.equal(out.sequences, plain)
+        return set(out.speculative_stats.gamma_history)
+
+    assert gammas() == gammas(speculative_gamma=None) == {10}
+    assert gammas(generation_config=hf_specdec.SpeculativeGenerationConfig(max_new_tokens=60)) == {10}
+    assert gammas(speculative_gamma=5) == {5}
+    assert gammas(generation_config=hf_specdec.SpeculativeGenerationConfig(speculative_gamma=4)) == {4}
+    assert gammas(speculative_max_gamma=6) == {6}
+    assert gammas(speculative_max_gamma=32) == {10}
+    out = target.generate(ids, **common)
+    assert out.speculative_stats.drafted_history[0] == 10  # the block is copied 10 tokens at a time
+    # other drafters keep the library's 5
+    assert set(target.generate(ids, assistant_model=target, **{k: v for k, v in common.items() if k != "drafter"})
+               .speculative_stats.gamma_history) == {5}
+
+
+def test_a_custom_drafter_default_gamma_is_used_and_checked():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids = prompt(6, seed=2)
+
+    class Echo(hf_specdec.Drafter):
+        default_gamma = 3
+
+        def propose(self, input_ids, num_tokens):
+            return hf_specdec.DraftProposal(tokens=input_ids[:, -1:].repeat(1, num_tokens))
+
+    out = target.generate(ids, drafter=Echo(), speculative_gamma_policy="constant", max_new_tokens=12,
+                          return_dict_in_generate=True)
+    assert set(out.speculative_stats.gamma_history) == {3}
+    assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12))
+    for bad in (0, 2.5, True, 1000):
+        Echo.default_gamma = bad
+        with pytest.raises(ValueError, match=rf"`default_gamma` of Echo must be None or an int .*got {bad!r}"):
+            target.generate(ids, drafter=Echo(), max_new_tokens=4)
+        target.generate(ids, drafter=Echo(), max_new_tokens=4, speculative_gamma=2)  # unused when γ is given
+
+
 def self_table(target, n=3, seeds=range(6), **kwargs):
     """An n-gram table built from the target's own greedy outputs: often right."""
     corpus = [target.generate(prompt(6, seed=s), max_new_tokens=40)[0] for s in seeds]

@@ -104,6 +104,11 @@ class Drafter:
     (see `ModelDrafter`). Any other drafter gets one copy per sequence, each `reset` for and called with that one
     sequence, unpadded, exactly as at batch size 1."""
 
+    default_gamma: int | None = None
+    """The γ this drafter drafts when the call leaves `speculative_gamma` unset (in the call and in every generation
+    config): None keeps the library's default (5). A drafter whose drafts cost nothing and come in long runs sets a
+    longer one (`PromptLookupDrafter`: 10). An explicit `speculative_max_gamma` caps it."""
+
     reads_target_hidden_states: bool = False
     """A drafter that reads the target's hidden states (`EagleDrafter`) sets this and, in `reset`,
     `self.target_hidden_layers` to the entries of the target's `output_hidden_states` it reads (0: the embeddings'
