@@ -17,7 +17,8 @@ Phases (each skipped when its output exists):
    plain `generate`, transformers' prompt lookup, ours, the EAGLE head (chain and tree), the distilled
    drafter and an early exit (the target's first 6 of 30 layers, untrained), with default settings, on held-out
    prompts by kind (open questions, summaries, code edits, extraction), greedy and T = 0.7; interleaved, repeated,
-   medians; tokens per target call, speedup against plain, and identity with plain (greedy); where a bfloat16
+   medians; tokens per target call, speedup against plain (median new tokens per second over plain's: diverged
+   and sampled outputs differ in length), and identity with plain (greedy); where a bfloat16
    output is not identical, where it first differs and the target's top-2 logit gap there (a multi-token forward
    rounds differently from a one-token one, so near-ties may flip, as in transformers' assisted generation).
 """
