@@ -91,17 +91,14 @@ class SpeculativeOptions:
         object.__setattr__(self, "speculative_max_gamma", int(max_gamma))
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
-    def with_default_gamma(self, gamma: int | None, source: str = "the drafter") -> "SpeculativeOptions":
-        """These options with `gamma` (a drafter's `default_gamma`, named `source` in errors) as γ when
+    def with_default_gamma(self, gamma: int | None, source: str = "Drafter") -> "SpeculativeOptions":
+        """These options with `gamma` (the `default_gamma` of the drafter class `source`) as γ when
         `speculative_gamma` was left unset, capped by an explicitly set `speculative_max_gamma`; an explicitly set
         `speculative_gamma` always wins."""
         if gamma is None or "speculative_gamma" in self.given:
             return self
-        if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral) or not 1 <= gamma <= MAX_GAMMA:
-            raise ValueError(
-                f"`default_gamma` of {source} must be None or an int in [1, {MAX_GAMMA}], got {gamma!r}. Fix the "
-                "drafter class's `default_gamma`, or pass `speculative_gamma=` to `generate`."
-            )
+        _check_int(f"{source}.default_gamma", gamma, MAX_GAMMA,
+                   f"{source}.default_gamma = 10` (or None), or pass `speculative_gamma=5` to `generate")
         max_gamma = self.speculative_max_gamma if "speculative_max_gamma" in self.given else None
         return dataclasses.replace(self, speculative_gamma=gamma if max_gamma is None else min(gamma, max_gamma),
                                    speculative_max_gamma=max_gamma)

@@ -237,7 +237,8 @@ def test_a_custom_drafter_default_gamma_is_used_and_checked():
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12))
     for bad in (0, 2.5, True, 1000):
         Echo.default_gamma = bad
-        with pytest.raises(ValueError, match=rf"`default_gamma` of Echo must be None or an int .*got {bad!r}"):
+        with pytest.raises(ValueError, match=rf"`Echo.default_gamma` must be a positive int, got {bad!r}.*"
+                                             r"speculative_gamma=5"):
             target.generate(ids, drafter=Echo(), max_new_tokens=4)
         target.generate(ids, drafter=Echo(), max_new_tokens=4, speculative_gamma=2)  # unused when γ is given
 
