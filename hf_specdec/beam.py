@@ -123,7 +123,7 @@ def speculative_beam_search(
     stats.beam_steps_history.append(1)
     stats.target_forward_tokens.append(input_ids.numel())
 
-    gamma = options.speculative_gamma if "speculative_gamma" in options.given else DEFAULT_BEAM_GAMMA
+    gamma = options.with_default_gamma(DEFAULT_BEAM_GAMMA, "hf_specdec.beam.DEFAULT_BEAM_GAMMA").speculative_gamma
     while not search.finished:
         # a node at depth d is a running beam of length cur_len + d; no step can start from max_length - 1 or later
         depth = max(0, min(gamma, generation_config.max_length - 1 - search.cur_len))

@@ -64,7 +64,9 @@ class SpeculativeOptions:
         if max_gamma is None:
             max_gamma = max(16, int(gamma))
         _check_int("speculative_max_gamma", max_gamma, MAX_GAMMA, "speculative_max_gamma=16")
-        if gamma > max_gamma:  # every policy starts at γ: capping it silently would run another γ than asked for
+        if gamma > max_gamma and "speculative_gamma" not in self.given:
+            gamma = max_gamma  # a default γ (the library's, a drafter's, beam search's) under an explicit cap
+        elif gamma > max_gamma:  # every policy starts at γ: capping it silently would run another γ than asked for
             raise ValueError(
                 f"`speculative_gamma={gamma!r}` is larger than `speculative_max_gamma={max_gamma!r}`, the largest γ "
                 f"a round may draft. Raise `speculative_max_gamma` to at least {gamma}, or lower `speculative_gamma`."
@@ -91,17 +93,15 @@ class SpeculativeOptions:
         object.__setattr__(self, "speculative_max_gamma", int(max_gamma))
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
-    def with_default_gamma(self, gamma: int | None, source: str = "Drafter") -> "SpeculativeOptions":
-        """These options with `gamma` (the `default_gamma` of the drafter class `source`) as γ when
-        `speculative_gamma` was left unset, capped by an explicitly set `speculative_max_gamma`; an explicitly set
-        `speculative_gamma` always wins."""
+    def with_default_gamma(self, gamma: int | None, source: str) -> "SpeculativeOptions":
+        """These options with `gamma`, a default named `source` in errors (a drafter class's `default_gamma`, or beam
+        search's), as γ when `speculative_gamma` was left unset, capped by an explicitly set `speculative_max_gamma`;
+        an explicitly set `speculative_gamma` always wins."""
         if gamma is None or "speculative_gamma" in self.given:
             return self
-        _check_int(f"{source}.default_gamma", gamma, MAX_GAMMA,
-                   f"{source}.default_gamma = 10` (or None), or pass `speculative_gamma=5` to `generate")
+        _check_int(source, gamma, MAX_GAMMA, f"{source} = 10` (or None), or pass `speculative_gamma=5` to `generate")
         max_gamma = self.speculative_max_gamma if "speculative_max_gamma" in self.given else None
-        return dataclasses.replace(self, speculative_gamma=gamma if max_gamma is None else min(gamma, max_gamma),
-                                   speculative_max_gamma=max_gamma)
+        return dataclasses.replace(self, speculative_gamma=gamma, speculative_max_gamma=max_gamma)
 
 
 SPECULATIVE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SpeculativeOptions)
@@ -137,8 +137,8 @@ class SpeculativeGenerationConfig(GenerationConfig):
             drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
         speculative_max_gamma (`int`, *optional*):
             The largest γ a round may draft: the bound of the `"heuristic"` and `"optimal"` policies. Defaults to
-            `max(16, speculative_gamma)`; a `speculative_gamma` above an explicit `speculative_max_gamma` is an error.
-            Both are at most 256.
+            `max(16, speculative_gamma)`. A `speculative_gamma` set above an explicit `speculative_max_gamma` is an
+            error; one left unset (5, the drafter's default, beam search's 2) is capped by it. Both are at most 256.
         speculative_tree_budget (`int`, *optional*):
             Verify token trees of at most this many draft nodes in one target forward (SpecInfer / EAGLE-2 style):
             drafters that can branch propose several candidate continuations and the longest accepted path wins;
@@ -173,8 +173,8 @@ class SpeculativeGenerationConfig(GenerationConfig):
     def validate(self, strict: bool = False, user_set_attributes: set[str] | None = None):
         super().validate(strict=strict, user_set_attributes=user_set_attributes)
         _check_no_unknown_fields(self, "this `SpeculativeGenerationConfig`")
-        SpeculativeOptions(**{name: getattr(self, name) for name in SPECULATIVE_DEFAULTS
-                              if getattr(self, name) is not None})
+        values = {name: getattr(self, name) for name in SPECULATIVE_DEFAULTS if getattr(self, name) is not None}
+        SpeculativeOptions(**values, given=frozenset(values))
 
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()

@@ -82,7 +82,8 @@ class SpeculativeGenerationMixin:
             tokenizer = _calling_pipeline_tokenizer(self)
         drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs, tokenizer=tokenizer,
                                   assistant_tokenizer=assistant_tokenizer, target=self)
-        options = options.with_default_gamma(getattr(drafter, "default_gamma", None), type(drafter).__name__)
+        options = options.with_default_gamma(getattr(drafter, "default_gamma", None),
+                                             f"{type(drafter).__name__}.default_gamma")
         generation_config = call.get("generation_config")
         _reject_conflicting_arguments(call.get("custom_generate"), call.get("synced_gpus"), generation_config,
                                       self.generation_config, call.extra)

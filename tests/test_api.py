@@ -87,6 +87,12 @@ def test_gamma_priority_call_then_config_then_model():
     assert gammas_used(model, ids, max_new_tokens=30, speculative_gamma=None) == {3}
     model.generation_config.speculative_gamma = None
     assert gammas_used(model, ids, generation_config=unset) == {5}
+    # an explicit speculative_max_gamma caps a γ left unset, and refuses one set above it
+    assert gammas_used(model, ids, max_new_tokens=30, speculative_max_gamma=3) == {3}
+    with pytest.raises(ValueError, match=r"`speculative_gamma=4` is larger than `speculative_max_gamma=3`"):
+        model.generate(ids, assistant_model=model, max_new_tokens=4, speculative_gamma=4, speculative_max_gamma=3)
+    with pytest.raises(ValueError, match=r"`speculative_gamma=4` is larger than `speculative_max_gamma=3`"):
+        hf_specdec.SpeculativeGenerationConfig(speculative_gamma=4, speculative_max_gamma=3).validate()
 
 
 def test_config_leaves_gamma_unset_through_a_round_trip(tmp_path):

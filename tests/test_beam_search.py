@@ -197,6 +197,9 @@ def test_stats_count_accepted_beam_steps():
     config = hf_specdec.SpeculativeGenerationConfig(num_beams=2, max_new_tokens=11, return_dict_in_generate=True)
     out = target.generate(prompt(8), assistant_model=target, generation_config=config)
     assert out.speculative_stats.gamma_history[1] == DEFAULT_BEAM_GAMMA
+    capped = target.generate(prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11,
+                             speculative_max_gamma=1, return_dict_in_generate=True)
+    assert capped.speculative_stats.gamma_history[1] == 1  # an explicit speculative_max_gamma caps the default
 
 
 @pytest.mark.parametrize("kwargs, match", [
