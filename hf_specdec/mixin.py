@@ -370,6 +370,36 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
                 f"`{name}={value!r}` selects transformers' own assisted generation and cannot be combined with "
                 f"an hf_specdec drafter. Drop `{name}` (use `drafter=...` instead)."
             )
+    # transformers' other assisted-generation settings would be silently unused by hf_specdec's loop: refused where
+    # the call sets them (in its kwargs or its `generation_config`). The model's own generation config is not read
+    # for them, as transformers does not read them there either (it reads the assistant's).
+    for name, fix in _TRANSFORMERS_ASSISTED_SETTINGS.items():
+        value = kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+        if value is not None and value is not False:
+            raise ValueError(
+                f"`{name}={value!r}` is a setting of transformers' own assisted generation, which an hf_specdec "
+                f"drafter does not use. {fix.format(value=value)}"
+            )
+
+
+# transformers' assisted-generation settings that an hf_specdec drafter would leave unused -> the fix ({value}: theirs)
+_TRANSFORMERS_ASSISTED_SETTINGS = {
+    "num_assistant_tokens": "Set the number of drafted tokens with `speculative_gamma={value!r}` instead.",
+    "num_assistant_tokens_schedule": (
+        "Choose how γ changes with `speculative_gamma_policy=...` instead (\"constant\", \"heuristic\": "
+        "transformers' schedule, per call; \"auto\", the default; \"optimal\")."),
+    "assistant_confidence_threshold": (
+        "Drop it: the γ policy (`speculative_gamma_policy`, \"auto\" by default) decides how much to draft."),
+    "assistant_lookbehind": (
+        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."),
+    "target_lookbehind": (
+        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."),
+    "assistant_ensemble_weight": (
+        "Drop it (it verifies against a mixture of the target and the drafter, so the output is no longer the "
+        "target's); `speculative_lenience` is hf_specdec's documented trade of exactness for acceptance."),
+    "use_mtp": "Drop it, or drop `assistant_model`/`drafter` to decode with the model's multi-token prediction.",
+    "speculation_type": "Drop it, or drop `assistant_model`/`drafter` to use transformers' speculation of that type.",
+}
 
 
 @functools.cache

@@ -75,6 +75,15 @@ def count_positions(reached: list[float], accepted: list[float], drafted: int, a
     return reached, accepted
 
 
+TICK_S = 1e-9  # the shortest time a round is taken to last
+
+
+def at_least_a_tick(*seconds: float) -> tuple[float, ...]:
+    """Measured seconds, each at least `TICK_S`: a clock that reads a round as lasting no time (a coarse clock, a
+    custom loop reporting zeros) must not divide by zero in a policy's rates."""
+    return tuple(max(float(value), TICK_S) for value in seconds)
+
+
 class GammaPolicy:
     """Base class: a constant γ. Subclasses override `next_gamma` and `observe`.
 
@@ -247,6 +256,7 @@ class AutoGammaPolicy(GammaPolicy):
 
     def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
+        draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
         self.observed = True
         if not drafted:
             if self.shadow_draft_wanted:  # a shadow step: its drafting time is the guess's, the rest a plain step's
@@ -480,6 +490,7 @@ class OptimalGammaPolicy(GammaPolicy):
 
     def _observe(self, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float,
                  first_round: bool) -> None:
+        draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
         self.rounds += 1
         if drafted:  # plain steps say nothing about acceptance, so they do not age what is known about it
             self.reached, self.accepted = count_positions(self.reached, self.accepted, drafted, accepted_per_row,

@@ -1,6 +1,7 @@
 """The user-facing API: enable, the config, per-call arguments, outputs, streaming, and clear errors."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -249,6 +250,32 @@ def test_drafter_argument_errors():
         model.generate(prompt(), assistant_model=model, stop_strings="x")
     with pytest.raises(ValueError, match="`output_attentions` and `output_hidden_states` are not supported"):
         model.generate(prompt(), assistant_model=model, output_attentions=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("name, value, fix", [
+    ("num_assistant_tokens", 3, "`speculative_gamma=3` instead"),
+    ("num_assistant_tokens_schedule", "heuristic", "`speculative_gamma_policy=...` instead"),
+    ("assistant_confidence_threshold", 0.4, "Drop it: the γ policy"),
+    ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
+    ("target_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
+    ("assistant_ensemble_weight", 0.5, "`speculative_lenience`"),
+    ("use_mtp", True, "multi-token prediction"),
+    ("speculation_type", "dflash", "speculation of that type"),
+])
+def test_transformers_assisted_generation_settings_are_refused_not_ignored(name, value, fix):
+    """transformers' own assisted-generation settings used to be silently unused next to an hf_specdec drafter
+    (`num_assistant_tokens=3` drafted 5): refused in the call and in a passed config, naming the replacement."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    message = rf"`{name}={value!r}` is a setting of transformers' own assisted generation.*{re.escape(fix)}"
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: value})
+    config = GenerationConfig(max_new_tokens=3, do_sample=False)
+    setattr(config, name, value)
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt(), drafter="prompt_lookup", generation_config=config)
+    assert getattr(config, name) == value  # the user's config is left as it was
+    # unset (None) or switched off (use_mtp=False): not refused
+    model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: False if name == "use_mtp" else None})
 
 
 def test_registry():

@@ -337,6 +337,24 @@ def test_auto_is_the_default():
     assert hf_specdec.configuration.SpeculativeOptions().speculative_gamma_policy == "auto"
 
 
+@pytest.mark.parametrize("policy", ["auto", "optimal", "heuristic"])
+@pytest.mark.parametrize("accepted", [0, 1])
+def test_policies_take_rounds_measured_as_lasting_no_time(policy, accepted):
+    """A clock that reads rounds and plain steps as lasting 0 s (a coarse clock, a custom loop reporting zeros) used to
+    divide by zero in `auto`'s stop decision and `optimal`'s; every policy keeps choosing a valid γ."""
+    from hf_specdec.policies import get_gamma_policy_class
+
+    chosen_policy = get_gamma_policy_class(policy)(5, 16)
+    chosen = []
+    for index in range(80):
+        gamma = chosen_policy.next_gamma()
+        chosen.append(gamma)
+        chosen_policy.observe(drafted=gamma, accepted=min(gamma, accepted), draft_time_s=0.0, verify_time_s=0.0,
+                              first_round=index == 0)
+    assert all(0 <= gamma <= 16 for gamma in chosen)
+    assert 0 in chosen or policy == "heuristic"  # costs all equal: drafting gains nothing, so it stops
+
+
 @pytest.mark.parametrize("stall_every", [None, 7])
 def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
     from hf_specdec.policies import AutoGammaPolicy
