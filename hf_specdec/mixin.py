@@ -68,10 +68,21 @@ class SpeculativeGenerationMixin:
         # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
         parent_generate = super().generate
         call = _BoundCall(parent_generate, args, kwargs)
+        # a `speculative_*` argument of the call (not of a config, which may hold defaults for later calls)
+        called_with = next(((name, value) for name, value in call.extra.items()
+                            if name.startswith("speculative_") and value is not None), None)
         options = resolve_speculative_options(call.extra, call.get("generation_config"), self.generation_config)
         if assistant_model is None and drafter is None:
             if drafter_kwargs is not None:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
+            # a pipeline hands every call the `speculative_*` settings given at its construction, also to a call
+            # that turns its assistant off (`assistant_model=None`): there they wait for the calls that draft
+            if called_with is not None and _calling_pipeline(self) is None:
+                raise ValueError(
+                    f"`{called_with[0]}={called_with[1]!r}` was given without a drafter, so nothing would use it and "
+                    "`generate` would decode plainly. Pass `assistant_model=...` or `drafter=...` (e.g. "
+                    "`drafter=\"prompt_lookup\"`), or drop it."
+                )
             return parent_generate(*call.args, **call.kwargs)
 
         # the tokenizers: `tokenizer` for stop strings and, with `assistant_tokenizer`, drafting with another
@@ -341,6 +352,12 @@ def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer
 def _calling_pipeline_tokenizer(model):
     """The tokenizer of the transformers pipeline calling `model.generate`, if one is (its per-call
     `assistant_tokenizer` reaches `generate` without the pipeline's `tokenizer`); `None` otherwise."""
+    pipe = _calling_pipeline(model)
+    return pipe.tokenizer if pipe is not None else None
+
+
+def _calling_pipeline(model):
+    """The transformers pipeline calling `model.generate`, if one is; `None` otherwise."""
     frame = inspect.currentframe()
     try:
         for _ in range(32):
@@ -348,8 +365,8 @@ def _calling_pipeline_tokenizer(model):
             if frame is None:
                 return None
             caller = frame.f_locals.get("self")
-            if isinstance(caller, Pipeline) and caller.model is model and caller.tokenizer is not None:
-                return caller.tokenizer
+            if isinstance(caller, Pipeline) and caller.model is model:
+                return caller
         return None
     finally:
         del frame

@@ -50,6 +50,15 @@ def test_without_drafter_is_plain_generate():
     assert torch.equal(enabled.generate(ids, max_new_tokens=12, repetition_penalty=1.3), plain)
     out = enabled.generate(ids, max_new_tokens=12, repetition_penalty=1.3, return_dict_in_generate=True)
     assert not hasattr(out, "speculative_stats")
+    # a `speculative_*` argument without a drafter would be unused (plain decoding): refused, as transformers refuses
+    # unused arguments; None sets nothing, and a config may hold them for the calls that pass a drafter
+    for name, value in (("speculative_gamma", 7), ("speculative_tree_budget", 8),
+                        ("speculative_gamma_policy", "optimal")):
+        with pytest.raises(ValueError, match=rf"`{name}={value!r}` was given without a drafter.*`drafter=\.\.\.`"):
+            enabled.generate(ids, max_new_tokens=12, **{name: value})
+    assert torch.equal(enabled.generate(ids, max_new_tokens=12, repetition_penalty=1.3, speculative_gamma=None), plain)
+    config = hf_specdec.SpeculativeGenerationConfig(speculative_gamma=7, max_new_tokens=12, repetition_penalty=1.3)
+    assert torch.equal(enabled.generate(ids, generation_config=config), plain)
 
 
 def test_config_round_trip(tmp_path):
