@@ -68,18 +68,21 @@ class SpeculativeGenerationMixin:
         # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
         parent_generate = super().generate
         call = _BoundCall(parent_generate, args, kwargs)
-        # a `speculative_*` argument of the call (not of a config, which may hold defaults for later calls)
-        called_with = next(((name, value) for name, value in call.extra.items()
-                            if name.startswith("speculative_") and value is not None), None)
+        # the call's `speculative_*` arguments (not a config's, which may hold defaults for later calls)
+        called_with = [(name, value) for name, value in call.extra.items()
+                       if name.startswith("speculative_") and value is not None]
         options = resolve_speculative_options(call.extra, call.get("generation_config"), self.generation_config)
         if assistant_model is None and drafter is None:
             if drafter_kwargs is not None:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
             # a pipeline hands every call the `speculative_*` settings given at its construction, also to a call
             # that turns its assistant off (`assistant_model=None`): there they wait for the calls that draft
-            if called_with is not None and _calling_pipeline(self) is None:
+            pipe = _calling_pipeline(self) if called_with else None
+            unused = [(name, value) for name, value in called_with if not _built_with(pipe, name)]
+            if unused:
+                name, value = unused[0]
                 raise ValueError(
-                    f"`{called_with[0]}={called_with[1]!r}` was given without a drafter, so nothing would use it and "
+                    f"`{name}={value!r}` was given without a drafter, so nothing would use it and "
                     "`generate` would decode plainly. Pass `assistant_model=...` or `drafter=...` (e.g. "
                     "`drafter=\"prompt_lookup\"`), or drop it."
                 )
@@ -354,6 +357,17 @@ def _calling_pipeline_tokenizer(model):
     `assistant_tokenizer` reaches `generate` without the pipeline's `tokenizer`); `None` otherwise."""
     pipe = _calling_pipeline(model)
     return pipe.tokenizer if pipe is not None else None
+
+
+def _built_with(pipe, name: str) -> bool:
+    """Whether the pipeline `pipe` (or None) was built with the `generate` argument `name` (transformers keeps a
+    construction's arguments in `_forward_params`, nested under "generate_kwargs" in some pipelines; hf_specdec's
+    wrappers of transformers' pipelines keep the speculative ones in `_speculative_kwargs`)."""
+    if pipe is None:
+        return False
+    forward_params = getattr(pipe, "_forward_params", None) or {}
+    return (name in forward_params or name in (forward_params.get("generate_kwargs") or {})
+            or name in (getattr(pipe, "_speculative_kwargs", None) or {}))
 
 
 def _calling_pipeline(model):

@@ -140,6 +140,9 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
     assert pipe.assistant_model is drafter
     assert pipe(TEXTS) == expected
     assert pipe(TEXTS[0], assistant_model=None) == expected[:1]  # a call can turn the assistant off
+    # (the construction's γ waits for the calls that draft); a call's own γ without any drafter is refused
+    with pytest.raises(ValueError, match="`speculative_tree_budget=4` was given without a drafter"):
+        pipe(TEXTS[0], assistant_model=None, speculative_tree_budget=4)
     # stop strings end speculative and plain generation at the same place
     full_text = expected[1]["generated_text"]
     stop = next(char for char in full_text[len(full_text) // 2:] if char.isascii() and char.isalpha())
@@ -202,6 +205,10 @@ def test_text_generation_pipeline_passes_speculative_arguments(tokenizer):
     assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter,
                         speculative_gamma=2)
     assert assisted([prompt, prompt], **GREEDY) == [expected, expected]
+    # the construction's γ waits in a call that turns the assistant off; a call's γ without any drafter is refused
+    assert assisted(prompt, assistant_model=None, **GREEDY) == expected
+    with pytest.raises(ValueError, match="`speculative_gamma=4` was given without a drafter"):
+        pipe(prompt, speculative_gamma=4, **GREEDY)
 
 
 def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(tokenizer, tmp_path):
