@@ -47,6 +47,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, GenerationMixin
 
 import hf_specdec
+from hf_specdec.caches import CACHE_KWARG, cache_of
 from hf_specdec.toy import build_early_exit_pair
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -120,13 +121,13 @@ def forward_costs(target, prompt: torch.LongTensor, num_beams: int, sizes, repea
         for rows, positions in times:
             inputs = prompt.expand(rows, -1)
             out = GenerationMixin.generate(target, inputs, **kwargs)  # a cache of the prompt, per rows
-            cache = out.past_key_values
+            cache = cache_of(out)
             new = torch.randint(3, target.config.vocab_size, (rows, positions))
             feed = dict(decoder_input_ids=new) if target.config.is_encoder_decoder else dict(input_ids=new)
             if target.config.is_encoder_decoder:
                 feed["encoder_outputs"] = target.get_encoder()(inputs)
             start = time.perf_counter()
-            target(**feed, past_key_values=cache, use_cache=True)
+            target(**feed, **{CACHE_KWARG: cache}, use_cache=True)
             times[rows, positions].append(time.perf_counter() - start)
     ms = {size: 1000 * statistics.median(values[1:]) for size, values in times.items()}
     step = ms[num_beams, 1]

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
+from hf_specdec.caches import CACHE_KWARG
 from hf_specdec.toy import build_early_exit_pair
 
 
@@ -30,12 +31,12 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int = 15, batch: i
     vocab = model.config.vocab_size
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(0, vocab, (batch, context)), past_key_values=cache)
+        model(torch.randint(0, vocab, (batch, context)), **{CACHE_KWARG: cache})
         tokens = torch.randint(0, vocab, (batch, new_tokens))
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            model(tokens, past_key_values=cache, logits_to_keep=new_tokens)
+            model(tokens, **{CACHE_KWARG: cache}, logits_to_keep=new_tokens)
             times.append(time.perf_counter() - start)
             cache.crop(-new_tokens)
     return 1000 * statistics.median(times)

@@ -50,6 +50,7 @@ from bench_early_exit import assistant_with_gamma
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
+from hf_specdec.caches import CACHE_KWARG
 from hf_specdec.theory import expected_tokens_per_round, optimal_gamma
 from hf_specdec.toy import build_early_exit_pair
 from hf_specdec.trees import tree_attention_bias, tree_depths
@@ -101,8 +102,8 @@ def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter
         prefix_kwargs = dict(attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0))
     else:
         prefix_kwargs = {}
-    target(prefix, past_key_values=target_cache, use_cache=True, **prefix_kwargs)
-    drafter(prefix, past_key_values=drafter_cache, use_cache=True, **prefix_kwargs)
+    target(prefix, **{CACHE_KWARG: target_cache}, use_cache=True, **prefix_kwargs)
+    drafter(prefix, **{CACHE_KWARG: drafter_cache}, use_cache=True, **prefix_kwargs)
 
     trees = {}
     for size in tree_sizes:  # a random valid tree of size - 1 nodes under the root (the last context token)
@@ -114,17 +115,17 @@ def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter
         trees[size] = (bias, context + depths)  # [batch, 1, size, context + size], [batch, size]
 
     def target_causal(k):
-        target(tokens[:, :k], past_key_values=target_cache, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
+        target(tokens[:, :k], **{CACHE_KWARG: target_cache}, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
         target_cache.crop(-k)
 
     def target_tree(k):
         bias, positions = trees[k]
-        target(tokens[:, :k], attention_mask=bias, position_ids=positions, past_key_values=target_cache,
+        target(tokens[:, :k], attention_mask=bias, position_ids=positions, **{CACHE_KWARG: target_cache},
                use_cache=True, logits_to_keep=k)
         target_cache.crop(-k)
 
     def drafter_causal(k):
-        drafter(tokens[:, :k], past_key_values=drafter_cache, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
+        drafter(tokens[:, :k], **{CACHE_KWARG: drafter_cache}, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
         drafter_cache.crop(-k)
 
     jobs = ([("target", k, target_causal) for k in causal_sizes] + [("tree", k, target_tree) for k in tree_sizes]

@@ -46,7 +46,7 @@ from transformers import (
 )
 from transformers.utils import ModelOutput
 
-from .caches import realign_cache, slice_cache
+from .caches import CACHE_KWARG, realign_cache, slice_cache
 from .devices import seconds_agreement
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
@@ -64,7 +64,7 @@ def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kw
                  inputs_tensor=None, **run):
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
     stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     # a drafter that reads the target's hidden states gets them from the one-sequence loop: rows one at a time
     if _supports_padded_batch(model, cache) and not drafter.reads_target_hidden_states:
         return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
@@ -94,7 +94,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                    generation_config, options, policy, stats, **model_kwargs):
     device = input_ids.device
     batch, prompt_len = input_ids.shape
-    cache = model_kwargs.pop("past_key_values")
+    cache = model_kwargs.pop(CACHE_KWARG)
     model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
     mask = model_kwargs.pop("attention_mask", None)
     mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
@@ -162,7 +162,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         # drafts past max_length are never emitted: clamping their positions keeps learned position tables in range
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=max_length - 1)
         logits = target_logits(model, candidate_ids, num_drafted, {
-            **model_kwargs, "past_key_values": cache, "attention_mask": full_mask, "position_ids": positions,
+            **model_kwargs, CACHE_KWARG: cache, "attention_mask": full_mask, "position_ids": positions,
         }, first_round)  # [rows, k + 1, vocab]
         scores = logits
         if len(logits_processor):
@@ -360,7 +360,7 @@ def slice_kwargs(model_kwargs, row: int, batch: int, model):
     """Row `row` of the prepared model kwargs of a batch of `batch`, with a fresh cache of its own."""
     sliced = {}
     for key, value in model_kwargs.items():
-        if key == "past_key_values":
+        if key == CACHE_KWARG:
             value = fresh_cache(value, model)
         elif isinstance(value, ModelOutput):
             value = type(value)(**{k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v

@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
+from .caches import CACHE_KWARG, cache_argument
 from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
@@ -96,7 +97,7 @@ def speculative_beam_search(
             f"`speculative_draft_beams={num_beams}` or more, or leave it unset (2 x num_beams)."
         )
     search = _BeamSearch(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     cache.activate_past_recording()
     batch = search.batch_size
     # the drafter is reset on one row per prompt (the source, for an encoder-decoder drafter, is encoded once)
@@ -207,7 +208,7 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             f"(`assistant_model=...` or a `hf_specdec.ModelDrafter`), got {type(drafter).__name__}. Use an "
             "assistant model, or `num_beams=1` with this drafter."
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if cache is None or not isinstance(cache, (DynamicCache, EncoderDecoderCache)) or not cache.is_croppable:
         raise ValueError(
             f"Speculative beam search needs the target's cache to be a croppable dynamic cache, got "
@@ -230,7 +231,7 @@ def select_rows(model_kwargs: dict, rows: torch.LongTensor, batch: int) -> dict:
     for key, value in model_kwargs.items():
         if isinstance(value, ModelOutput):
             value = type(value)(**{k: pick(v) for k, v in value.items()})
-        elif key != "past_key_values":
+        elif key != CACHE_KWARG:
             value = pick(value)
         selected[key] = value
     return selected
@@ -277,7 +278,7 @@ class _DraftBeams:
         """Feeds the uncached tail of `ids` (`[rows, len]`) and returns float32 log q of the last position."""
         drafter = self.drafter
         cached = cache.get_seq_length()
-        inputs = {"past_key_values": cache, "use_cache": True}
+        inputs = {cache_argument(self.model): cache, "use_cache": True}
         tail = ids[:, cached:].to(drafter.device)
         if drafter.encoder_inputs is not None:
             for key, value in drafter.encoder_inputs.items():
@@ -384,7 +385,7 @@ class _DraftBeams:
 def _score_paths(model, running: torch.LongTensor, tree: _DraftTree, model_kwargs: dict) -> torch.FloatTensor:
     """One target forward over every path of `tree`, each row after its root's cache (all of the root's tokens but
     the newest); returns float32 logits `[rows, depth + 1, V]`: position d follows the path's first d tokens."""
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     cache.reorder_cache(tree.row_roots)
     row_kwargs = select_rows(model_kwargs, tree.row_roots, running.shape[0])
     if tree.depth:
@@ -539,5 +540,5 @@ class _BeamSearch:
         return output_class(
             sequences=sequences, sequences_scores=beam_scores if config.output_scores else None,
             scores=self.all_scores, logits=self.raw_logits, beam_indices=beam_indices,
-            past_key_values=model_kwargs.get("past_key_values"), speculative_stats=stats,
+            **{CACHE_KWARG: model_kwargs.get(CACHE_KWARG)}, speculative_stats=stats,
         )

@@ -2,17 +2,50 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.generation import utils as _generation_utils
 
-__all__ = ["COLUMN_STATE", "cached_length", "compact_cache", "compactable", "croppable_after_first_forward",
+__all__ = ["CACHE_KWARG", "COLUMN_STATE", "cache_argument", "cache_of", "cached_length", "compact_cache", "compactable", "croppable_after_first_forward",
            "is_static", "realign_cache", "rewind_cache", "slice_cache", "static_capacity", "static_rewind_problem"]
 
 
 # the tensors a cache layer holds per column: name -> (batch dim, column dim). Keys and values of every layer, and
 # the indexer keys and positions of sparse-attention layers (`DynamicIndexedLayer`: deepseek_v32, glm_moe_dsa)
 COLUMN_STATE = {"keys": (0, 2), "values": (0, 2), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2)}
+
+
+# transformers 5.24 renamed the cache everywhere from `past_key_values` to `cache`: the argument of every model's
+# forward, the field of its outputs, and the key of `generate`'s model_kwargs. The old names still work there, with a
+# deprecation warning, until 5.40; earlier releases know only `past_key_values`. The key `generate` keeps the cache
+# under in model_kwargs, for this transformers:
+CACHE_KWARG = "cache" if "cache" in getattr(_generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
+def cache_argument(model) -> str:
+    """The name under which `model`'s forward takes its cache: `cache` (transformers >= 5.24) or `past_key_values`
+    (earlier releases, and remote-code models written for them)."""
+    forward = getattr(model, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return CACHE_KWARG
+    if "cache" in parameters:
+        return "cache"
+    if "past_key_values" in parameters:
+        return "past_key_values"
+    return CACHE_KWARG
+
+
+def cache_of(outputs):
+    """The cache a model's forward returned, under either name (see `CACHE_KWARG`), or None."""
+    for name in ("cache", "past_key_values"):
+        if name in outputs:  # a `ModelOutput` holds only the fields that are set
+            return outputs[name]
+    return None
 
 
 def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:

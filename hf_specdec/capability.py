@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from .batching import slice_kwargs
-from .caches import cached_length, is_static, rewind_cache
+from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
 from .drafters.model import logits_width
 from .rounds import target_logits
 
@@ -80,7 +80,7 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
 
     def fresh():
         kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own
-        cache = kwargs["past_key_values"]
+        cache = kwargs[CACHE_KWARG]
         cache.activate_past_recording()
         if is_static(cache):  # an empty copy, sized for the probe (the call's may hold fewer positions)
             for layer in getattr(cache, "self_attention_cache", cache).layers:
@@ -92,7 +92,7 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         # step by step, as plain generate decodes: the logits after the prompt and after each extra token
         kwargs = fresh()
         steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
-        cached = cached_length(kwargs["past_key_values"])
+        cached = cached_length(kwargs[CACHE_KWARG])
         if cached == 0:
             return (f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
                     "the cache is empty), so there is nothing to roll rejected drafts back from")
@@ -107,7 +107,7 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
         # 3); then the remaining 2 drafts after it in one forward
         kwargs = fresh()
-        cache = kwargs["past_key_values"]
+        cache = kwargs[CACHE_KWARG]
         first = target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), True)  # [1, 5, vocab]
         if not cache.is_croppable and not is_static(cache):
             return ("its cache keeps recurrent state that cannot be rolled back to an earlier token, so rejected "

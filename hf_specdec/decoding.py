@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .batching import decode_batch
 from .beam import speculative_beam_search
 from .capability import check_multi_token_forward
-from .caches import compactable, croppable_after_first_forward, is_static, static_rewind_problem
+from .caches import CACHE_KWARG, cache_argument, compactable, croppable_after_first_forward, is_static, static_rewind_problem
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
@@ -74,7 +74,7 @@ def speculative_decode(
                                                  inputs_tensor, options.speculative_tree_budget))
         input_ids, scores, raw_logits = decode_sequence(model, input_ids, drafter=drafter, streamer=streamer, **run,
                                                         **model_kwargs)
-        cache = model_kwargs["past_key_values"]
+        cache = model_kwargs[CACHE_KWARG]
     else:
         input_ids, cache = decode_batch(model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor,
                                         **run)
@@ -84,7 +84,7 @@ def speculative_decode(
         return input_ids
     output_class = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
     return output_class(
-        sequences=input_ids, scores=scores, logits=raw_logits, past_key_values=cache,
+        sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_KWARG: cache},
         speculative_stats=stats if attach_stats else None,
     )
 
@@ -122,8 +122,8 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"(got output_attentions={generation_config.output_attentions}, "
             f"output_hidden_states={generation_config.output_hidden_states}). Set them to False."
         )
-    cache = model_kwargs.get("past_key_values")
-    if cache is None or "past_key_values" not in inspect.signature(model.forward).parameters:
+    cache = model_kwargs.get(CACHE_KWARG)
+    if cache is None or cache_argument(model) not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"{type(model).__name__} generates without a `Cache` object (it recomputes the whole sequence at every "
             "step), so there are no keys and values to keep or roll back. Speculative decoding needs a model that "
@@ -160,7 +160,7 @@ def _check_trees_supported(model, input_ids, generation_config, model_kwargs, tr
             f"Token trees are supported for decoder-only targets, got the encoder-decoder {type(model).__name__}. "
             "Drop `speculative_tree_budget` (chains work with encoder-decoder targets)."
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if not compactable(cache):
         raise ValueError(
             f"Token trees need a cache that keeps every position ({type(cache).__name__} of {type(model).__name__} "

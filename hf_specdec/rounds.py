@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from .caches import cached_length, compact_cache, is_static, rewind_cache, static_capacity
+from .caches import CACHE_KWARG, cached_length, compact_cache, is_static, rewind_cache, static_capacity
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftContext, DraftProposal, Drafter
 from .drafters.model import logits_width
@@ -136,7 +136,7 @@ def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_ro
     """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
     `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
     target (eagerly when None)."""
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     cached = cached_length(cache)  # read once: a device sync for a static cache on an accelerator
     new_tokens = candidate_ids.shape[1] - cached
     call, padding = None, 0
@@ -192,7 +192,7 @@ class TargetForward:
                  ) -> "TargetForward":
         """`max_new_tokens`: the most tokens one round's forward carries after the first (1 + γ_max, or a tree's
         1 + budget)."""
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KWARG)
         # hooks reading hidden states (`HiddenStateCapture`) would record the filler positions and break graphs
         if reads_hidden_states or not is_static(cache) or not model._valid_auto_compile_criteria(
             model_kwargs, generation_config

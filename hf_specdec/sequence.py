@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
-from .caches import cached_length, static_capacity
+from .caches import CACHE_KWARG, cached_length, static_capacity
 from .devices import seconds_agreement
 from .rounds import (
     TargetForward,
@@ -61,7 +61,7 @@ def decode_sequence(
     **model_kwargs,
 ):
     """The loop for one sequence; `drafter` is already reset for it. Returns (sequences, scores, logits)."""
-    cache = model_kwargs["past_key_values"]
+    cache = model_kwargs[CACHE_KWARG]
     cache.activate_past_recording()
     vocab_size = logits_width(model)
     tree_budget = options.speculative_tree_budget

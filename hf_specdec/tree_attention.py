@@ -15,6 +15,7 @@ import weakref
 import torch
 from transformers import DynamicCache
 
+from .caches import cache_argument
 from .devices import execution_device
 from .trees import tree_attention_bias
 
@@ -72,11 +73,11 @@ def _probe(model) -> bool:
         for cached in (0, 1):  # the first round (nothing cached, the context in the tail) and a later round
             cache = DynamicCache(config=model.config)
             if cached:
-                model(input_ids=x, past_key_values=cache, use_cache=True)
+                model(input_ids=x, use_cache=True, **{cache_argument(model): cache})
             ids = tree_ids if cached else torch.cat([x, tree_ids], -1)
             positions = tree_positions if cached else torch.cat([tree_positions.new_zeros(1, 1), tree_positions], -1)
             bias = tree_attention_bias(parents, past_length=cached, tail_length=2 - cached, dtype=model.dtype)
-            logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, past_key_values=cache,
+            logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, **{cache_argument(model): cache},
                            use_cache=True).logits[0, -4:].float()  # [a, b, d, c]
             got = torch.stack([logits[1], logits[3], logits[2]])  # after b, after c, after d
             errors.append(float((got - want).abs().max()))

@@ -10,8 +10,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicIndexedLayer
 
 import hf_specdec
-from conftest import ScriptedDrafter, prompt, tiny_model, tiny_seq2seq
-from hf_specdec.caches import realign_cache, slice_cache
+from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model, tiny_seq2seq
+from hf_specdec.caches import CACHE_KWARG, realign_cache, slice_cache
 
 sys.path.insert(0, str(Path(__file__).parent / "sweep"))
 from tiny import VOCAB as SWEEP_VOCAB, tiny_model as sweep_model  # noqa: E402
@@ -132,9 +132,10 @@ def test_capability_check_catches_a_silently_wrong_multi_token_forward_and_runs_
     model = tiny_model("llama", seed=0)
 
     class ChunkBroken(type(model)):
-        def forward(self, input_ids=None, past_key_values=None, **kwargs):
-            output = super().forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
-            cache = past_key_values
+        # the cache comes as `cache` (transformers >= 5.24) or as `past_key_values`
+        def forward(self, input_ids=None, cache=None, past_key_values=None, **kwargs):
+            cache = past_key_values if cache is None else cache
+            output = super().forward(input_ids=input_ids, **{CACHE_KWARG: cache}, **kwargs)
             if input_ids is not None and input_ids.shape[1] > 1 and cache is not None and \
                     cache.get_seq_length() > input_ids.shape[1]:
                 output.logits = output.logits + torch.arange(output.logits.shape[1])[None, :, None] * 0.5
@@ -153,6 +154,40 @@ def test_capability_check_catches_a_silently_wrong_multi_token_forward_and_runs_
     with pytest.raises(ValueError, match="ChunkBroken cannot be verified exactly"):
         model.generate(ids, drafter=ScriptedDrafter(plain), max_new_tokens=NEW_TOKENS)
     assert not calls
+
+
+@pytest.mark.parametrize("old_name", ["past_key_values", "cache"])
+def test_a_drafter_model_gets_its_cache_under_the_name_its_forward_takes(old_name):
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache`; a drafter model whose forward names only
+    # one of them (remote code written for another release) must get its cache under that name, or it would draft
+    # without one (slower) or fail
+    from hf_specdec.caches import cache_argument
+
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids = prompt(8)
+    plain = target.generate(ids, max_new_tokens=NEW_TOKENS)
+    draft = noisy_copy(target, 0.05)
+    received = []
+
+    class OneName(type(draft)):
+        if old_name == "past_key_values":
+            def forward(self, input_ids=None, past_key_values=None, **kwargs):
+                assert "cache" not in kwargs
+                received.append(past_key_values is not None)
+                return super().forward(input_ids=input_ids, **{CACHE_KWARG: past_key_values}, **kwargs)
+        else:
+            def forward(self, input_ids=None, cache=None, **kwargs):
+                assert "past_key_values" not in kwargs
+                received.append(cache is not None)
+                return super().forward(input_ids=input_ids, **{CACHE_KWARG: cache}, **kwargs)
+
+    draft.__class__ = OneName
+    assert cache_argument(draft) == old_name
+    out = target.generate(ids, assistant_model=draft, speculative_gamma=4, max_new_tokens=NEW_TOKENS,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert received and all(received)
+    assert out.speculative_stats.accepted_tokens > 0
 
 
 def test_capability_check_passes_exact_models_once():

@@ -15,6 +15,7 @@ from transformers import pipeline
 
 import hf_specdec
 from hf_specdec.beam import DEFAULT_BEAM_GAMMA
+from hf_specdec.caches import cache_of
 from conftest import noisy_copy, prompt, source, tiny_model, tiny_seq2seq
 from test_pipelines import TEXTS, tokenizer  # noqa: F401 - `tokenizer` is a fixture
 from test_pipelines import tiny_seq2seq as pipeline_seq2seq
@@ -139,7 +140,7 @@ def test_output_logits_and_cache():
     for ours, theirs in zip(spec.logits, plain.logits):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     # the cache holds each final running beam's tokens but the newest, as plain beam search leaves it
-    assert spec.past_key_values.get_seq_length() == plain.past_key_values.get_seq_length()
+    assert cache_of(spec).get_seq_length() == cache_of(plain).get_seq_length()
 
 
 @pytest.mark.parametrize("arch", ["llama", "t5"])

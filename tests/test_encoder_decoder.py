@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, BartForCausalLM, EncoderDecoderCache
 
 import hf_specdec
+from hf_specdec.caches import cache_of
 from conftest import (
     SEQ2SEQ_ARCHITECTURES,
     VOCAB,
@@ -127,7 +128,7 @@ def test_cache_rollback_keeps_cross_attention():
     plain = target.generate(src, max_new_tokens=NEW_TOKENS)
     out = target.generate(src, drafter=ScriptedDrafter(plain, period=3), speculative_gamma=5,
                           max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = cache_of(out)
     assert isinstance(cache, EncoderDecoderCache)
     # self-attention holds every decoder token but the newest; cross-attention still holds the whole source
     assert cache.self_attention_cache.get_seq_length() == out.sequences.shape[1] - 1

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import hf_specdec
-from hf_specdec.caches import cached_length, rewind_cache
+from hf_specdec.caches import CACHE_KWARG, cache_of, cached_length, rewind_cache
 from conftest import ScriptedDrafter, noisy_copy, prompt, source, tiny_model, tiny_seq2seq
 from test_sampling_distribution import CONFIGS, P_THRESHOLD, SAMPLES, exact_two_token_distribution, goodness_of_fit
 
@@ -162,14 +162,14 @@ def test_static_cache_rewinds_in_place():
     model = tiny_model("llama")
     ids = prompt(12, seed=9)
     cache = StaticCache(config=model.config, max_cache_len=32)
-    model(ids[:, :10], past_key_values=cache)
+    model(ids[:, :10], **{CACHE_KWARG: cache})
     keys = cache.layers[0].keys
     rewind_cache(cache, 6)
     assert cached_length(cache) == 6 and cache.layers[0].keys is keys
-    rewound = model(ids[:, 6:12], past_key_values=cache).logits
+    rewound = model(ids[:, 6:12], **{CACHE_KWARG: cache}).logits
     fresh = StaticCache(config=model.config, max_cache_len=32)
-    model(ids[:, :6], past_key_values=fresh)
-    assert torch.allclose(rewound, model(ids[:, 6:12], past_key_values=fresh).logits, atol=1e-5)
+    model(ids[:, :6], **{CACHE_KWARG: fresh})
+    assert torch.allclose(rewound, model(ids[:, 6:12], **{CACHE_KWARG: fresh}).logits, atol=1e-5)
 
 
 def test_a_static_sliding_window_is_served_within_the_window_and_refused_past_it():
@@ -199,10 +199,11 @@ def test_nothing_but_transformers_own_compiled_call_is_left_on_the_model():
 
 def test_a_static_cache_the_user_passes_is_served(llama):
     ids = prompt(seed=13)
-    plain = llama.generate(ids, max_new_tokens=NEW_TOKENS, past_key_values=StaticCache(config=llama.config,
-                                                                                         max_cache_len=40))
+    # the cache argument's name in this transformers: `cache` (>= 5.24) or `past_key_values`
+    plain = llama.generate(ids, max_new_tokens=NEW_TOKENS,
+                           **{CACHE_KWARG: StaticCache(config=llama.config, max_cache_len=40)})
     cache = StaticCache(config=llama.config, max_cache_len=40)
-    out = llama.generate(ids, max_new_tokens=NEW_TOKENS, past_key_values=cache, assistant_model=noisy_copy(llama, 0.05),
-                         speculative_gamma=4, return_dict_in_generate=True)
+    out = llama.generate(ids, max_new_tokens=NEW_TOKENS, assistant_model=noisy_copy(llama, 0.05), speculative_gamma=4,
+                         return_dict_in_generate=True, **{CACHE_KWARG: cache})
     assert torch.equal(out.sequences, plain)
-    assert out.past_key_values is cache and cached_length(cache) == out.sequences.shape[1] - 1
+    assert cache_of(out) is cache and cached_length(cache) == out.sequences.shape[1] - 1

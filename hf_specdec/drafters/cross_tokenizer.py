@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from ..caches import cache_argument
 from ..sampling import sample_tokens
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 from .model import logits_width
@@ -538,10 +539,10 @@ class CrossTokenizerDrafter(Drafter):
             self.cache.crop(-excess)
         new = torch.tensor([ids[keep:]], dtype=torch.long, device=self.device)  # [1, n]
         if self.encoder_inputs is not None:
-            outputs = self.model(decoder_input_ids=new, past_key_values=self.cache, use_cache=True,
+            outputs = self.model(decoder_input_ids=new, use_cache=True, **{cache_argument(self.model): self.cache},
                                  **self.encoder_inputs)
         else:
-            outputs = self.model(input_ids=new, past_key_values=self.cache, use_cache=True)
+            outputs = self.model(input_ids=new, use_cache=True, **{cache_argument(self.model): self.cache})
         self.fed = list(ids)
         self.fed_frozen = len(self.retokenizer.frozen)
         return outputs.logits[0, -1].float()

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
-from ..caches import croppable_after_first_forward, realign_cache, slice_cache
+from ..caches import cache_argument, croppable_after_first_forward, realign_cache, slice_cache
 from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
@@ -317,7 +317,7 @@ class ModelDrafter(Drafter):
                 attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
                 position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
                                         device=device),
-                past_key_values=self.cache,
+                **{cache_argument(self.model): self.cache},
                 use_cache=True,
             ).logits[0]  # [f, vocab]
             logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
@@ -330,7 +330,7 @@ class ModelDrafter(Drafter):
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
         cached = self.cache.get_seq_length()
         batch, seq_len = ids.shape
-        inputs = {"input_ids": ids[:, cached:].to(self.device), "past_key_values": self.cache, "use_cache": True}
+        inputs = {"input_ids": ids[:, cached:].to(self.device), cache_argument(self.model): self.cache, "use_cache": True}
         if self.encoder_inputs is not None:
             inputs.update(self.encoder_inputs)
             if self.model.config.is_encoder_decoder:

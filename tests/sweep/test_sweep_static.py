@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+import transformers
+from packaging import version
 from test_sweep import DRAFTER_IGNORED, GAMMA, KNOWN_DEFECTS, NOT_RUN, REFUSALS, greedy, inputs_for
 from tiny import mapping_types, tiny_model
 
@@ -32,6 +34,9 @@ STATIC_NOT_RUN = {
     "deepseek_v4": "KeyError: 'heavily_compressed_attention'",
     "prophetnet": "RuntimeError: expand(torch.FloatTensor{[1, 1, 1, 1, 1, 1, 20",
 }
+if version.parse(transformers.__version__) >= version.parse("5.24"):
+    # 5.24's XLM sizes its attention mask by the tokens seen, not by the static cache's length (5.23 served it)
+    STATIC_NOT_RUN["xlm"] = "RuntimeError: The expanded size of the tensor (27) must matc"
 
 
 def static_generate(model, inputs, **kwargs):

@@ -38,7 +38,8 @@ SIZES = [
     (8, ("index_topk", "sliding_window", "attention_window", "local_attention", "window_size")),
 ]
 LAYER_NAMES = next(names for value, names in SIZES if "num_hidden_layers" in names)
-VOCAB_NAMES = ("vocab_size",)
+# inkling2 sizes its head by `unpadded_vocab_size` (transformers >= 5.24; earlier, it sliced the logits to it)
+VOCAB_NAMES = ("vocab_size", "unpadded_vocab_size")
 # what a default config leaves undefined, or sets for its full size, for a tiny one (by model type, nested configs
 # included; applied after shrinking)
 _GEMMA3N_TEXT = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
@@ -52,6 +53,10 @@ _SEAMLESS = dict(  # a one-layer speech encoder and text-to-unit model
     unit_hifi_gan_vocab_size=VOCAB, upsample_initial_channel=32, unit_embed_dim=64)
 OVERRIDES = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # dory (transformers >= 5.24) loops its middle layers; its config lists each layer as an attention block and an
+    # mlp block (halved on load): one input, one looped and one output layer
+    "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
+                 layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
     "deepseek_v2": dict(num_experts_per_tok=2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   use_mamba_kernels=False),
