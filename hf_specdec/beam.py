@@ -41,7 +41,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .caches import CACHE_KWARG, cache_argument
+from .caches import CACHE_KWARG
 from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
@@ -278,7 +278,7 @@ class _DraftBeams:
         """Feeds the uncached tail of `ids` (`[rows, len]`) and returns float32 log q of the last position."""
         drafter = self.drafter
         cached = cache.get_seq_length()
-        inputs = {cache_argument(self.model): cache, "use_cache": True}
+        inputs = {drafter.cache_argument: cache, "use_cache": True}
         tail = ids[:, cached:].to(drafter.device)
         if drafter.encoder_inputs is not None:
             for key, value in drafter.encoder_inputs.items():

@@ -9,8 +9,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.generation import utils as _generation_utils
 
-__all__ = ["CACHE_KWARG", "COLUMN_STATE", "cache_argument", "cache_of", "cached_length", "compact_cache", "compactable", "croppable_after_first_forward",
-           "is_static", "realign_cache", "rewind_cache", "slice_cache", "static_capacity", "static_rewind_problem"]
+__all__ = ["CACHE_KWARG", "COLUMN_STATE", "cache_argument", "cache_of", "cached_length", "compact_cache", "compactable",
+           "croppable_after_first_forward", "is_static", "realign_cache", "rewind_cache", "slice_cache", "static_capacity",
+           "static_rewind_problem"]
 
 
 # the tensors a cache layer holds per column: name -> (batch dim, column dim). Keys and values of every layer, and
@@ -25,19 +26,15 @@ COLUMN_STATE = {"keys": (0, 2), "values": (0, 2), "indexer_keys": (0, 1), "index
 CACHE_KWARG = "cache" if "cache" in getattr(_generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
-def cache_argument(model) -> str:
+def cache_argument(model, default: str | None = CACHE_KWARG) -> str | None:
     """The name under which `model`'s forward takes its cache: `cache` (transformers >= 5.24) or `past_key_values`
-    (earlier releases, and remote-code models written for them)."""
-    forward = getattr(model, "forward", None)
+    (earlier releases, and remote-code models written for them); `default` when its forward names neither. Read it
+    once per model, not per forward (it inspects the signature)."""
     try:
-        parameters = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return CACHE_KWARG
-    if "cache" in parameters:
-        return "cache"
-    if "past_key_values" in parameters:
-        return "past_key_values"
-    return CACHE_KWARG
+        parameters = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return default
+    return next((name for name in ("cache", "past_key_values") if name in parameters), default)
 
 
 def cache_of(outputs):

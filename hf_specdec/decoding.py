@@ -8,7 +8,6 @@ outputs) and hands the loop the prepared pieces.
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +16,8 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from .batching import decode_batch
 from .beam import speculative_beam_search
 from .capability import check_multi_token_forward
-from .caches import CACHE_KWARG, cache_argument, compactable, croppable_after_first_forward, is_static, static_rewind_problem
+from .caches import (CACHE_KWARG, cache_argument, compactable, croppable_after_first_forward, is_static,
+                     static_rewind_problem)
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
@@ -123,7 +123,7 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"output_hidden_states={generation_config.output_hidden_states}). Set them to False."
         )
     cache = model_kwargs.get(CACHE_KWARG)
-    if cache is None or cache_argument(model) not in inspect.signature(model.forward).parameters:
+    if cache is None or cache_argument(model, default=None) is None:
         raise ValueError(
             f"{type(model).__name__} generates without a `Cache` object (it recomputes the whole sequence at every "
             "step), so there are no keys and values to keep or roll back. Speculative decoding needs a model that "

@@ -70,15 +70,16 @@ def _probe(model) -> bool:
         sensitivity = min(float((shifted.logits[0, -1].float() - want[1]).abs().max()),
                           float((unmasked.logits[0, -1].float() - want[1]).abs().max()))
         errors = []
+        name = cache_argument(model)
         for cached in (0, 1):  # the first round (nothing cached, the context in the tail) and a later round
             cache = DynamicCache(config=model.config)
             if cached:
-                model(input_ids=x, use_cache=True, **{cache_argument(model): cache})
+                model(input_ids=x, use_cache=True, **{name: cache})
             ids = tree_ids if cached else torch.cat([x, tree_ids], -1)
             positions = tree_positions if cached else torch.cat([tree_positions.new_zeros(1, 1), tree_positions], -1)
             bias = tree_attention_bias(parents, past_length=cached, tail_length=2 - cached, dtype=model.dtype)
-            logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, **{cache_argument(model): cache},
-                           use_cache=True).logits[0, -4:].float()  # [a, b, d, c]
+            logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True,
+                           **{name: cache}).logits[0, -4:].float()  # [a, b, d, c]
             got = torch.stack([logits[1], logits[3], logits[2]])  # after b, after c, after d
             errors.append(float((got - want).abs().max()))
     except Exception:  # any failure means "cannot": the caller raises a clear error naming the model

@@ -362,6 +362,7 @@ class CrossTokenizerDrafter(Drafter):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"`window` must be a positive int, got {window!r}. Use the default, 8.")
         self.model = model
+        self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tokenizer = tokenizer
         self.assistant_tokenizer = assistant_tokenizer
         self.max_draft_steps = max_draft_steps
@@ -539,10 +540,10 @@ class CrossTokenizerDrafter(Drafter):
             self.cache.crop(-excess)
         new = torch.tensor([ids[keep:]], dtype=torch.long, device=self.device)  # [1, n]
         if self.encoder_inputs is not None:
-            outputs = self.model(decoder_input_ids=new, use_cache=True, **{cache_argument(self.model): self.cache},
+            outputs = self.model(decoder_input_ids=new, use_cache=True, **{self.cache_argument: self.cache},
                                  **self.encoder_inputs)
         else:
-            outputs = self.model(input_ids=new, use_cache=True, **{cache_argument(self.model): self.cache})
+            outputs = self.model(input_ids=new, use_cache=True, **{self.cache_argument: self.cache})
         self.fed = list(ids)
         self.fed_frozen = len(self.retokenizer.frozen)
         return outputs.logits[0, -1].float()

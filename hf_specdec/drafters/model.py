@@ -92,6 +92,7 @@ class ModelDrafter(Drafter):
                 "Use `tree_top_k=4` (the default), or any int >= 1."
             )
         self.model = model
+        self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tree_top_k = tree_top_k
 
     def reset(self, context: DraftContext) -> None:
@@ -317,7 +318,7 @@ class ModelDrafter(Drafter):
                 attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
                 position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
                                         device=device),
-                **{cache_argument(self.model): self.cache},
+                **{self.cache_argument: self.cache},
                 use_cache=True,
             ).logits[0]  # [f, vocab]
             logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
@@ -330,7 +331,7 @@ class ModelDrafter(Drafter):
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
         cached = self.cache.get_seq_length()
         batch, seq_len = ids.shape
-        inputs = {"input_ids": ids[:, cached:].to(self.device), cache_argument(self.model): self.cache, "use_cache": True}
+        inputs = {"input_ids": ids[:, cached:].to(self.device), self.cache_argument: self.cache, "use_cache": True}
         if self.encoder_inputs is not None:
             inputs.update(self.encoder_inputs)
             if self.model.config.is_encoder_decoder:
