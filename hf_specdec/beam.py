@@ -393,7 +393,8 @@ def _score_paths(model, running: torch.LongTensor, tree: _DraftTree, model_kwarg
             {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=tree.depth
         )
     candidates = torch.cat([running[tree.row_roots], tree.row_tokens], dim=-1)  # [rows, cur_len + depth]
-    return target_logits(model, candidates, tree.depth, row_kwargs, first_round=False)
+    # transformers' beam search runs its steps without `decode_step`'s kernel switch: so do these
+    return target_logits(model, candidates, tree.depth, row_kwargs, first_round=False, decode_kernels=False)
 
 
 class _BeamSearch:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 
 from .batching import decode_batch
 from .beam import speculative_beam_search
@@ -89,6 +90,13 @@ def speculative_decode(
     )
 
 
+# transformers' decoding methods selected by a setting, which the loop would ignore -> (settings, name)
+_OTHER_DECODING_METHODS = {
+    GenerationMode.CONTRASTIVE_SEARCH: (("penalty_alpha", "top_k"), "contrastive search"),
+    GenerationMode.DOLA_GENERATION: (("dola_layers",), "DoLa decoding"),
+}
+
+
 def _check_supported(model, input_ids, generation_config, model_kwargs, streamer) -> None:
     """One capability check, before any forward: everything speculation cannot honour fails here, clearly."""
     if input_ids.shape[0] > 1:
@@ -110,6 +118,15 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
         raise ValueError(
             "`use_cache=False` cannot be combined with a drafter: speculative decoding rolls back the target's "
             "key/value cache. Use `use_cache=True` (the default)."
+        )
+    mode = generation_config.get_generation_mode()
+    if mode in _OTHER_DECODING_METHODS:
+        settings, name = _OTHER_DECODING_METHODS[mode]
+        given = ", ".join(f"{field}={getattr(generation_config, field)!r}" for field in settings)
+        raise ValueError(
+            f"`{settings[0]}` selects {name} ({given}), a decoding method of its own that a drafter cannot serve: "
+            f"hf_specdec's loop verifies greedy or sampled tokens, so it would decode without it. Drop "
+            f"`{settings[0]}` or the drafter (plain `generate` runs {name} from the Hub, with `trust_remote_code=True`)."
         )
     if generation_config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["execution_device", "seconds_agreement"]
+__all__ = ["decode_step", "execution_device", "seconds_agreement"]
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:
@@ -26,6 +28,18 @@ def execution_device(model: torch.nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
+
+
+def decode_step(model: torch.nn.Module):
+    """The context plain `generate` runs its decode steps in (`GenerationMixin._optimize_model_for_decode`, where the
+    installed transformers has it; a no-op context otherwise). On an accelerator it computes a mixture-of-experts
+    model's experts with `batched_mm` instead of `grouped_mm` for the step, and switches back after it; on the CPU it
+    changes nothing. transformers' sampling loop runs every forward but the prefill in it, and its assisted
+    generation every verify forward but the first, so the target's forwards here do the same: the same kernels as
+    plain decoding (its numerics, its speed on small inputs). transformers' beam search does not use it, and neither
+    does speculative beam search."""
+    enter = getattr(model, "_optimize_model_for_decode", None)
+    return enter() if enter is not None else contextlib.nullcontext()
 
 
 def seconds_agreement(model: torch.nn.Module):

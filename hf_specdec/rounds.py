@@ -16,12 +16,14 @@ or compiled in a few padded shapes where plain `generate` compiles. The loops (`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from .caches import CACHE_KWARG, cached_length, compact_cache, is_static, rewind_cache, static_capacity
 from .configuration import SpeculativeOptions
+from .devices import decode_step
 from .drafters.base import DraftContext, DraftProposal, Drafter
 from .drafters.model import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -132,10 +134,12 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
 
 
 def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,
-                  overrides: dict | None = None, forward: "TargetForward | None" = None) -> torch.FloatTensor:
+                  overrides: dict | None = None, forward: "TargetForward | None" = None,
+                  decode_kernels: bool = True) -> torch.FloatTensor:
     """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
     `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
-    target (eagerly when None)."""
+    target (eagerly when None). Every forward but the first round's runs in plain decoding's context (`decode_step`)
+    unless `decode_kernels` is False (beam search, as transformers' own)."""
     cache = model_kwargs[CACHE_KWARG]
     cached = cached_length(cache)  # read once: a device sync for a static cache on an accelerator
     new_tokens = candidate_ids.shape[1] - cached
@@ -159,7 +163,8 @@ def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_ro
         model_inputs["logits_to_keep"] = num_drafted + 1 + padding
     if overrides:
         model_inputs.update(overrides)
-    outputs = (call or model)(**model_inputs, return_dict=True)
+    with decode_step(model) if decode_kernels and not first_round else contextlib.nullcontext():
+        outputs = (call or model)(**model_inputs, return_dict=True)
     end = outputs.logits.shape[1] - padding
     return outputs.logits[:, end - num_drafted - 1 : end].to(  # [batch, k + 1, vocab]
         dtype=torch.float32, device=candidate_ids.device, copy=True

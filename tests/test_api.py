@@ -287,6 +287,30 @@ def test_transformers_assisted_generation_settings_are_refused_not_ignored(name,
     model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: False if name == "use_mtp" else None})
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(penalty_alpha=0.6, top_k=4), "`penalty_alpha` selects contrastive search"),
+    (dict(dola_layers="high"), "`dola_layers` selects DoLa decoding"),
+    (dict(dola_layers=[2], do_sample=True), "`dola_layers` selects DoLa decoding"),
+    (dict(guidance_scale=1.5), "`guidance_scale` cannot be combined with a drafter"),
+])
+def test_decoding_methods_a_drafter_cannot_serve_are_refused_not_ignored(settings, message):
+    """Contrastive search and DoLa are decoding methods of their own (plain `generate` fetches them from the Hub) and
+    classifier-free guidance runs a second context per step: the loop used to decode greedily without the first two,
+    silently. Refused in the call and in a passed config, which is left as it was; off, they are not refused."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    for drafter in (dict(assistant_model=model), dict(drafter="prompt_lookup")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model.generate(prompt(), max_new_tokens=3, **drafter, **settings)
+    config = GenerationConfig(max_new_tokens=3, **settings)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.generate(prompt(), drafter="prompt_lookup", generation_config=config)
+    assert all(getattr(config, name) == value for name, value in settings.items())
+    off = dict(penalty_alpha=0.6, top_k=1) if "penalty_alpha" in settings else dict(dola_layers=None,
+                                                                                     guidance_scale=None)
+    out = model.generate(prompt(), drafter="prompt_lookup", max_new_tokens=6, **off)
+    assert torch.equal(out, model.generate(prompt(), max_new_tokens=6, **off))
+
+
 def test_registry():
     class Echo(hf_specdec.Drafter):
         def propose(self, input_ids, num_tokens):

@@ -190,6 +190,68 @@ def test_a_drafter_model_gets_its_cache_under_the_name_its_forward_takes(old_nam
     assert out.speculative_stats.accepted_tokens > 0
 
 
+def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_does():
+    """On an accelerator, plain `generate` decodes a mixture-of-experts model with `batched_mm` experts instead of
+    `grouped_mm` (`_optimize_model_for_decode`; the prefill is exempt, and so is beam search): every target forward
+    but the first round's runs in that switch here too, so it computes what plain decoding computes. On the CPU the
+    switch is off; this Qwen3-MoE makes it as it does on an accelerator, and records the implementation each forward
+    ran with."""
+    import transformers
+
+    if not hasattr(transformers.GenerationMixin, "_optimize_model_for_decode"):
+        pytest.skip("this transformers release decodes without a kernel switch")
+    base = sweep_model("qwen3_moe")
+    assert base.get_experts_implementation() == {"": "grouped_mm"}
+
+    class SwitchesLikeAnAccelerator(type(base)):
+        def _optimize_model_for_decode(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def switch():
+                self.set_experts_implementation("batched_mm")
+                try:
+                    yield
+                finally:
+                    self.set_experts_implementation("grouped_mm")
+            return switch()
+
+    model = SwitchesLikeAnAccelerator(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    model.generation_config = base.generation_config
+    seen = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["input_ids"].shape[1], module.config._experts_implementation)),
+        with_kwargs=True,
+    )
+    ids = sweep_prompt(10)
+    plain = model.generate(ids, max_new_tokens=NEW_TOKENS)
+    assert seen[0] == (10, "grouped_mm") and {kind for _, kind in seen[1:]} == {"batched_mm"}  # the switch is real
+    hf_specdec.enable(model)
+    drafters = {"always right": ScriptedDrafter(plain, vocab=SWEEP_VOCAB),
+                "never right": ScriptedDrafter(plain, period=1, vocab=SWEEP_VOCAB),
+                "partly right": ScriptedDrafter(plain, period=3, vocab=SWEEP_VOCAB),
+                "prompt lookup": "prompt_lookup", "itself": None}
+    for name, drafter in drafters.items():
+        seen.clear()
+        kwargs = {"assistant_model": model} if drafter is None else {"drafter": drafter}
+        out = model.generate(ids, speculative_gamma=3, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
+                             **kwargs)
+        assert torch.equal(out.sequences, plain), name
+        assert seen[0][1] == "grouped_mm", name  # the probe's and the first round's forwards carry the prompt
+        assert out.speculative_stats.target_calls > 3, name
+        later = seen[-(out.speculative_stats.target_calls - 1):]
+        assert {kind for _, kind in later} == {"batched_mm"}, (name, seen)
+        assert model.get_experts_implementation() == {"": "grouped_mm"}, name  # switched back
+    seen.clear()
+    beam = model.generate(ids, num_beams=2, max_new_tokens=8)
+    assert {kind for _, kind in seen} == {"grouped_mm"}  # transformers' beam search decodes without the switch
+    seen.clear()
+    assert torch.equal(model.generate(ids, num_beams=2, max_new_tokens=8, assistant_model=model,
+                                      speculative_gamma=3), beam)
+    assert {kind for _, kind in seen} == {"grouped_mm"}
+
+
 def test_capability_check_passes_exact_models_once():
     model = hf_specdec.enable(tiny_model("llama", seed=0))
     ids = prompt(8)

@@ -89,6 +89,8 @@ def goodness_of_fit(table, samples):
 CONFIGS = {
     "temperature_top_k": dict(temperature=0.9, top_k=4),
     "top_p_repetition_penalty": dict(temperature=1.2, top_p=0.6, repetition_penalty=1.3),
+    # the warpers that cut by the distribution's own shape: each position is cut from its own prefix's logits
+    "min_p_typical_eta": dict(temperature=0.7, top_k=0, min_p=0.2, typical_p=0.9, eta_cutoff=0.01),
 }
 
 
