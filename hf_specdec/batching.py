@@ -65,8 +65,10 @@ def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kw
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
     stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
     cache = model_kwargs[CACHE_KWARG]
-    # a drafter that reads the target's hidden states gets them from the one-sequence loop: rows one at a time
-    if _supports_padded_batch(model, cache) and not drafter.reads_target_hidden_states:
+    # a drafter that reads the target's hidden states gets them from the one-sequence loop, and `prefill_chunk_size`
+    # is honoured there (each row's prompt prefilled in chunks): rows one at a time
+    if (_supports_padded_batch(model, cache) and not drafter.reads_target_hidden_states
+            and run["generation_config"].prefill_chunk_size is None):
         return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
                               **model_kwargs), cache
     return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
@@ -403,7 +405,7 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
                 )
                 outputs[row], _, _ = decode_sequence(model, outputs[row], logits_processor=row_processors,
                                                      stopping_criteria=until_stop, drafter=row_drafter,
-                                                     stats=row_stats[row], **run, **row_kwargs)
+                                                     stats=row_stats[row], continuing=True, **run, **row_kwargs)
     for one_row in row_stats:  # rows decoded one after another: each forward is its own
         stats.merge(one_row)
     stats.rows.extend(row_stats)

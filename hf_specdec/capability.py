@@ -68,6 +68,14 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     is_encoder_decoder = model.config.is_encoder_decoder
     row_kwargs = slice_kwargs(model_kwargs, 0, input_ids.shape[0], model)
     prompt = input_ids[:1]  # [1, prompt_len]
+    chunk = generation_config.prefill_chunk_size
+    if chunk is not None and not is_encoder_decoder and prompt.shape[1] + _PROBE_DRAFTS > chunk:
+        # the call bounds its forwards (`prefill_chunk_size`): so does the probe, on the prompt's first tokens
+        # (per-token inputs, such as the mask and the positions, cut with it)
+        keep, full = min(max(1, chunk - _PROBE_DRAFTS), prompt.shape[1]), prompt.shape[1]
+        prompt = prompt[:, :keep]
+        row_kwargs = {key: value[..., :keep] if isinstance(value, torch.Tensor) and value.dim() >= 2
+                      and value.shape[-1] == full else value for key, value in row_kwargs.items()}
     vocab = logits_width(model)
     # tokens that differ from each other and from the prompt's last one
     extra = (prompt[:, -1:] + torch.arange(1, _PROBE_DRAFTS + 1, device=prompt.device) * 7) % vocab  # [1, 4]
@@ -91,6 +99,7 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     try:
         # step by step, as plain generate decodes: the logits after the prompt and after each extra token
         kwargs = fresh()
+        # every probe forward runs with the same kernels (outside `decode_step`): it compares forward shapes only
         steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
         cached = cached_length(kwargs[CACHE_KWARG])
         if cached == 0:
@@ -101,7 +110,8 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
                     "by a number of rejected tokens would misalign it")
         for i in range(_PROBE_DRAFTS):
             kwargs = advance(kwargs, 1)
-            steps.append(target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False)[:, -1])
+            steps.append(target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False,
+                                       decode_kernels=False)[:, -1])
         want = torch.stack(steps, dim=1)  # [1, 5, vocab]
 
         # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
@@ -114,7 +124,8 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
                     "drafts could not be undone")
         rewind_cache(cache, prompt_len + 1)
         kwargs = advance(kwargs, 2)
-        second = target_logits(model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False)
+        second = target_logits(model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False,
+                               decode_kernels=False)
     except Exception as error:  # noqa: BLE001 - any failure is a refusal that names it
         message = str(error).splitlines()[0] if str(error) else ""
         return f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"

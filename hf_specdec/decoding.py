@@ -94,11 +94,13 @@ def speculative_decode(
 _OTHER_DECODING_METHODS = {
     GenerationMode.CONTRASTIVE_SEARCH: (("penalty_alpha", "top_k"), "contrastive search"),
     GenerationMode.DOLA_GENERATION: (("dola_layers",), "DoLa decoding"),
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: (("force_words_ids", "constraints"), "constrained beam search"),
 }
 
 
 def _check_supported(model, input_ids, generation_config, model_kwargs, streamer) -> None:
-    """One capability check, before any forward: everything speculation cannot honour fails here, clearly."""
+    """One capability check, before any decoding forward (an encoder-decoder's encoder has run): everything
+    speculation cannot honour fails here, clearly."""
     if input_ids.shape[0] > 1:
         if streamer is not None:
             raise ValueError(
@@ -120,13 +122,15 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             "key/value cache. Use `use_cache=True` (the default)."
         )
     mode = generation_config.get_generation_mode()
-    if mode in _OTHER_DECODING_METHODS:
-        settings, name = _OTHER_DECODING_METHODS[mode]
-        given = ", ".join(f"{field}={getattr(generation_config, field)!r}" for field in settings)
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # beam search went to `beam.py`
+        settings, name = _OTHER_DECODING_METHODS.get(mode, ((), f"the {mode.value} decoding method"))
+        given = ", ".join(f"{field}={getattr(generation_config, field)!r}" for field in settings
+                          if getattr(generation_config, field, None) is not None)
+        selects = f"`{'` / `'.join(settings)}` selects {name} ({given})" if settings else f"This call selects {name}"
         raise ValueError(
-            f"`{settings[0]}` selects {name} ({given}), a decoding method of its own that a drafter cannot serve: "
-            f"hf_specdec's loop verifies greedy or sampled tokens, so it would decode without it. Drop "
-            f"`{settings[0]}` or the drafter (plain `generate` runs {name} from the Hub, with `trust_remote_code=True`)."
+            f"{selects}, a decoding method of its own that a drafter cannot serve: hf_specdec's loop verifies "
+            f"greedy or sampled tokens, so it would decode without it. Drop it or the drafter (plain `generate` runs "
+            f"{name} from the Hub, with `trust_remote_code=True`)."
         )
     if generation_config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(

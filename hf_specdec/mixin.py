@@ -393,6 +393,11 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
         )
     if synced_gpus:
         raise ValueError("`synced_gpus=True` is not supported with a drafter yet; drop it or the drafter.")
+    if kwargs.get("cache_implementation") == "paged":  # read from the call only, as transformers reads it
+        raise ValueError(
+            "`cache_implementation='paged'` switches `generate` to continuous batching (`generate_batch`), where a "
+            "drafter would be left unused (transformers refuses `assistant_model` there too). Drop it or the drafter."
+        )
     config = generation_config if generation_config is not None else model_config
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
         value = kwargs.get(name, getattr(config, name, None))
@@ -416,6 +421,9 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
 # transformers' assisted-generation settings that an hf_specdec drafter would leave unused -> the fix ({value}: theirs)
 _TRANSFORMERS_ASSISTED_SETTINGS = {
     "num_assistant_tokens": "Set the number of drafted tokens with `speculative_gamma={value!r}` instead.",
+    "max_matching_ngram_size": (
+        "With `drafter=\"prompt_lookup\"`, set the longest n-gram it matches with "
+        "`drafter_kwargs={{\"max_ngram_size\": {value!r}}}` instead."),
     "num_assistant_tokens_schedule": (
         "Choose how γ changes with `speculative_gamma_policy=...` instead (\"constant\", \"heuristic\": "
         "transformers' schedule, per call; \"auto\", the default; \"optimal\")."),

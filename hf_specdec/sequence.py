@@ -58,9 +58,12 @@ def decode_sequence(
     policy,
     stats: SpeculativeStats,
     streamer: "BaseStreamer | None" = None,
+    continuing: bool = False,
     **model_kwargs,
 ):
-    """The loop for one sequence; `drafter` is already reset for it. Returns (sequences, scores, logits)."""
+    """The loop for one sequence; `drafter` is already reset for it. Returns (sequences, scores, logits).
+    `continuing`: the cache already holds all of `input_ids` but the newest token (a row that goes on growing after
+    it stopped), so no forward of this call carries a prompt."""
     cache = model_kwargs[CACHE_KWARG]
     cache.activate_past_recording()
     vocab_size = logits_width(model)
@@ -73,8 +76,10 @@ def decode_sequence(
     raw_logits = () if output_logits else None
     is_encoder_decoder = model.config.is_encoder_decoder
     max_length = generation_config.max_length
-    first_round = True
+    first_round = not continuing
     finished = False
+    # an encoder-decoder's decoder prompt is a token or a few: the encoder's inputs are not chunked by generate
+    chunked_prefill = generation_config.prefill_chunk_size is not None and not is_encoder_decoder
 
     # a drafter that reads the target's hidden states gets those of the positions each round keeps
     capacity = static_capacity(cache)  # None: the cache grows
@@ -121,13 +126,19 @@ def decode_sequence(
             # after the first round the invariant gives the cache's length without reading it (a device sync for
             # a static cache on an accelerator)
             cached = cached_length(cache) if first_round else cur_len - 1
-            if layout.prefills_context and cur_len - cached > 1:
-                # the prompt is prefilled with the model's own causal mask; the tree forward then carries the root only
-                # (per-token inputs, such as the mask and the positions generate prepared, lose their last column too)
+            prefilled = False
+            if (layout.prefills_context or chunked_prefill) and cur_len - cached > 1:
+                # the prompt is prefilled apart (a tree: with the model's own causal mask; `prefill_chunk_size`: in
+                # chunks, as plain generate's `_prefill`); the round's forward then carries the newest token and the
+                # drafts only, a decode step (per-token inputs, such as the mask and the positions generate
+                # prepared, lose their last column too)
                 prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
                                   and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
-                target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
-                cached = cur_len - 1
+                if chunked_prefill:
+                    model._prefill(input_ids[:, :-1], generation_config, prefill_kwargs, is_first_iteration=first_round)
+                else:
+                    target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, first_round)
+                cached, prefilled = cur_len - 1, True
             candidate_ids = torch.cat([input_ids, proposal.tokens], dim=-1)  # [1, cur_len + k]
             forward_kwargs = model_kwargs
             if num_drafted:
@@ -135,8 +146,8 @@ def decode_sequence(
                     {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
                 )
             overrides = layout.forward_overrides(cached, cur_len, model.dtype, context_mask, capacity)
-            new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs, first_round,
-                                       overrides, forward)  # [1, k + 1, V]
+            new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs,
+                                       first_round and not prefilled, overrides, forward)  # [1, k + 1, V]
             new_scores = new_logits
             if len(logits_processor):
                 new_scores = standardize(new_logits, lambda row: logits_processor,

@@ -259,10 +259,13 @@ def test_drafter_argument_errors():
         model.generate(prompt(), assistant_model=model, stop_strings="x")
     with pytest.raises(ValueError, match="`output_attentions` and `output_hidden_states` are not supported"):
         model.generate(prompt(), assistant_model=model, output_attentions=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="`cache_implementation='paged'` switches `generate` to continuous batching"):
+        model.generate(prompt(), drafter="prompt_lookup", cache_implementation="paged", max_new_tokens=3)
 
 
 @pytest.mark.parametrize("name, value, fix", [
     ("num_assistant_tokens", 3, "`speculative_gamma=3` instead"),
+    ("max_matching_ngram_size", 4, 'drafter_kwargs={"max_ngram_size": 4}'),
     ("num_assistant_tokens_schedule", "heuristic", "`speculative_gamma_policy=...` instead"),
     ("assistant_confidence_threshold", 0.4, "Drop it: the γ policy"),
     ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
@@ -288,7 +291,8 @@ def test_transformers_assisted_generation_settings_are_refused_not_ignored(name,
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(penalty_alpha=0.6, top_k=4), "`penalty_alpha` selects contrastive search"),
+    (dict(penalty_alpha=0.6, top_k=4), "`penalty_alpha` / `top_k` selects contrastive search"),
+    (dict(force_words_ids=[[5]]), "`force_words_ids` / `constraints` selects constrained beam search"),
     (dict(dola_layers="high"), "`dola_layers` selects DoLa decoding"),
     (dict(dola_layers=[2], do_sample=True), "`dola_layers` selects DoLa decoding"),
     (dict(guidance_scale=1.5), "`guidance_scale` cannot be combined with a drafter"),

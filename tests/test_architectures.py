@@ -231,18 +231,36 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
     drafters = {"always right": ScriptedDrafter(plain, vocab=SWEEP_VOCAB),
                 "never right": ScriptedDrafter(plain, period=1, vocab=SWEEP_VOCAB),
                 "partly right": ScriptedDrafter(plain, period=3, vocab=SWEEP_VOCAB),
-                "prompt lookup": "prompt_lookup", "itself": None}
+                "prompt lookup": "prompt_lookup"}
     for name, drafter in drafters.items():
         seen.clear()
-        kwargs = {"assistant_model": model} if drafter is None else {"drafter": drafter}
-        out = model.generate(ids, speculative_gamma=3, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
-                             **kwargs)
+        out = model.generate(ids, drafter=drafter, speculative_gamma=3, max_new_tokens=NEW_TOKENS,
+                             return_dict_in_generate=True)
         assert torch.equal(out.sequences, plain), name
         assert seen[0][1] == "grouped_mm", name  # the probe's and the first round's forwards carry the prompt
         assert out.speculative_stats.target_calls > 3, name
         later = seen[-(out.speculative_stats.target_calls - 1):]
         assert {kind for _, kind in later} == {"batched_mm"}, (name, seen)
         assert model.get_experts_implementation() == {"": "grouped_mm"}, name  # switched back
+    # a batch decoded row by row (`prefill_chunk_size` asks for it) without an EOS criterion: a row that a criterion
+    # stopped goes on growing until every row is done, and its continuation is decode steps too
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopsAtToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop_token
+
+    batch = torch.cat([ids, sweep_prompt(10, seed=1)])
+    stop_token = int(plain[0, 14])  # row 0 stops early, row 1 (most likely) later
+    kwargs = dict(max_new_tokens=NEW_TOKENS, prefill_chunk_size=64, stopping_criteria=StoppingCriteriaList([
+        StopsAtToken()]))
+    plain_batch = model.generate(batch, **kwargs)
+    seen.clear()
+    out = model.generate(batch, drafter="prompt_lookup", return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, plain_batch)
+    assert {kind for length, kind in seen if length == 9} == {"grouped_mm"}  # each row's prompt, prefilled
+    assert {kind for length, kind in seen if length < 9} == {"batched_mm"}, seen
+    assert bool((plain_batch[0, 10:-1] == stop_token).any())  # row 0 stopped, then went on growing
     seen.clear()
     beam = model.generate(ids, num_beams=2, max_new_tokens=8)
     assert {kind for _, kind in seen} == {"grouped_mm"}  # transformers' beam search decodes without the switch

@@ -174,3 +174,37 @@ def test_stop_strings_with_a_local_tokenizer(local_tokenizer):
     out = target.generate(ids, assistant_model=target, generation_config=config, stop_strings=stop,
                           tokenizer=local_tokenizer)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("tree_budget", [None, 4])
+def test_prefill_chunk_size_prefills_in_chunks_and_stays_exact(tree_budget):
+    """`prefill_chunk_size` bounds the prompt's forwards, as plain `generate`'s chunked `_prefill` does: the prompt
+    (all but its newest token) is prefilled in chunks, then the rounds carry the newest token and the drafts. It was
+    ignored (the whole prompt in the first round's forward). A batch is decoded row by row, each row chunked."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(21, seed=5)
+    lengths = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    plain = model.generate(ids, max_new_tokens=NEW_TOKENS, prefill_chunk_size=8)
+    assert lengths[:3] == [8, 8, 5]  # plain generate's chunks
+    lengths.clear()
+    model.generate(ids, drafter="prompt_lookup", max_new_tokens=2, prefill_chunk_size=8)
+    assert max(lengths) <= 8, lengths  # the capability probe (the model's first speculative call) stays within it
+    drafters = {"always right": ScriptedDrafter(plain), "partly right": ScriptedDrafter(plain, period=3),
+                "never right": ScriptedDrafter(plain, period=1), "prompt lookup": "prompt_lookup"}
+    for name, drafter in drafters.items():
+        lengths.clear()
+        out = model.generate(ids, drafter=drafter, speculative_gamma=4, speculative_tree_budget=tree_budget,
+                             max_new_tokens=NEW_TOKENS, prefill_chunk_size=8)
+        assert torch.equal(out, plain), name
+        # the prompt's chunks (after a tree's once-per-model attention check, when there is one)
+        assert [8, 8, 4] in [lengths[i : i + 3] for i in range(len(lengths))], (name, lengths)
+        assert max(lengths) <= 8, (name, lengths)
+    batch = torch.cat([ids, prompt(21, seed=6)])
+    lengths.clear()
+    plain_batch = model.generate(batch, max_new_tokens=8, prefill_chunk_size=8)
+    lengths.clear()
+    assert torch.equal(model.generate(batch, drafter="prompt_lookup", max_new_tokens=8, prefill_chunk_size=8),
+                       plain_batch)
+    assert max(lengths) <= 8

@@ -34,7 +34,6 @@ Variables follow the paper: p (the target's standardized distribution), q (the d
 
 from __future__ import annotations
 
-import contextlib
 import re
 import weakref
 
@@ -43,7 +42,6 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..caches import cache_argument
-from ..devices import decode_step
 from ..sampling import sample_tokens
 from .base import DraftContext, DraftProposal, Drafter, register_drafter
 from .model import logits_width
@@ -541,12 +539,11 @@ class CrossTokenizerDrafter(Drafter):
         if excess > 0:
             self.cache.crop(-excess)
         new = torch.tensor([ids[keep:]], dtype=torch.long, device=self.device)  # [1, n]
-        with decode_step(self.model) if keep else contextlib.nullcontext():  # as plain decoding: not a prefill
-            if self.encoder_inputs is not None:
-                outputs = self.model(decoder_input_ids=new, use_cache=True, **{self.cache_argument: self.cache},
-                                     **self.encoder_inputs)
-            else:
-                outputs = self.model(input_ids=new, use_cache=True, **{self.cache_argument: self.cache})
+        if self.encoder_inputs is not None:
+            outputs = self.model(decoder_input_ids=new, use_cache=True, **{self.cache_argument: self.cache},
+                                 **self.encoder_inputs)
+        else:
+            outputs = self.model(input_ids=new, use_cache=True, **{self.cache_argument: self.cache})
         self.fed = list(ids)
         self.fed_frozen = len(self.retokenizer.frozen)
         return outputs.logits[0, -1].float()

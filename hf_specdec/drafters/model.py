@@ -8,7 +8,6 @@ log-probability under the drafter's standardized q); each depth expands the best
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
@@ -16,7 +15,7 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..caches import cache_argument, croppable_after_first_forward, realign_cache, slice_cache
-from ..devices import decode_step, execution_device
+from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
@@ -314,15 +313,14 @@ class ModelDrafter(Drafter):
                 break
             size = expansion.tokens.shape[0]
             allowed = torch.cat([context_visible.expand(size, -1), expansion.mask], dim=1)  # [f, keys]
-            with decode_step(self.model):
-                logits = self.model(
-                    input_ids=expansion.tokens[None].to(device),
-                    attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
-                    position_ids=torch.full((1, size), min(root_position + depth, self.max_position),
-                                            dtype=torch.long, device=device),
-                    **{self.cache_argument: self.cache},
-                    use_cache=True,
-                ).logits[0]  # [f, vocab]
+            logits = self.model(
+                input_ids=expansion.tokens[None].to(device),
+                attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
+                position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
+                                        device=device),
+                **{self.cache_argument: self.cache},
+                use_cache=True,
+            ).logits[0]  # [f, vocab]
             logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
@@ -351,8 +349,7 @@ class ModelDrafter(Drafter):
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
         try:
-            with decode_step(self.model) if cached else contextlib.nullcontext():  # as plain decoding: not a prefill
-                logits = self.model(**inputs).logits[:, -1]
+            logits = self.model(**inputs).logits[:, -1]
         except (RuntimeError, TypeError, ValueError) as error:
             if cached:
                 raise
