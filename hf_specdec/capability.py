@@ -11,7 +11,7 @@ import torch
 from .batching import slice_kwargs
 from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
 from .drafters.model import logits_width
-from .rounds import target_logits
+from .rounds import per_token_prefix, target_logits
 
 __all__ = ["check_multi_token_forward"]
 
@@ -72,10 +72,9 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     if chunk is not None and not is_encoder_decoder and prompt.shape[1] + _PROBE_DRAFTS > chunk:
         # the call bounds its forwards (`prefill_chunk_size`): so does the probe, on the prompt's first tokens
         # (per-token inputs, such as the mask and the positions, cut with it)
-        keep, full = min(max(1, chunk - _PROBE_DRAFTS), prompt.shape[1]), prompt.shape[1]
+        keep = min(max(1, chunk - _PROBE_DRAFTS), prompt.shape[1])
+        row_kwargs = per_token_prefix(row_kwargs, prompt.shape[1], keep)
         prompt = prompt[:, :keep]
-        row_kwargs = {key: value[..., :keep] if isinstance(value, torch.Tensor) and value.dim() >= 2
-                      and value.shape[-1] == full else value for key, value in row_kwargs.items()}
     vocab = logits_width(model)
     # tokens that differ from each other and from the prompt's last one
     extra = (prompt[:, -1:] + torch.arange(1, _PROBE_DRAFTS + 1, device=prompt.device) * 7) % vocab  # [1, 4]

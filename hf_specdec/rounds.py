@@ -30,7 +30,8 @@ from .sampling import draft_target_overlap, verify_greedy, verify_sampling, veri
 from .trees import ancestor_mask, check_parents, tree_attention_bias
 
 __all__ = ["ChainLayout", "HiddenStateCapture", "TargetForward", "TreeLayout", "Verdict", "capture_for",
-           "checked_proposal", "draft_context", "layout_for", "standardize", "target_logits", "verify_round"]
+           "checked_proposal", "draft_context", "layout_for", "per_token_prefix", "standardize", "target_logits",
+           "verify_round"]
 
 
 def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
@@ -131,6 +132,13 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
         f"{name}.propose returned probs that do not sum to 1 over the vocabulary (sums: {total.tolist()}): "
         f"{promise}, e.g. `scores.softmax(dim=-1)` after the target's logits processors."
     )
+
+
+def per_token_prefix(model_kwargs: dict, length: int, keep: int) -> dict:
+    """`model_kwargs` for the first `keep` of `length` tokens: per-token inputs (the attention mask, position ids:
+    tensors whose last dimension is `length`) cut to their first `keep` columns, everything else as is."""
+    return {key: value[..., :keep] if isinstance(value, torch.Tensor) and value.dim() >= 2
+            and value.shape[-1] == length else value for key, value in model_kwargs.items()}
 
 
 def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,

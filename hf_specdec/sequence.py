@@ -34,6 +34,7 @@ from .rounds import (
     checked_proposal,
     first_draft_acceptance,
     layout_for,
+    per_token_prefix,
     standardize,
     target_logits,
 )
@@ -132,8 +133,7 @@ def decode_sequence(
                 # chunks, as plain generate's `_prefill`); the round's forward then carries the newest token and the
                 # drafts only, a decode step (per-token inputs, such as the mask and the positions generate
                 # prepared, lose their last column too)
-                prefill_kwargs = {key: value[..., :-1] if isinstance(value, torch.Tensor) and value.dim() >= 2
-                                  and value.shape[-1] == cur_len else value for key, value in model_kwargs.items()}
+                prefill_kwargs = per_token_prefix(model_kwargs, cur_len, cur_len - 1)
                 if chunked_prefill:
                     model._prefill(input_ids[:, :-1], generation_config, prefill_kwargs, is_first_iteration=first_round)
                 else:
