@@ -12,11 +12,14 @@ layer 0, final norm, head). In one process, greedy, batch 1, seeded random promp
 prompt and repeated, wall times summarized by medians (and totals):
 
 - plain `GenerationMixin.generate`;
-- transformers' assisted generation with the same drafter (constant `num_assistant_tokens` = γ, no confidence cut);
-- ours with constant γ, with `speculative_gamma_policy="optimal"`, and with a token tree
-  (`speculative_gamma` = tree depth, `speculative_tree_budget` = nodes) for each budget in `--tree-budgets`.
+- transformers' assisted generation with the same drafter: constant `num_assistant_tokens` = γ and each of
+  `--transformers-gammas` (no confidence cut), and its defaults (20 drafts, confidence cut-off 0.4);
+- ours with its defaults, with constant γ, with `speculative_gamma_policy="optimal"`, and with a token tree
+  (`speculative_gamma` = tree depth, `speculative_tree_budget` = nodes) for each budget in `--tree-budgets` (default
+  policy), and under `"constant"` for each of `--constant-tree-budgets`.
 
-For each: speedup over plain, over transformers, tokens per target call (target forwards are counted by a hook, the
+For each: speedup over plain, over transformers at γ and over transformers' fastest setting measured, tokens per
+target call (target forwards are counted by a hook, the
 same way for every method; ours also report `speculative_stats`), α, and whether each output equals plain greedy
 (where it does not, the first differing position and the target's top-2 logit gap there: bf16 near ties).
 
@@ -29,7 +32,8 @@ the bound from the batch costs measured with the same left padding. Speed is mea
 
     python benchmarks/bench_memory_bound.py                      # full run, 2 threads
     python benchmarks/bench_memory_bound.py --quick --tree-budgets "" --threads 1 --output /tmp/mb_quick.json
-    python benchmarks/bench_memory_bound.py [--gamma 5] [--tree-depth 6] [--tree-budgets 8,12,16] [--prompts 4]
+    python benchmarks/bench_memory_bound.py [--gamma 5] [--transformers-gammas 2,3] [--tree-depth 6]
+        [--tree-budgets 8,12,16] [--constant-tree-budgets 8] [--prompts 4]
         [--repeats 3] [--prompt-length 64] [--max-new-tokens 64] [--batches 1,4,8,16] [--skip-batch] [--threads 2]
     python benchmarks/bench_memory_bound.py --batches-only --batches 4,8 --output benchmarks/results/x.json
 """
@@ -37,6 +41,7 @@ the bound from the batch costs measured with the same left padding. Speed is mea
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -263,10 +268,22 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     prompts = [torch.randint(1, vocab, (1, args.prompt_length), generator=generator) for _ in range(args.prompts)]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
     ours = dict(assistant_model=drafter, **common)
+    # transformers' own defaults (20 drafts, a confidence cut-off of 0.4 it adapts and keeps on the assistant's
+    # config across calls, as for a user): on a copy, so the shared drafter's config is never written
+    defaults_assistant = copy.copy(drafter)
+    defaults_assistant.generation_config = copy.deepcopy(drafter.generation_config)
+
+    def transformers_at(assistant_model):
+        return lambda ids, **kw: GenerationMixin.generate(target, ids, assistant_model=assistant_model,
+                                                          **{**common, **kw})
+
     methods = {
         "plain": lambda ids, **kw: GenerationMixin.generate(target, ids, **{**common, **kw}),
-        "transformers_assisted": lambda ids, **kw: GenerationMixin.generate(
-            target, ids, assistant_model=assistant, **{**common, **kw}),
+        "transformers_assisted": transformers_at(assistant),
+        **{f"transformers_assisted_{gamma}": transformers_at(assistant_with_gamma(drafter, gamma))
+           for gamma in args.transformers_gammas if gamma != args.gamma},
+        "transformers_default": transformers_at(defaults_assistant),
+        "ours_default": lambda ids, **kw: target.generate(ids, **{**ours, **kw}),
         f"ours_constant_{args.gamma}": lambda ids, **kw: target.generate(
             ids, speculative_gamma=args.gamma, speculative_gamma_policy="constant", **{**ours, **kw}),
         "ours_optimal": lambda ids, **kw: target.generate(
@@ -275,6 +292,10 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     for budget in args.tree_budgets:
         methods[f"ours_tree_{budget}"] = (lambda budget: lambda ids, **kw: target.generate(
             ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget, **{**ours, **kw}))(budget)
+    for budget in args.constant_tree_budgets:
+        methods[f"ours_tree_{budget}_constant"] = (lambda budget: lambda ids, **kw: target.generate(
+            ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget,
+            speculative_gamma_policy="constant", **{**ours, **kw}))(budget)
     names = list(methods)
     for name in names:  # warm-up (also runs the tree-attention probe outside the timings)
         methods[name](prompts[0][:, :8], max_new_tokens=min(8, args.max_new_tokens))
@@ -318,11 +339,18 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
         if stats[name]:
             row["speculative_stats"] = merged_stats(stats[name])
         results[name] = row
+    # transformers' fastest setting measured (its constant γs and its defaults), by median time
+    best = min((name for name in names if name.startswith("transformers_")), key=lambda name: results[name]["median_s"])
     for name in names:
         results[name]["speedup_over_transformers_ratio_of_medians"] = (
             results["transformers_assisted"]["median_s"] / results[name]["median_s"])
         results[name]["speedup_over_transformers_ratio_of_totals"] = (
             results["transformers_assisted"]["total_s"] / results[name]["total_s"])
+        results[name]["transformers_best"] = best
+        results[name]["speedup_over_transformers_best_ratio_of_medians"] = (
+            results[best]["median_s"] / results[name]["median_s"])
+        results[name]["speedup_over_transformers_best_ratio_of_totals"] = (
+            results[best]["total_s"] / results[name]["total_s"])
     return results
 
 
@@ -453,22 +481,30 @@ def theory(batch1: dict, costs: dict, args) -> dict:
         out["trees"][budget] = {
             "v_tree_mask_budget_plus_1": costs["v_tree_mask"][budget + 1],
             "speedup_over_transformers": row["speedup_over_transformers_ratio_of_medians"],
+            "speedup_over_transformers_best": row["speedup_over_transformers_best_ratio_of_medians"],
             "speedup_over_ours_constant": ours["median_s"] / row["median_s"],
         }
     return out
 
 
 def markdown(batch1: dict, batches: list[dict], args) -> str:
-    lines = ["| method | speedup | vs transformers | tokens / call | α | identical |",
-             "|---|---|---|---|---|---|"] if batch1 else []
+    lines = [f"| method | speedup | vs transformers (γ = {args.gamma}) | vs transformers' best | tokens / call | α "
+             "| identical |", "|---|---|---|---|---|---|---|"] if batch1 else []
     labels = {"plain": "plain `generate`", "transformers_assisted": f"transformers assisted (γ = {args.gamma})",
-              f"ours_constant_{args.gamma}": f"ours, γ = {args.gamma}", "ours_optimal": "ours, `optimal`"}
+              "transformers_default": "transformers assisted, its defaults (20 drafts, confidence 0.4)",
+              "ours_default": "ours, defaults", f"ours_constant_{args.gamma}": f"ours, γ = {args.gamma}",
+              "ours_optimal": "ours, `optimal`",
+              **{f"transformers_assisted_{gamma}": f"transformers assisted (γ = {gamma})"
+                 for gamma in args.transformers_gammas}}
     for name, row in batch1.items():
-        label = labels.get(name) or f"ours, tree depth {args.tree_depth}, {name.rsplit('_', 1)[1]} nodes"
+        budget = name.removeprefix("ours_tree_").removesuffix("_constant")
+        label = labels.get(name) or (f"ours, tree depth {args.tree_depth}, {budget} nodes"
+                                     + (", `constant`" if name.endswith("_constant") else ""))
         stats = row.get("speculative_stats")
         alpha = f"{stats['alpha']:.2f}" if stats else "–"
         lines.append(f"| {label} | {row['speedup_ratio_of_medians']:.2f}x "
                      f"| {row['speedup_over_transformers_ratio_of_medians']:.2f}x "
+                     f"| {row['speedup_over_transformers_best_ratio_of_medians']:.2f}x "
                      f"| {row['tokens_per_target_forward']:.2f} | {alpha} "
                      f"| {row['identical_prompts']}/{row['prompts']} |")
     if batches:
@@ -492,9 +528,13 @@ def main() -> None:
                         help="a small model (4 layers, hidden 256, vocab 2048) and few tokens: a smoke test")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--gamma", type=int, default=5, help="γ of the constant methods and of transformers")
+    parser.add_argument("--transformers-gammas", type=parse_ints, default="2,3",
+                        help="more constant γs for transformers' assisted generation (its best one is reported)")
     parser.add_argument("--tree-depth", type=int, default=6, help="speculative_gamma of the tree methods")
     parser.add_argument("--tree-budgets", type=parse_ints, default="8,12,16",
                         help='speculative_tree_budget values, comma-separated ("" skips the tree rows)')
+    parser.add_argument("--constant-tree-budgets", type=parse_ints, default="8",
+                        help='tree budgets also run under speculative_gamma_policy="constant" ("" skips them)')
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-length", type=int, default=64)

@@ -279,7 +279,7 @@ class _DraftBeams:
         drafter = self.drafter
         cached = cache.get_seq_length()
         inputs = {drafter.cache_argument: cache, "use_cache": True}
-        tail = ids[:, cached:].to(drafter.device)
+        tail = drafter._drafter_ids(ids[:, cached:]).to(drafter.device)
         if drafter.encoder_inputs is not None:
             for key, value in drafter.encoder_inputs.items():
                 if isinstance(value, ModelOutput):
@@ -302,7 +302,7 @@ class _DraftBeams:
         if drafter.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[:, -1]
-        logits = logits.to(device=ids.device, dtype=torch.float32)
+        logits = drafter._fit_width(logits.to(device=ids.device, dtype=torch.float32))
         return drafter.logits_processor(ids, logits.log_softmax(dim=-1))  # [rows, V]
 
     @torch.no_grad()

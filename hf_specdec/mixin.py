@@ -344,11 +344,11 @@ def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer
             "universal assisted generation)."
         )
     same = (
-        target is not None and logits_width(model) == logits_width(target) and hasattr(tokenizer, "get_vocab")
-        and hasattr(assistant_tokenizer, "get_vocab") and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
+        target is not None and hasattr(tokenizer, "get_vocab") and hasattr(assistant_tokenizer, "get_vocab")
+        and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
     )
-    if same:  # one vocabulary: token ids need no translation
-        return ModelDrafter(model)
+    if same:  # one vocabulary: token ids need no translation (the models' logits may be padded to other widths)
+        return ModelDrafter(model, same_tokenizer=logits_width(model) != logits_width(target))
     return CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
 
 

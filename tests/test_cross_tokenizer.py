@@ -32,6 +32,7 @@ from hf_specdec.drafters.cross_tokenizer import (
     shared_vocabulary,
     token_strings,
 )
+from hf_specdec.drafters.model import logits_width
 from hf_specdec.mixin import resolve_drafter
 from conftest import noisy_copy, tiny_model, tiny_seq2seq
 from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
@@ -496,3 +497,92 @@ def test_retokenizer_pending_text_stays_short_without_safe_points(tokenizers):
     assert len(retokenizer.pending_ids()) <= 8 * 2 + 5
     # the price: each forced boundary reads as a space to this tokenizer (the drafter's input only, never the output)
     assert tokenizer.decode(retokenizer.ids()).replace(" ", "") == text
+
+
+# --- one tokenizer, vocabularies padded to other widths (Qwen2.5-0.5B's 151936 logits, Qwen2.5-7B's 152064) --------
+
+
+def padded_copy(model, width: int, seed: int = 7):
+    """`model` with its vocabulary padded (or cut) to `width` rows: the shared rows keep its weights, new head rows
+    are zero (never the argmax of a model whose real logits are sharp), new embedding rows random."""
+    other = tiny_model("llama", seed=seed, vocab_size=width)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, param in other.state_dict().items():
+            source = state[name]
+            if param.shape == source.shape:
+                param.copy_(source)
+            else:  # a vocabulary-sized matrix: rows are token ids
+                rows = min(param.shape[0], source.shape[0])
+                if name.startswith("lm_head"):
+                    param.zero_()
+                param[:rows] = source[:rows]
+    return other
+
+
+@pytest.fixture(scope="module")
+def padded_pair(tokenizers):
+    """A target whose 16 logits past its tokenizer are padding (as a trained model has untrained rows there, but here
+    it may emit them, which reaches a narrower drafter's embedding)."""
+    tokenizer = tokenizers["byte_level"]
+    target = hf_specdec.enable(tiny_model("llama", seed=0, vocab_size=len(tokenizer) + 16))
+    return tokenizer, target
+
+
+@pytest.mark.parametrize("extra", [-16, 16])  # the drafter's width against the target's
+@pytest.mark.parametrize("kind", ["always_right", "partly_right", "never_right"])
+@pytest.mark.parametrize("layout", ["chain", "tree", "beam"])
+def test_a_vocabulary_padded_to_another_width_drafts_exactly(padded_pair, extra, kind, layout):
+    tokenizer, target = padded_pair
+    width = logits_width(target) + extra
+    drafter = {"always_right": lambda: padded_copy(target, width),
+               "partly_right": lambda: noisy_copy(padded_copy(target, width), 0.5),
+               "never_right": lambda: tiny_model("llama", seed=5, vocab_size=width)}[kind]()
+    # the prompt ends in one of the target's padding ids: past a narrower drafter's vocabulary
+    ids = torch.cat([encode(tokenizer, PROMPTS[0]), torch.tensor([[logits_width(target) - 1]])], dim=-1)
+    options = {"chain": dict(speculative_gamma=3), "tree": dict(speculative_gamma=3, speculative_tree_budget=6),
+               "beam": dict(num_beams=2, speculative_gamma=2)}[layout]
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False, num_beams=options.get("num_beams", 1))
+    resolved = resolve_drafter(None, drafter, tokenizer=tokenizer, assistant_tokenizer=tokenizer, target=target)
+    assert type(resolved) is hf_specdec.ModelDrafter and resolved.same_tokenizer  # ids need no translation
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter, tokenizer=tokenizer,
+                          assistant_tokenizer=tokenizer, return_dict_in_generate=True,
+                          speculative_gamma_policy="constant", **options)
+    assert torch.equal(out.sequences, plain)
+    stats = out.speculative_stats
+    if kind == "always_right":
+        assert stats.accepted_tokens > 0
+    if kind == "never_right" and layout == "chain":
+        assert stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("extra", [-16, 16])
+def test_a_vocabulary_padded_to_another_width_samples_the_target(padded_pair, extra):
+    tokenizer, target = padded_pair
+    drafter = noisy_copy(padded_copy(target, logits_width(target) + extra), 0.3)
+    config = dict(temperature=1.0, top_k=8)
+    ids = torch.cat([encode(tokenizer, PROMPTS[1]), torch.tensor([[logits_width(target) - 1]])], dim=-1)
+    table = exact_two_token_distribution(target, ids, config)
+    # the target's padding ids (past the tokenizer, and past the narrower drafter) take part: 13% of the mass
+    assert sum(p for pair, p in table.items() if max(pair) >= len(tokenizer)) > 0.1
+    samples = sample_pairs(target, ids, config, 2000, assistant_model=drafter, tokenizer=tokenizer,
+                           assistant_tokenizer=tokenizer, speculative_gamma=2, speculative_gamma_policy="constant")
+    assert goodness_of_fit(table, samples) > P_THRESHOLD
+    # power: the same test rejects the drafter's own samples (on the prompt as it reaches the drafter)
+    drafter_samples = sample_pairs(hf_specdec.enable(drafter), ids.clamp(max=logits_width(drafter) - 1), config, 2000)
+    assert not set(drafter_samples) <= set(table) or goodness_of_fit(table, drafter_samples) < P_THRESHOLD
+
+
+def test_a_vocabulary_of_another_width_is_refused_without_the_tokenizers(padded_pair):
+    tokenizer, target = padded_pair
+    drafter = padded_copy(target, len(tokenizer))
+    with pytest.raises(ValueError, match=r"vocabulary of 300 tokens but the target has 316.*assistant_tokenizer="):
+        target.generate(encode(tokenizer, PROMPTS[0]), assistant_model=drafter, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"vocabulary of 300 tokens but the target has 316.*same_tokenizer=True"):
+        target.generate(encode(tokenizer, PROMPTS[0]), drafter=hf_specdec.ModelDrafter(drafter), max_new_tokens=4)
+    with pytest.raises(TypeError, match="`same_tokenizer` must be a bool, got str 'yes'"):
+        hf_specdec.ModelDrafter(drafter, same_tokenizer="yes")
+    # set by hand, it drafts exactly
+    ids = encode(tokenizer, PROMPTS[0])
+    out = target.generate(ids, drafter=hf_specdec.ModelDrafter(drafter, same_tokenizer=True), max_new_tokens=8)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=8))

@@ -63,6 +63,13 @@ class ModelDrafter(Drafter):
         tree_top_k (`int`, *optional*, defaults to 4):
             With `speculative_tree_budget`: how many children each expanded node gets, and how many nodes of each
             depth are expanded. Unused for chains.
+        same_tokenizer (`bool`, *optional*, defaults to `False`):
+            The drafter shares the target's tokenizer, but its vocabulary is padded to another number of logits
+            (Qwen2.5-0.5B has 151936, Qwen2.5-7B 152064). Its logits are then cut to the target's, or filled up with
+            `-inf` (it never drafts a token it has no logit for), and a context token past its own vocabulary (one
+            of the target's padding ids) reaches it as its last id. Both only change what is drafted, never the
+            output. `generate(..., assistant_model=draft, tokenizer=tok, assistant_tokenizer=draft_tok)` sets it
+            when the two tokenizers have the same vocabulary; without it, a drafter of another width is refused.
 
     Example:
 
@@ -80,7 +87,7 @@ class ModelDrafter(Drafter):
 
     supports_padded_batches = True
 
-    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4):
+    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4, same_tokenizer: bool = False):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"`assistant_model` must be a transformers `PreTrainedModel`, got {type(model).__name__}. "
@@ -91,20 +98,27 @@ class ModelDrafter(Drafter):
                 f"`tree_top_k` must be a positive int (children per expanded tree node), got {tree_top_k!r}. "
                 "Use `tree_top_k=4` (the default), or any int >= 1."
             )
+        if not isinstance(same_tokenizer, bool):
+            raise TypeError(f"`same_tokenizer` must be a bool, got {type(same_tokenizer).__name__} {same_tokenizer!r}.")
         self.model = model
         self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tree_top_k = tree_top_k
+        self.same_tokenizer = same_tokenizer
 
     def reset(self, context: DraftContext) -> None:
         model = self.model
         target = context.target
         width = logits_width(model)
-        if width != context.vocab_size:
+        if width != context.vocab_size and not self.same_tokenizer:
             raise ValueError(
                 f"`assistant_model` has a vocabulary of {width} tokens but the target has {context.vocab_size}. "
                 "Speculative decoding needs a drafter that shares the target's tokenizer and vocabulary; use a "
-                "drafter from the same model family, or resize its embeddings to the target's vocabulary."
+                "drafter from the same model family, pass both tokenizers (`tokenizer=`, `assistant_tokenizer=`), "
+                "or, if only the padding of their vocabularies differs, `ModelDrafter(draft, same_tokenizer=True)`."
             )
+        # a vocabulary padded to another width (`same_tokenizer`): logits cut or filled up to the target's, and the
+        # target's ids past the drafter's vocabulary fed as its last one
+        self.width, self.target_width = width, context.vocab_size
         self.device = execution_device(model)  # not `model.device`: `meta` for an offloaded model
         self.target_device = context.input_ids.device
         self.logits_processor = context.logits_processor
@@ -314,14 +328,14 @@ class ModelDrafter(Drafter):
             size = expansion.tokens.shape[0]
             allowed = torch.cat([context_visible.expand(size, -1), expansion.mask], dim=1)  # [f, keys]
             logits = self.model(
-                input_ids=expansion.tokens[None].to(device),
+                input_ids=self._drafter_ids(expansion.tokens[None]).to(device),
                 attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
                 position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
                                         device=device),
                 **{self.cache_argument: self.cache},
                 use_cache=True,
             ).logits[0]  # [f, vocab]
-            logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
+            logits = self._fit_width(logits.to(device=self.target_device, dtype=torch.float32, copy=True))
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
             tree.grow(self.logits_processor(prefixes, logits).log_softmax(dim=-1))
@@ -331,7 +345,8 @@ class ModelDrafter(Drafter):
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
         cached = self.cache.get_seq_length()
         batch, seq_len = ids.shape
-        inputs = {"input_ids": ids[:, cached:].to(self.device), self.cache_argument: self.cache, "use_cache": True}
+        inputs = {"input_ids": self._drafter_ids(ids[:, cached:]).to(self.device), self.cache_argument: self.cache,
+                  "use_cache": True}
         if self.encoder_inputs is not None:
             inputs.update(self.encoder_inputs)
             if self.model.config.is_encoder_decoder:
@@ -361,7 +376,19 @@ class ModelDrafter(Drafter):
                 "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
                 "lookup, an n-gram table, or another draft model."
             ) from error
-        return logits.to(device=self.target_device, dtype=torch.float32, copy=True)
+        return self._fit_width(logits.to(device=self.target_device, dtype=torch.float32, copy=True))
+
+    def _drafter_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
+        """`ids` as the drafter can embed them: a target id past its vocabulary (padding) becomes its last id."""
+        return ids.clamp(max=self.width - 1) if self.width < self.target_width else ids
+
+    def _fit_width(self, logits: torch.FloatTensor) -> torch.FloatTensor:
+        """Float32 logits `[..., width]` cut or filled up with -inf to the target's width."""
+        if self.width > self.target_width:
+            return logits[..., : self.target_width]
+        if self.width < self.target_width:
+            return torch.nn.functional.pad(logits, (0, self.target_width - self.width), value=float("-inf"))
+        return logits
 
 
 register_drafter("model", ModelDrafter)
