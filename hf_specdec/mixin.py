@@ -348,7 +348,7 @@ def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer
         and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
     )
     if same:  # one vocabulary: token ids need no translation (the models' logits may be padded to other widths)
-        return ModelDrafter(model, same_tokenizer=logits_width(model) != logits_width(target))
+        return ModelDrafter(model, same_tokenizer=True)
     return CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
 
 
