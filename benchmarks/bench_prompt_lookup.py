@@ -21,6 +21,15 @@ up afresh: the ablation of copy following and learned substitutions), and `optim
 all prompts, and reports ours against transformers' best single `prompt_lookup_num_tokens` over that mix.
 
     python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 3]
+
+The toy target is compute-bound on a CPU (a forward over 11 tokens costs about twice a one-token one), so verifying
+long copies and trees is dear there. `--memory-bound` runs the same three cases on the memory-bound pair of
+`bench_memory_bound.py` instead: TinyLlama-1.1B's shape in bfloat16, built from its config, its head sharpened to
+logit std `--head-logit-std` (10 by default), the head run in float32 (bfloat16 logits tie exactly at one token in
+ten, and a tie's argmax depends on how the forward rounded, so speculation and plain decoding part ways at once). It measures the target's cost curve first and, unless `--tree-budget` is given, takes the
+largest measured tree whose forward costs at most `--tree-cost` one-token forwards (from the curve, not a GPU default):
+
+    python benchmarks/bench_prompt_lookup.py --memory-bound --threads 2 --max-new-tokens 64 --prompts 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -31,10 +40,19 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import GenerationMixin
 
 import hf_specdec
 from hf_specdec.toy import build_early_exit_pair, copying_target
+
+
+def float32_head(model) -> None:
+    """Runs `model`'s output head in float32 (its input cast up): bfloat16 logits near 40 are multiples of 0.25, so
+    the top two of 32000 tie exactly at one token in ten, and the argmax of a tie then depends on how the forward
+    rounded (one token or several). Ties of a float32 head are rare; the hidden states still round differently."""
+    model.lm_head.float()
+    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
 
 
 def run_case(target, prompts, args, label, sweep=()):
@@ -64,15 +82,21 @@ def run_case(target, prompts, args, label, sweep=()):
         "hf_specdec_prompt_lookup_optimal_from_max": lambda ids: target.generate(ids, **optimal_from_max),
         "hf_specdec_prompt_lookup_optimal_tree": lambda ids: target.generate(ids, **optimal_tree),
     }
-    methods["plain"](prompts[0][:, :8])  # warm-up
+    methods["plain"](prompts[0][:, :8])  # warm-up, and one-time costs (a model's capability probes) out of the timings
+    for kwargs in (ours, optimal_tree):
+        target.generate(prompts[0][:, :8], **{**kwargs, "max_new_tokens": 4})
+    GenerationMixin.generate(target, prompts[0][:, :8], prompt_lookup_num_tokens=args.gamma,
+                             max_matching_ngram_size=args.max_ngram_size, max_new_tokens=4, do_sample=False)
     references = [methods["plain"](ids) for ids in prompts]
     seconds = {name: 0.0 for name in methods}
     identical = {name: True for name in methods}
-    for _ in range(args.repeats):
+    names = list(methods)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]  # no method always runs first
         for ids, reference in zip(prompts, references):
-            for name, method in methods.items():
+            for name in order:
                 start = time.perf_counter()
-                out = method(ids)
+                out = methods[name](ids)
                 seconds[name] += time.perf_counter() - start
                 identical[name] &= torch.equal(out, reference)
     configs = {"hf_specdec_prompt_lookup": ours, "hf_specdec_prompt_lookup_optimal": optimal,
@@ -139,8 +163,15 @@ def main() -> None:
     parser.add_argument("--max-gamma", type=int, default=64, help="speculative_max_gamma of the optimal policy")
     parser.add_argument("--transformers-sweep", default="5,10,20,40,64",
                         help="prompt_lookup_num_tokens values also timed for transformers")
-    parser.add_argument("--tree-budget", type=int, default=72,
-                        help="speculative_tree_budget of the token-tree row (optimal policy from --max-gamma)")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="speculative_tree_budget of the token-tree row (optimal policy from --max-gamma); "
+                             "default 72 on the toy target, from the cost curve with --memory-bound")
+    parser.add_argument("--memory-bound", action="store_true",
+                        help="the memory-bound 1.1B bf16 target of bench_memory_bound.py instead of the toy one")
+    parser.add_argument("--head-logit-std", type=float, default=10.0, help="with --memory-bound: the head's sharpness")
+    parser.add_argument("--tree-cost", type=float, default=1.5,
+                        help="with --memory-bound: the tree budget's forward may cost this many one-token forwards")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -150,7 +181,27 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
-    target, _ = build_early_exit_pair(hidden_size=args.hidden_size)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    costs = None
+    if args.memory_bound:
+        from bench_memory_bound import FULL_PAIR, cost_curves  # the scripts sit together in benchmarks/
+
+        target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=args.head_logit_std, dtype=torch.bfloat16)
+        float32_head(target)
+        sizes = (1, 2, 6, 11, 16, 21, 33, 49, 65)
+        costs = cost_curves(target, drafter, context=2 * args.max_new_tokens, causal_sizes=sizes,
+                            tree_sizes=sizes[1:], drafter_frontiers=(1,), repeats=5)
+        del drafter
+        if args.tree_budget is None:  # the largest measured tree (nodes plus its root) within the cost bound
+            args.tree_budget = max([k - 1 for k, v in costs["v_tree_mask"].items() if v <= args.tree_cost] or [1])
+        print(f"target step {costs['target_step_ms']:.0f} ms; v (tree mask): "
+              + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
+              + f"; tree budget {args.tree_budget}", flush=True)
+    else:
+        target, _ = build_early_exit_pair(hidden_size=args.hidden_size)
+        if args.tree_budget is None:
+            args.tree_budget = 72
     target = hf_specdec.enable(target)
     copier = hf_specdec.enable(copying_target(target))
     vocab = target.config.vocab_size
@@ -169,7 +220,11 @@ def main() -> None:
     results = {
         "gamma": args.gamma,
         "max_new_tokens": args.max_new_tokens,
-        "hidden_size": args.hidden_size,
+        "target": ("memory-bound: TinyLlama-1.1B's shape, bfloat16 (head in float32), head logit std "
+                   f"{args.head_logit_std}" if args.memory_bound else f"toy, hidden {args.hidden_size}, float32"),
+        "hidden_size": FULL_PAIR["hidden_size"] if args.memory_bound else args.hidden_size,
+        "costs": costs,
+        "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),
         "max_gamma": args.max_gamma,
         "tree_budget": args.tree_budget,

@@ -147,7 +147,9 @@ class AutoGammaPolicy(GammaPolicy):
     call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, as a plain step's
     cost is a median: stalls of another process, on a loaded machine every few steps, must not stop a drafter that
     pays. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
-    forward stops without a plain step to compare; when the two are close, one plain step is measured.
+    forward stops without a plain step to compare; when the two are close, one plain step is measured. Once plain
+    steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2 tokens may
+    cost less than over 1, and a verify forward is then no bound on a plain step.
 
     A probe, where the loop takes shadow drafts (one sequence), is a run of plain steps, each with the drafter's
     one-token guess beside it, compared with the target's token (for sampling, accepted with Algorithm 1's
@@ -329,10 +331,10 @@ class AutoGammaPolicy(GammaPolicy):
         seconds = min(self.seconds / self.weight, self.max_jump * statistics.median(self.round_s))
         drafting_rate = mean / max(seconds, 1e-12) * benefit_of_doubt
         verify = statistics.median(self.verify_s)
-        if drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
-            self.stopped = True
-        elif self.plain_s:
+        if self.plain_s:  # measured: on a CPU a bf16 model's 2-token forward may beat its 1-token one
             self.stopped = drafting_rate < self.stop_below / statistics.median(self.plain_s)
+        elif drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
+            self.stopped = True
         elif drafting_rate < 2.0 / verify:  # close: a plain step may cost half a verify forward; measure one
             self.measure_plain = True
         if self.stopped:

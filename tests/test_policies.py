@@ -406,6 +406,20 @@ def test_auto_stops_when_no_smaller_gamma_pays_either():
     assert chosen[21:23] == [1, 5] and chosen[23:40] == [0] * 17
 
 
+def test_auto_compares_with_a_measured_plain_step_not_a_verify_forward():
+    """On a CPU a bf16 model's forward over 2 tokens may cost less than over 1 (0.9 of it for a 1.1B Llama): a
+    verify forward is then no bound on a plain step. A drafter whose γ = 1 rounds emit 1.25 tokens per plain step's
+    time pays 1.22x over 60 modelled calls; once a plain step was measured, the stop compares with it, so `auto`
+    gets 1.12x (the policy before also stopped below one token per verify forward: 1.03x)."""
+    from hf_specdec.policies import AutoGammaPolicy
+
+    seeds = range(60)
+    regime = dict(acceptance=[0.25], draft_cost=lambda k: 0.2 * k, verify_cost=lambda k: 0.8, stalls=(0.0, 1.0, 1.0))
+    plain = mean_rate(lambda: GammaPolicy(0, 16), seeds, **regime)
+    assert mean_rate(lambda: GammaPolicy(1, 16), seeds, **regime) >= 1.15 * plain  # drafting pays
+    assert mean_rate(lambda: AutoGammaPolicy(1, 16), seeds, **regime) >= 1.08 * plain
+
+
 def test_auto_does_not_step_down_trees():
     from hf_specdec.policies import AutoGammaPolicy
 
