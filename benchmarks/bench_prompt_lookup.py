@@ -25,9 +25,10 @@ all prompts, and reports ours against transformers' best single `prompt_lookup_n
 The toy target is compute-bound on a CPU (a forward over 11 tokens costs about twice a one-token one), so verifying
 long copies and trees is dear there. `--memory-bound` runs the same three cases on the memory-bound pair of
 `bench_memory_bound.py` instead: TinyLlama-1.1B's shape in bfloat16, built from its config, its head sharpened to
-logit std `--head-logit-std` (10 by default), the head run in float32 (bfloat16 logits tie exactly at one token in
-ten, and a tie's argmax depends on how the forward rounded, so speculation and plain decoding part ways at once). It measures the target's cost curve first and, unless `--tree-budget` is given, takes the
-largest measured tree whose forward costs at most `--tree-cost` one-token forwards (from the curve, not a GPU default):
+logit std `--head-logit-std` (10 by default) and run in float32 (bfloat16 logits tie exactly at one token in ten,
+and a tie's argmax depends on how the forward rounded, so speculation and plain decoding would part ways at once).
+It measures the target's cost curve first and, unless `--tree-budget` is given, takes the largest measured tree
+whose forward costs at most `--tree-cost` one-token forwards (from the curve, not a GPU default):
 
     python benchmarks/bench_prompt_lookup.py --memory-bound --threads 2 --max-new-tokens 64 --prompts 2 --repeats 2
 """
