@@ -302,7 +302,7 @@ class _DraftBeams:
         if drafter.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[:, -1]
-        logits = drafter._fit_width(logits.to(device=ids.device, dtype=torch.float32))
+        logits = drafter._target_logits(logits)  # ids are on the target's device
         return drafter.logits_processor(ids, logits.log_softmax(dim=-1))  # [rows, V]
 
     @torch.no_grad()

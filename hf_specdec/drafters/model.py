@@ -335,7 +335,7 @@ class ModelDrafter(Drafter):
                 **{self.cache_argument: self.cache},
                 use_cache=True,
             ).logits[0]  # [f, vocab]
-            logits = self._fit_width(logits.to(device=self.target_device, dtype=torch.float32, copy=True))
+            logits = self._target_logits(logits)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
             tree.grow(self.logits_processor(prefixes, logits).log_softmax(dim=-1))
@@ -376,14 +376,16 @@ class ModelDrafter(Drafter):
                 "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
                 "lookup, an n-gram table, or another draft model."
             ) from error
-        return self._fit_width(logits.to(device=self.target_device, dtype=torch.float32, copy=True))
+        return self._target_logits(logits)
 
     def _drafter_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
         """`ids` as the drafter can embed them: a target id past its vocabulary (padding) becomes its last id."""
         return ids.clamp(max=self.width - 1) if self.width < self.target_width else ids
 
-    def _fit_width(self, logits: torch.FloatTensor) -> torch.FloatTensor:
-        """Float32 logits `[..., width]` cut or filled up with -inf to the target's width."""
+    def _target_logits(self, logits: torch.Tensor) -> torch.FloatTensor:
+        """The drafter's logits `[..., width]` as the target's: a float32 copy on the target's device (the model may
+        reuse its buffer), cut or filled up with -inf to the target's width."""
+        logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
         if self.width > self.target_width:
             return logits[..., : self.target_width]
         if self.width < self.target_width:
