@@ -350,12 +350,27 @@ def _assemble(prompts, generated, pad_token_id: int):
 
 
 def fresh_cache(cache, model):
-    """An empty cache of the same kind as `cache` (the model's own layer types: indexed, linear-attention, ...)."""
+    """An empty cache of the same kind as `cache` (the model's own layer types: indexed, linear-attention, ...), for
+    one row."""
     if cache.get_seq_length() == 0:
-        return copy.deepcopy(cache)
+        return _for_one_row(copy.deepcopy(cache))
     config = model.config
     return (EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
             if isinstance(cache, EncoderDecoderCache) else DynamicCache(config=config))
+
+
+def _for_one_row(cache):
+    """`cache` (an empty copy) with the layers that were allocated ahead for the whole batch reallocated for one row:
+    transformers initializes a static cache early when `prefill_chunk_size` is set, while other static caches
+    allocate on their first forward."""
+    for part in (cache.self_attention_cache, cache.cross_attention_cache) if isinstance(
+            cache, EncoderDecoderCache) else (cache,):
+        for layer in getattr(part, "layers", ()):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if (getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor) and keys.dim() == 4
+                    and keys.shape[0] != 1 and hasattr(layer, "lazy_initialization")):
+                layer.lazy_initialization(keys[:1], values[:1])
+    return cache
 
 
 def slice_kwargs(model_kwargs, row: int, batch: int, model):

@@ -41,7 +41,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
-from .caches import CACHE_KWARG
+from .caches import CACHE_KWARG, is_static
 from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
@@ -105,7 +105,7 @@ def speculative_beam_search(
     draft_model = _DraftBeams(
         drafter.for_call(draft_context(model, input_ids[first_rows], logits_processor, generation_config,
                                        select_rows(model_kwargs, first_rows, input_ids.shape[0]), inputs_tensor)),
-        num_beams, generation_config,
+        num_beams, generation_config, batch,
     )
 
     # the first step is plain beam search's: the prefill over the expanded prompt
@@ -209,10 +209,12 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             "assistant model, or `num_beams=1` with this drafter."
         )
     cache = model_kwargs.get(CACHE_KWARG)
-    if cache is None or not isinstance(cache, (DynamicCache, EncoderDecoderCache)) or not cache.is_croppable:
+    if (cache is None or not isinstance(cache, (DynamicCache, EncoderDecoderCache)) or not cache.is_croppable
+            or is_static(cache)):  # an encoder-decoder's static cache is an `EncoderDecoderCache` of static ones
+        decoder_cache = getattr(cache, "self_attention_cache", cache)
         raise ValueError(
             f"Speculative beam search needs the target's cache to be a croppable dynamic cache, got "
-            f"{type(cache).__name__} (cache_implementation={generation_config.cache_implementation!r}): its rows are "
+            f"{type(decoder_cache).__name__} (cache_implementation={generation_config.cache_implementation!r}): its rows are "
             "expanded to the drafter's paths and cut back each round. Use the default dynamic cache "
             "(`cache_implementation=None`)."
         )
@@ -266,12 +268,32 @@ class _DraftBeams:
     """The draft model's side: a cache with one row per target running beam (the beams' tokens up to the round's
     start), and beam search of width u over γ steps from the target's running beams."""
 
-    def __init__(self, drafter: ModelDrafter, num_beams: int, generation_config: GenerationConfig):
+    def __init__(self, drafter: ModelDrafter, num_beams: int, generation_config: GenerationConfig, num_prompts: int):
         self.drafter = drafter
         self.model = drafter.model
         self.num_beams = num_beams
         eos = generation_config._eos_token_tensor
         self.eos = None if eos is None else eos.reshape(-1)
+        # processor state sized to the target's beam rows (repetition penalty's prompt padding, one entry per beam
+        # row): kept per prompt, and picked for the drafter's rows (w, then u per prompt) at each call
+        self.padding_per_prompt: dict[int, torch.Tensor] = {}
+        for index, processor in enumerate(drafter.logits_processor):
+            ignore = getattr(processor, "prompt_ignore_length", None)
+            if isinstance(ignore, torch.Tensor) and ignore.shape[0] in (num_prompts, num_prompts * num_beams):
+                self.padding_per_prompt[index] = ignore.reshape(num_prompts, -1)[:, 0]
+
+    def _processors(self, batch_of_row: torch.LongTensor) -> LogitsProcessorList:
+        """The drafter's processors for rows of the prompts `batch_of_row` (`[rows]`)."""
+        if not self.padding_per_prompt:
+            return self.drafter.logits_processor
+        processors = LogitsProcessorList()
+        for index, processor in enumerate(self.drafter.logits_processor):
+            if index in self.padding_per_prompt:
+                processor = copy.copy(processor)  # the target's own keeps its state
+                ignore = self.padding_per_prompt[index]
+                processor.prompt_ignore_length = ignore[batch_of_row.to(ignore.device)]
+            processors.append(processor)
+        return processors
 
     def _forward(self, ids: torch.LongTensor, cache, batch_of_row: torch.LongTensor,
                  attention_mask: torch.LongTensor | None) -> torch.FloatTensor:
@@ -303,7 +325,7 @@ class _DraftBeams:
             inputs["logits_to_keep"] = 1
         logits = self.model(**inputs).logits[:, -1]
         logits = drafter._target_logits(logits)  # ids are on the target's device
-        return drafter.logits_processor(ids, logits.log_softmax(dim=-1))  # [rows, V]
+        return self._processors(batch_of_row)(ids, logits.log_softmax(dim=-1))  # [rows, V]
 
     @torch.no_grad()
     def search(self, running: torch.LongTensor, root_scores: torch.FloatTensor, attention_mask, depth: int,

@@ -37,8 +37,13 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
     key = (model.dtype, getattr(model.config, "_attn_implementation", None))
     cached = _MULTI_TOKEN_VERDICTS.get(model)
     if cached is None or cached[:2] != key:
-        cached = (*key, _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config))
-        _MULTI_TOKEN_VERDICTS[model] = cached
+        try:
+            cached = (*key, _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config))
+        except _ProbeFailed as failure:
+            # a forward that raised may be this call's inputs' doing, not the model's: refused, not remembered
+            cached = (*key, str(failure))
+        else:
+            _MULTI_TOKEN_VERDICTS[model] = cached
     reason = cached[2]
     if reason is None:
         limit = _attention_limit(model)
@@ -51,6 +56,10 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
             f"{type(model).__name__} cannot be verified exactly by speculative decoding: {reason}. Drop "
             "`assistant_model`/`drafter` and use plain `generate` for this model."
         )
+
+
+class _ProbeFailed(Exception):
+    """The probe's forwards raised: a refusal for this call (its reason is the message), not a verdict kept."""
 
 
 def _attention_limit(model) -> tuple[str, int] | None:
@@ -127,7 +136,8 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
                                decode_kernels=False)
     except Exception as error:  # noqa: BLE001 - any failure is a refusal that names it
         message = str(error).splitlines()[0] if str(error) else ""
-        return f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"
+        raise _ProbeFailed(f"a cached forward over several new tokens fails ({type(error).__name__}: "
+                           f"{message[:200]})") from error
     # 'second' holds the logits after extra tokens 1, 2 and 3: positions 2-4 of `want`
     error = max(float((first - want).abs().max()), float((second - want[:, 2:]).abs().max()))
     scale = float(want.abs().max().clamp(min=1.0))

@@ -116,6 +116,18 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
                 f"{input_ids.shape[0]}: rows advance by different numbers of tokens per step. Set them to False, or "
                 "generate one sequence per call."
             )
+    mask = model_kwargs.get("attention_mask")
+    if (model.config.is_encoder_decoder and generation_config.prefill_chunk_size is not None
+            and isinstance(mask, torch.Tensor) and not bool(mask.bool().all())):
+        # transformers' `_prefill` cuts the attention mask to the decoder prompt's length, on an encoder-decoder
+        # model the encoder's: plain generate's first token then attends the source's padding
+        raise ValueError(
+            f"`prefill_chunk_size={generation_config.prefill_chunk_size}` with the encoder-decoder "
+            f"{type(model).__name__} and a padded `attention_mask`: plain `generate`'s chunked prefill cuts the "
+            "encoder's attention mask to the decoder prompt's length, so its first token sees the source's padding, "
+            "unlike unchunked decoding, and a drafter cannot reproduce that exactly. Drop `prefill_chunk_size` (the decoder prompt of "
+            "an encoder-decoder model is a token or a few: there is nothing to chunk), or generate unpadded rows."
+        )
     if not generation_config.use_cache:
         raise ValueError(
             "`use_cache=False` cannot be combined with a drafter: speculative decoding rolls back the target's "

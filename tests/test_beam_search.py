@@ -253,3 +253,29 @@ def test_sliding_window_cache_and_an_eos_outside_the_vocabulary(arch, overrides)
         spec = target.generate(ids, assistant_model=noisy_copy(target, 0.05), num_beams=3, speculative_gamma=3,
                                speculative_draft_beams=6, max_new_tokens=max_new_tokens)
         assert torch.equal(spec, plain)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_repetition_penalty_on_a_left_padded_batch(kind):
+    """transformers gives repetition penalty one prompt padding length per beam row; the drafter's own beams (w,
+    then u per prompt) get their prompt's. It raised `Incompatible prompt_ignore_length batch size`."""
+    target = _target("llama")
+    ids = torch.cat([prompt(8, seed=0), prompt(8, seed=1)])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, num_beams=2, max_new_tokens=12, pad_token_id=0, repetition_penalty=1.5,
+                  return_dict_in_generate=True, output_scores=True)
+    plain = target.generate(ids, **kwargs)
+    spec = target.generate(ids, assistant_model=_drafter(target, "llama", kind), speculative_gamma=3, **kwargs)
+    assert_same_beams(plain, spec)
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_a_static_cache_is_refused_clearly(arch):
+    """An encoder-decoder's static cache (static caches inside an `EncoderDecoderCache`) reached the loop and failed
+    there with `TypeError: crop is only defined for dynamic cache`; it is refused up front, as a decoder-only one."""
+    target = _target(arch)
+    with pytest.raises(ValueError, match=r"Speculative beam search needs the target's cache to be a croppable dynamic "
+                                         r"cache, got StaticCache \(cache_implementation='static'\)"):
+        target.generate(_inputs(arch)[:1], assistant_model=target, num_beams=3, max_new_tokens=6,
+                        cache_implementation="static")

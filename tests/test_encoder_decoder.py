@@ -253,3 +253,25 @@ def test_encoder_decoder_drafter_without_source_is_refused():
     with pytest.raises(ValueError, match="needs the source as `input_ids`"):
         target.generate(encoder_outputs=encoder_outputs, assistant_model=tiny_seq2seq("t5", seed=1),
                         max_new_tokens=3)
+
+
+@pytest.mark.parametrize("arch", ["bart", "t5"])
+def test_prefill_chunk_size_with_a_padded_source(arch):
+    """Plain `generate`'s chunked prefill cuts an encoder-decoder's attention mask to the decoder prompt's length, so
+    its first token sees the source's padding; speculation returned the unchunked answer instead, silently. A
+    padded source with `prefill_chunk_size` is refused; an unpadded one stays exact."""
+    target = hf_specdec.enable(tiny_seq2seq(arch))
+    draft = noisy_copy(target, 0.05)
+    sources = torch.cat([source(10, seed=0), source(10, seed=1)])
+    padded = torch.ones_like(sources)
+    padded[0, :4] = 0
+    kwargs = dict(max_new_tokens=12, prefill_chunk_size=3)
+    plain = target.generate(sources, attention_mask=padded, **kwargs)
+    assert not torch.equal(plain, target.generate(sources, attention_mask=padded, max_new_tokens=12))  # the quirk
+    for drafter in ({"assistant_model": draft}, {"drafter": "prompt_lookup"}):
+        with pytest.raises(ValueError, match=rf"`prefill_chunk_size=3` with the encoder-decoder \w+ and a padded "
+                                             r"`attention_mask`: plain `generate`'s chunked prefill cuts"):
+            target.generate(sources, attention_mask=padded, speculative_gamma=3, **drafter, **kwargs)
+        unpadded = torch.ones_like(sources)
+        assert torch.equal(target.generate(sources, attention_mask=unpadded, speculative_gamma=3, **drafter, **kwargs),
+                           target.generate(sources, attention_mask=unpadded, **kwargs))

@@ -208,3 +208,43 @@ def test_prefill_chunk_size_prefills_in_chunks_and_stays_exact(tree_budget):
     assert torch.equal(model.generate(batch, drafter="prompt_lookup", max_new_tokens=8, prefill_chunk_size=8),
                        plain_batch)
     assert max(lengths) <= 8
+
+
+def test_prefill_chunk_size_with_a_static_cache_and_a_padded_batch():
+    """transformers allocates a static cache ahead for the whole batch when `prefill_chunk_size` is set; the rows,
+    decoded one at a time, each get a one-row copy. It crashed (`index_copy_` in `StaticLayer.update`), and when it
+    was a model's first speculative call the capability probe kept the crash as the model's verdict, refusing every
+    later call on it."""
+    ids = torch.cat([prompt(12, seed=7), prompt(12, seed=8)])
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # the first prompt is 8 tokens, left-padded
+    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=10, cache_implementation="static",
+                  prefill_chunk_size=5)
+    model = hf_specdec.enable(tiny_model("llama"))
+    plain = model.generate(ids, **kwargs)
+    never = tiny_model("llama", seed=3)
+    for drafter in ({"drafter": "prompt_lookup"}, {"assistant_model": model},
+                    {"assistant_model": noisy_copy(model, 0.05)}, {"assistant_model": never}):
+        assert torch.equal(model.generate(ids, speculative_gamma=3, **drafter, **kwargs), plain), drafter
+    dynamic = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=10)
+    assert torch.equal(model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=10,
+                                      assistant_model=never, speculative_gamma=3), dynamic)
+
+
+def test_a_probe_that_raises_refuses_the_call_without_condemning_the_model():
+    """The capability probe's verdict is kept per model, but a probe forward that raised may be the call's inputs'
+    doing: that call is refused with the error, and the next call probes again."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(8, seed=2)
+    plain = model.generate(ids, max_new_tokens=NEW_TOKENS)
+
+    def fail_on_several_tokens(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            raise RuntimeError("a forward over several tokens failed")
+
+    hook = model.register_forward_pre_hook(fail_on_several_tokens, with_kwargs=True)
+    with pytest.raises(ValueError, match=r"cannot be verified exactly by speculative decoding: a cached forward over "
+                                         r"several new tokens fails \(RuntimeError: a forward over several tokens"):
+        model.generate(ids, drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
+    hook.remove()
+    assert torch.equal(model.generate(ids, drafter="prompt_lookup", max_new_tokens=NEW_TOKENS), plain)

@@ -305,3 +305,17 @@ def test_a_stateful_logits_processor_is_refused():
     # a processor that is a function of the prefix passes
     out = target.generate(prompt(), drafter="prompt_lookup", max_new_tokens=6, repetition_penalty=1.3)
     assert out.shape[1] == prompt().shape[1] + 6
+
+
+def test_processors_that_ban_every_token_are_not_taken_for_stateful_ones():
+    """With every token banned and `renormalize_logits=True` the scores are NaN; the first round's check that a
+    processor is stateless compared them with `torch.equal` (NaN is never equal to NaN) and refused the call as one
+    whose processor "keeps state between calls". Plain `generate` returns, and so does speculation, identically."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(6, seed=4)
+    banned = 7
+    kwargs = dict(max_new_tokens=1, begin_suppress_tokens=[banned], forced_eos_token_id=banned,
+                  bad_words_ids=[[banned]], renormalize_logits=True, pad_token_id=0)
+    plain = model.generate(ids, **kwargs)
+    for drafter in ({"drafter": "prompt_lookup"}, {"assistant_model": model}):
+        assert torch.equal(model.generate(ids, speculative_gamma=5, **drafter, **kwargs), plain)
