@@ -214,8 +214,8 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
         decoder_cache = getattr(cache, "self_attention_cache", cache)
         raise ValueError(
             f"Speculative beam search needs the target's cache to be a croppable dynamic cache, got "
-            f"{type(decoder_cache).__name__} (cache_implementation={generation_config.cache_implementation!r}): its rows are "
-            "expanded to the drafter's paths and cut back each round. Use the default dynamic cache "
+            f"{type(decoder_cache).__name__} (cache_implementation={generation_config.cache_implementation!r}): its "
+            "rows are expanded to the drafter's paths and cut back each round. Use the default dynamic cache "
             "(`cache_implementation=None`)."
         )
 

@@ -125,8 +125,9 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"`prefill_chunk_size={generation_config.prefill_chunk_size}` with the encoder-decoder "
             f"{type(model).__name__} and a padded `attention_mask`: plain `generate`'s chunked prefill cuts the "
             "encoder's attention mask to the decoder prompt's length, so its first token sees the source's padding, "
-            "unlike unchunked decoding, and a drafter cannot reproduce that exactly. Drop `prefill_chunk_size` (the decoder prompt of "
-            "an encoder-decoder model is a token or a few: there is nothing to chunk), or generate unpadded rows."
+            "unlike unchunked decoding, and a drafter cannot reproduce that exactly. Drop `prefill_chunk_size` (the "
+            "decoder prompt of an encoder-decoder model is a token or a few: there is nothing to chunk), or generate "
+            "unpadded rows."
         )
     if not generation_config.use_cache:
         raise ValueError(
