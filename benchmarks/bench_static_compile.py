@@ -14,7 +14,12 @@ exit as the drafter), greedy, batch 1, in one process, every method interleaved 
 - `ours_compiled`: the same with the static cache and the compiled verify forwards (padded to a few sizes);
 - `ours_optimal_compiled`: the same with `speculative_gamma_policy="optimal"` (γ varies: the padded sizes bound the
   graphs compiled);
-- `ours_tree_compiled` (with `--tree-budget N`): a token tree of N nodes, depth `--tree-depth`, on the static cache.
+- `ours_tree_compiled` (with `--tree-budget N`): a token tree of N nodes, depth `--tree-depth`, on the static cache;
+- `..._static_drafter`: the compiled methods with the drafter's own static cache and compiled forward
+  (`ModelDrafter(drafter, cache_implementation="static")`; `drafter_compilations` counts its graphs).
+
+`--only NAME [NAME ...]` times the three references (`plain_eager`, `plain_compiled`, `transformers_assisted`) and
+the named methods only.
 
 Where an output differs from plain `generate` with the same cache (bf16 near ties: a compiled forward over several
 tokens rounds differently from a one-token one), the first differing position and the target's top-2 logit gap there
@@ -28,7 +33,7 @@ on its own and excluded from the steady-state medians, and `target_compilations`
     python benchmarks/bench_static_compile.py                     # full pair, 2 threads
     python benchmarks/bench_static_compile.py --quick --output /tmp/static_quick.json
     python benchmarks/bench_static_compile.py [--gamma 5] [--tree-budget 8] [--prompts 3] [--repeats 3]
-        [--prompt-length 64] [--max-new-tokens 64] [--threads 2] [--device cpu|cuda]
+        [--prompt-length 64] [--max-new-tokens 64] [--threads 2] [--device cpu|cuda] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="time the three references and these methods only")
     if parser.parse_known_args()[0].quick:
         parser.set_defaults(**QUICK_DEFAULTS)
     args = parser.parse_args()
@@ -98,15 +105,19 @@ def main() -> None:
         "plain_compiled": lambda ids: GenerationMixin.generate(target, ids, **common, **static),
         "transformers_assisted": lambda ids: GenerationMixin.generate(target, ids, assistant_model=assistant,
                                                                       **common),
-        "ours_eager": lambda ids: target.generate(ids, **ours, **common),
-        "ours_compiled": lambda ids: target.generate(ids, **ours, **common, **static),
-        "ours_optimal_compiled": lambda ids: target.generate(
-            ids, **{**ours, "speculative_gamma_policy": "optimal"}, **common, **static),
+        "ours_eager": lambda ids, **kw: target.generate(ids, **{**ours, **kw}, **common),
+        "ours_compiled": lambda ids, **kw: target.generate(ids, **{**ours, **kw}, **common, **static),
+        "ours_optimal_compiled": lambda ids, **kw: target.generate(
+            ids, **{**ours, "speculative_gamma_policy": "optimal", **kw}, **common, **static),
     }
     if args.tree_budget:
-        methods["ours_tree_compiled"] = lambda ids: target.generate(
-            ids, **{**ours, "speculative_gamma": args.tree_depth, "speculative_tree_budget": args.tree_budget},
+        methods["ours_tree_compiled"] = lambda ids, **kw: target.generate(
+            ids, **{**ours, "speculative_gamma": args.tree_depth, "speculative_tree_budget": args.tree_budget, **kw},
             **common, **static)
+    static_drafter = hf_specdec.ModelDrafter(drafter, cache_implementation="static")
+    for name in [name for name in methods if name.startswith("ours_") and name.endswith("compiled")]:
+        methods[name + "_static_drafter"] = (
+            lambda ids, run=methods[name]: run(ids, assistant_model=None, drafter=static_drafter))
     refused = None
     try:  # transformers serves a static cache in assisted generation from 5.24 on
         GenerationMixin.generate(target, prompts[0][:, :8], assistant_model=assistant, cache_implementation="static",
@@ -116,6 +127,12 @@ def main() -> None:
     except ValueError as error:
         refused = str(error)
     names = list(methods)
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            parser.error(f"--only: unknown method(s) {unknown}; known: {names}")
+        names = [name for name in names
+                 if name in ("plain_eager", "plain_compiled", "transformers_assisted") or name in args.only]
 
     warmup = {}
     for name in names:  # first calls: compilation (and the capability probe) outside the steady-state timings
@@ -171,8 +188,10 @@ def main() -> None:
             row["speculative_stats"]["compiled_rounds"] = sum(s.compiled_rounds for s in stats[name])
             row["speculative_stats"]["target_compilations_steady_state"] = sum(s.target_compilations
                                                                                for s in stats[name])
+            row["speculative_stats"]["drafter_compilations_steady_state"] = sum(s.drafter_compilations
+                                                                                for s in stats[name])
         results[name] = row
-    alpha = results["ours_eager"]["speculative_stats"]["alpha"]
+    alpha = next(row["speculative_stats"]["alpha"] for name, row in results.items() if name.startswith("ours_"))
     bound = expected_tokens_per_round(alpha, args.gamma)
     output = {
         "benchmark": "static_compile",

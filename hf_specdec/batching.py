@@ -50,7 +50,7 @@ from .caches import CACHE_KWARG, realign_cache, slice_cache
 from .devices import seconds_agreement
 from .drafters.base import DraftProposal, Drafter
 from .drafters.model import logits_width
-from .rounds import checked_proposal, draft_context, standardize, target_logits, verify_round
+from .rounds import checked_proposal, compiled_graphs, draft_context, standardize, target_logits, verify_round
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 
@@ -146,6 +146,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
 
         # 1. draft, every row at once or one copy per row
         draft_start = time.perf_counter()
+        graphs = compiled_graphs()
         if batch_drafter is not None:
             for processor in padding_aware:
                 processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
@@ -156,6 +157,7 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
             proposal = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device)
         draft_tokens = proposal.tokens  # [rows, k]
         num_drafted = draft_tokens.shape[1]
+        stats.drafter_compilations += compiled_graphs() - graphs
         verify_start = time.perf_counter()
 
         # 2. one target forward for all rows: the uncached tail plus the drafts
@@ -234,12 +236,14 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
             else:
                 realign_cache(cache, columns[:, lead:-1])
             kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
+            graphs = compiled_graphs()
             if batch_drafter is not None:
                 batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)
             else:
                 for i, r in enumerate(rows):
                     row_drafters[r].on_verified(torch.cat([prompts[r, text_start[r]:], generated[r]])[None],
                                                 kept_accepted[i : i + 1])
+            stats.drafter_compilations += compiled_graphs() - graphs
         draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
         stats.draft_time_s += draft_s
         stats.verify_time_s += verify_s

@@ -208,6 +208,12 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             f"(`assistant_model=...` or a `hf_specdec.ModelDrafter`), got {type(drafter).__name__}. Use an "
             "assistant model, or `num_beams=1` with this drafter."
         )
+    if drafter.cache_implementation == "static":
+        raise ValueError(
+            "Speculative beam search (`num_beams` > 1) runs the draft model's own beams on dynamic caches, so it "
+            "cannot use `ModelDrafter(cache_implementation='static')`. Leave the drafter's cache dynamic "
+            "(`cache_implementation=None`), or use `num_beams=1`."
+        )
     cache = model_kwargs.get(CACHE_KWARG)
     if (cache is None or not isinstance(cache, (DynamicCache, EncoderDecoderCache)) or not cache.is_croppable
             or is_static(cache)):  # an encoder-decoder's static cache is an `EncoderDecoderCache` of static ones

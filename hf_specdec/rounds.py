@@ -30,8 +30,8 @@ from .sampling import draft_target_overlap, verify_greedy, verify_sampling, veri
 from .trees import ancestor_mask, check_parents, tree_attention_bias
 
 __all__ = ["ChainLayout", "HiddenStateCapture", "TargetForward", "TreeLayout", "Verdict", "capture_for",
-           "checked_proposal", "draft_context", "layout_for", "per_token_prefix", "standardize", "target_logits",
-           "verify_round"]
+           "checked_proposal", "compiled_graphs", "draft_context", "layout_for", "per_token_prefix", "standardize",
+           "target_logits", "verify_round"]
 
 
 def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
@@ -226,11 +226,17 @@ class TargetForward:
         return None, 0
 
     def _counted(self, **inputs):
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs()
         outputs = self.compiled(**inputs)
-        self.compilations += torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        self.compilations += compiled_graphs() - graphs
         self.compiled_rounds += 1
         return outputs
+
+
+def compiled_graphs() -> int:
+    """Graphs `torch.compile` has built in this process so far (torch's dynamo counters): the difference around a
+    call counts the graphs that call built."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:

@@ -32,6 +32,7 @@ from .rounds import (
     TargetForward,
     capture_for,
     checked_proposal,
+    compiled_graphs,
     first_draft_acceptance,
     layout_for,
     per_token_prefix,
@@ -101,6 +102,7 @@ def decode_sequence(
 
             # 1. draft
             draft_start = time.perf_counter()
+            graphs = compiled_graphs()
             guess = None
             if chosen_gamma == 0 and policy.shadow_draft_wanted:
                 # a shadow draft: a plain step with a one-token guess beside it, never verified or emitted; the
@@ -120,6 +122,7 @@ def decode_sequence(
                                            (proposal.tokens, proposal.probs, proposal.parents)))
             layout = layout_for(proposal, drafter, gamma)
             num_drafted = proposal.tokens.shape[1]
+            stats.drafter_compilations += compiled_graphs() - graphs
             verify_start = time.perf_counter()
 
             # 2. one target forward over the uncached tail and the drafts
@@ -188,7 +191,9 @@ def decode_sequence(
             extra = {}
             if capture is not None:
                 extra["target_hidden_states"] = layout.kept_hidden_states(capture.take(), verdict, emitted - 1)
+            graphs = compiled_graphs()
             layout.tell_drafter(drafter, input_ids, verdict, **extra)
+            stats.drafter_compilations += compiled_graphs() - graphs
             if guess is not None:
                 policy.observe_shadow(first_draft_acceptance(guess, new_scores[0, 0], int(new_tokens[0, 0]),
                                                              do_sample, options.speculative_lenience))

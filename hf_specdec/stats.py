@@ -65,6 +65,10 @@ class SpeculativeStats:
     target_compilations: int = 0
     """Graphs `torch.compile` built for the target's forward during the call (new shapes and recompiles): bounded
     by the few padded round sizes, not by the number of rounds."""
+    drafter_compilations: int = 0
+    """Graphs `torch.compile` built while the drafter ran during the call (a `ModelDrafter` with
+    `cache_implementation="static"` where transformers compiles; any drafter that compiles): bounded by the drafter's
+    few padded forward sizes, not by the number of rounds."""
 
     @property
     def acceptance_rate(self) -> float:

@@ -87,6 +87,8 @@ def noisy_copy(model, scale: float, seed: int = 1):
     """A partly-right drafter: the target's weights plus Gaussian noise."""
     torch.manual_seed(seed)
     noisy = copy.deepcopy(model)
+    # a copy of a model transformers compiled keeps its compiled forward, which runs the original's weights
+    noisy.__dict__.pop("_compiled_call", None)
     with torch.no_grad():
         for param in noisy.parameters():
             param.add_(torch.randn_like(param) * scale * param.std().clamp(min=1e-3))

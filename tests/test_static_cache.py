@@ -207,3 +207,205 @@ def test_a_static_cache_the_user_passes_is_served(llama):
                          return_dict_in_generate=True, **{CACHE_KWARG: cache})
     assert torch.equal(out.sequences, plain)
     assert cache_of(out) is cache and cached_length(cache) == out.sequences.shape[1] - 1
+
+
+# --- the drafter's own static cache: `ModelDrafter(draft, cache_implementation="static")` ---
+
+
+def static_drafter(model, **kwargs):
+    return hf_specdec.ModelDrafter(model, cache_implementation="static", **kwargs)
+
+
+def contrary_copy(model):
+    """A copy of `model` whose head is negated: it drafts the target's least likely token, never its greedy one."""
+    contrary = noisy_copy(model, 0.0)
+    with torch.no_grad():
+        contrary.get_output_embeddings().weight.neg_()
+    return contrary
+
+
+@pytest.mark.parametrize("tree_budget", [None, 6], ids=["chain", "tree"])
+@pytest.mark.parametrize("target_cache", [None, "static"], ids=["dynamic_target", "static_target"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_static_draft_cache_drafts_what_a_dynamic_one_drafts(llama, tree_budget, target_cache, compiled):
+    """Greedy identity with plain `generate` for drafters always, partly and never right; and the same drafts, round
+    by round, as the drafter's dynamic cache, eager or compiled (a rollback that left a stale key visible, lost an
+    accepted one, or kept a padded forward's filler would change them)."""
+    ids = prompt(seed=14)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache,
+                  speculative_gamma=4, speculative_gamma_policy="constant", speculative_tree_budget=tree_budget,
+                  return_dict_in_generate=True)
+    if compiled:
+        kwargs["compile_config"] = compile_config()
+    plain = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache)
+    compilations = 0
+    for name, draft in [("always_right", noisy_copy(llama, 0.0)), ("partly_right", noisy_copy(llama, 0.3)),
+                        ("never_right", contrary_copy(llama))]:
+        # 3 children per node: depths of 1 to 3 nodes, padded to 3 when compiled
+        static_run = llama.generate(ids, drafter=static_drafter(draft, tree_top_k=3), **kwargs)
+        dynamic_run = llama.generate(ids, drafter=hf_specdec.ModelDrafter(draft, tree_top_k=3), **kwargs)
+        assert torch.equal(static_run.sequences, plain), name
+        ours, theirs = static_run.speculative_stats, dynamic_run.speculative_stats
+        assert ours.drafted_history == theirs.drafted_history, name
+        assert ours.accepted_length_histogram == theirs.accepted_length_histogram, name
+        if name == "always_right":
+            assert ours.acceptance_rate == 1.0 if tree_budget is None else ours.mean_accepted_length > 2
+        if name == "never_right":
+            assert ours.accepted_tokens == 0 and ours.drafted_tokens > 0
+        compilations += ours.drafter_compilations
+        assert theirs.drafter_compilations == 0  # a dynamic draft cache is never compiled
+    assert (compilations > 0) == compiled  # how many: `test_a_static_draft_cache_compiles_a_bounded_number_of_times`
+
+
+def test_a_static_draft_cache_compiles_a_bounded_number_of_times(llama):
+    """Shapes not marked dynamic, tails of 1 to 3 tokens, tree depths of 1 to `tree_top_k` nodes: over calls of
+    dozens of rounds each, the drafter's forwards compile one graph for a chain (every forward 2 tokens) and one more
+    for a tree's depths (padded to `tree_top_k` nodes), not one per round or per size."""
+    config = compile_config(dynamic=False)
+    ids = prompt(seed=15)
+    kwargs = dict(max_new_tokens=3 * NEW_TOKENS, do_sample=False, compile_config=config, speculative_gamma=4,
+                  speculative_gamma_policy="constant", return_dict_in_generate=True)
+    draft = noisy_copy(llama, 0.3)
+    chains = [llama.generate(ids, drafter=static_drafter(draft), **kwargs).speculative_stats for _ in range(2)]
+    assert all(len(stats.drafted_history) >= 15 for stats in chains)
+    assert len({a for stats in chains for a, count in enumerate(stats.accepted_length_histogram) if count}) >= 3
+    assert [stats.drafter_compilations for stats in chains] == [1, 0]
+    trees = [llama.generate(ids, drafter=static_drafter(draft, tree_top_k=3), speculative_tree_budget=6,
+                            **kwargs).speculative_stats for _ in range(2)]
+    assert all(len(stats.drafted_history) >= 10 for stats in trees)
+    # the depths' forward, and the 2-token one again for a cache with room for the tree's nodes (a cache of another
+    # size is another graph, as for plain `generate` with another `max_length`)
+    assert [stats.drafter_compilations for stats in trees] == [2, 0]
+
+
+def test_compiled_tree_drafting_computes_the_drafters_own_distributions(llama, monkeypatch):
+    """Every depth of a compiled tree is padded to `tree_top_k` nodes; the filler must leave the cache before the next
+    depth. Each depth's log q equals the draft model's own, recomputed without a cache over the context and the path,
+    including depths that follow a padded one (a sharp drafter, whose trees often narrow to one likely path)."""
+    from hf_specdec.drafters import model as model_drafter
+
+    draft = noisy_copy(llama, 0.3)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.mul_(10)
+    seen = {"context": None, "checked": 0, "after_padded": 0, "padded": False}
+    propose_tree, grow = model_drafter.ModelDrafter._propose_tree, model_drafter.DynamicTree.grow
+
+    def recording_propose_tree(self, input_ids, num_tokens):
+        seen["context"], seen["padded"] = input_ids, False
+        return propose_tree(self, input_ids, num_tokens)
+
+    def checked_grow(tree, log_q):
+        paths = tree.newest_paths[tree.frontier - tree.newest_start]  # [f, depth]
+        with torch.no_grad():
+            sequences = torch.cat([seen["context"].expand(paths.shape[0], -1), paths], dim=-1)
+            expected = draft(sequences).logits[:, -1].float().log_softmax(-1)
+        assert torch.allclose(log_q, expected, atol=1e-4), (log_q - expected).abs().max()
+        seen["checked"] += 1
+        seen["after_padded"] += seen["padded"]
+        seen["padded"] = paths.shape[0] < 3
+        return grow(tree, log_q)
+
+    monkeypatch.setattr(model_drafter.ModelDrafter, "_propose_tree", recording_propose_tree)
+    monkeypatch.setattr(model_drafter.DynamicTree, "grow", checked_grow)
+    ids = prompt(seed=14)
+    plain = llama.generate(ids, max_new_tokens=3 * NEW_TOKENS, do_sample=False)
+    out = llama.generate(ids, max_new_tokens=3 * NEW_TOKENS, do_sample=False, drafter=static_drafter(draft, tree_top_k=3),
+                         speculative_gamma=6, speculative_tree_budget=8, compile_config=compile_config(),
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_stats.drafter_compilations > 0
+    assert seen["checked"] >= 20 and seen["after_padded"] >= 3, seen
+
+
+def test_a_drafter_past_the_recompile_limit_drafts_eagerly(llama, monkeypatch):
+    """`fullgraph=True` turns torch's recompile limit into an error: the drafter then drafts eagerly (with a warning)
+    instead of failing the call, and the output is still plain `generate`'s."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    ids = prompt(seed=19)
+    plain = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    out = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, compile_config=compile_config(),
+                         drafter=static_drafter(noisy_copy(llama, 0.1)), speculative_gamma=3,
+                         speculative_tree_budget=5, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.speculative_stats.drafter_compilations == 1  # the chain's graph; the tree's second one hit the limit
+
+
+def test_a_deep_copy_of_a_compiled_model_drafts_with_its_own_weights(llama):
+    """`copy.deepcopy` of a model transformers compiled keeps its `_compiled_call`, which runs the original's weights:
+    the drafter then drafts eagerly with its own (the drafts of its dynamic cache), never with the target's."""
+    import copy
+
+    ids = prompt(seed=20)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, speculative_gamma=4, speculative_gamma_policy="constant",
+                  compile_config=compile_config(), return_dict_in_generate=True)
+    static(llama, ids, compile_config=compile_config())  # transformers compiles the target's forward
+    draft = copy.deepcopy(llama)
+    assert draft._compiled_call is llama._compiled_call
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * 0.3 * param.std())
+    ours = llama.generate(ids, drafter=static_drafter(draft), **kwargs)
+    eager = llama.generate(ids, drafter=hf_specdec.ModelDrafter(draft), **kwargs)
+    assert torch.equal(ours.sequences, eager.sequences)
+    assert ours.speculative_stats.drafter_compilations == 0
+    assert ours.speculative_stats.accepted_length_histogram == eager.speculative_stats.accepted_length_histogram
+    assert ours.speculative_stats.acceptance_rate < 1.0  # the target's own drafts would all be accepted
+
+
+def test_a_static_draft_cache_serves_batches_and_left_padding(llama):
+    """A batch's rows are drafted one at a time (a static draft cache holds one sequence), whether the target decodes
+    them as a padded batch (dynamic cache) or one by one (static cache); a single left-padded prompt's padding
+    stays hidden from the drafter."""
+    ids = torch.cat([prompt(10, seed=16), prompt(10, seed=17)])
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    draft = noisy_copy(llama, 0.1)
+    for target_cache in (None, "static"):
+        kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache)
+        plain = llama.generate(ids, **kwargs)
+        for compiled in (False, True):
+            extra = dict(compile_config=compile_config()) if compiled else {}
+            out = llama.generate(ids, drafter=static_drafter(draft), speculative_gamma=3, **kwargs, **extra)
+            assert torch.equal(out, plain), (target_cache, compiled)
+            one = llama.generate(ids[1:], drafter=static_drafter(draft), speculative_gamma=3, speculative_tree_budget=5,
+                                 **{**kwargs, "attention_mask": mask[1:]}, **extra)
+            assert torch.equal(one, plain[1:]), (target_cache, compiled)
+
+
+def test_sampling_with_a_static_draft_cache_follows_the_target():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    drafter = static_drafter(tiny_model("llama", seed=1))
+    config = CONFIGS["temperature_top_k"]
+    ids = prompt(6, seed=11)
+    table = exact_two_token_distribution(target, ids, config)
+    torch.manual_seed(1234)
+    samples = [tuple(target.generate(ids, do_sample=True, max_new_tokens=2, drafter=drafter, speculative_gamma=2,
+                                     **config)[0, ids.shape[1]:].tolist()) for _ in range(SAMPLES)]
+    assert goodness_of_fit(table, samples) > P_THRESHOLD
+    # power: the same test rejects samples whose second token comes from the drafter's own distribution
+    torch.manual_seed(1234)
+    mixed = []
+    for _ in range(SAMPLES):
+        first = target.generate(ids, do_sample=True, max_new_tokens=1, **config)
+        mixed.append(tuple(hf_specdec.enable(drafter.model).generate(first, do_sample=True, max_new_tokens=1,
+                                                                      **config)[0, ids.shape[1]:].tolist()))
+    assert any(s not in table for s in mixed) or goodness_of_fit(table, mixed) < P_THRESHOLD
+
+
+def test_a_static_draft_cache_is_refused_where_it_cannot_serve(llama):
+    ids = prompt(seed=18)
+    with pytest.raises(ValueError, match=r"`cache_implementation` of a `ModelDrafter` must be None, 'dynamic' or "
+                                         r"'static', got 'offloaded'"):
+        hf_specdec.ModelDrafter(llama, cache_implementation="offloaded")
+    with pytest.raises(ValueError, match=r"beam search .* cannot use `ModelDrafter\(cache_implementation='static'\)`"):
+        llama.generate(ids, num_beams=2, max_new_tokens=4, drafter=static_drafter(noisy_copy(llama, 0.1)))
+    t5 = hf_specdec.enable(tiny_seq2seq("t5"))
+    with pytest.raises(ValueError, match=r"drafts for decoder-only targets, but the target \(T5ForConditionalGeneration"
+                                         r"\) is an encoder-decoder model"):
+        t5.generate(source(), max_new_tokens=4, drafter=static_drafter(tiny_seq2seq("t5", seed=1)))
+    config = AutoConfig.for_model("mistral", vocab_size=llama.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    windowed = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match=r"cannot roll the drafter's static cache of \d+ positions back: its "
+                                         r"sliding-window layers keep 16 positions"):
+        llama.generate(ids, max_new_tokens=NEW_TOKENS, drafter=static_drafter(windowed))

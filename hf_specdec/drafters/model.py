@@ -11,10 +11,12 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel, StaticCache
 from transformers.modeling_outputs import BaseModelOutput
+from transformers.utils import logging
 
-from ..caches import cache_argument, croppable_after_first_forward, realign_cache, slice_cache
+from ..caches import (CACHE_KWARG, cache_argument, cached_length, croppable_after_first_forward, is_static,
+                      realign_cache, rewind_cache, slice_cache, static_rewind_problem)
 from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
@@ -23,6 +25,9 @@ from .base import DraftContext, DraftProposal, Drafter, register_drafter
 from .tree_builder import DynamicTree
 
 __all__ = ["ModelDrafter"]
+
+_COMPILED_TOKENS = 2  # a static draft cache's compiled forwards over the context: this many tokens each, one graph
+logger = logging.get_logger(__name__)
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -70,6 +75,19 @@ class ModelDrafter(Drafter):
             of the target's padding ids) reaches it as its last id. Both only change what is drafted, never the
             output. `generate(..., assistant_model=draft, tokenizer=tok, assistant_tokenizer=draft_tok)` sets it
             when the two tokenizers have the same vocabulary; without it, a drafter of another width is refused.
+        cache_implementation (`str`, *optional*):
+            `None` or `"dynamic"` (the default): the drafter's cache grows as it drafts. `"static"`: it preallocates a
+            `StaticCache` for the call (`max_length` positions, plus room for a tree's expanded nodes) and rolls
+            rejected drafts back by moving the write position, as the target's static cache does. Where transformers
+            would compile a forward over that cache (`model._valid_auto_compile_criteria` with the call's
+            `compile_config` and `disable_compile`: CUDA and other accelerators, or any device when the config asks
+            for it), the drafter's forwards after its first run through transformers' own compiled call
+            (`model.get_compiled_call`), padded to a few fixed sizes (1, 2 or 4 new tokens; a tree's depth padded to
+            `tree_top_k` nodes), so kernels launch from a bounded number of graphs. Graphs built are counted in
+            `speculative_stats.drafter_compilations`. For decoder-only targets; a batch of several sequences is
+            drafted one sequence at a time (each with its own cache), and speculative beam search (`num_beams` > 1),
+            which runs the draft model's own beams, refuses it. The draft cache changes what is drafted at most by
+            rounding, never the output.
 
     Example:
 
@@ -87,7 +105,8 @@ class ModelDrafter(Drafter):
 
     supports_padded_batches = True
 
-    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4, same_tokenizer: bool = False):
+    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4, same_tokenizer: bool = False,
+                 cache_implementation: str | None = None):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"`assistant_model` must be a transformers `PreTrainedModel`, got {type(model).__name__}. "
@@ -100,7 +119,16 @@ class ModelDrafter(Drafter):
             )
         if not isinstance(same_tokenizer, bool):
             raise TypeError(f"`same_tokenizer` must be a bool, got {type(same_tokenizer).__name__} {same_tokenizer!r}.")
+        if cache_implementation not in (None, "dynamic", "static"):
+            raise ValueError(
+                f"`cache_implementation` of a `ModelDrafter` must be None, 'dynamic' or 'static', got "
+                f"{cache_implementation!r}. Use `cache_implementation='static'` for a preallocated draft cache "
+                "(compiled where transformers compiles), or leave it unset for a dynamic one."
+            )
         self.model = model
+        self.cache_implementation = cache_implementation
+        # a static draft cache holds one sequence: a batch's rows get one drafter each
+        self.supports_padded_batches = cache_implementation != "static"
         self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tree_top_k = tree_top_k
         self.same_tokenizer = same_tokenizer
@@ -131,6 +159,7 @@ class ModelDrafter(Drafter):
         # three ways to condition on the input: a causal LM on the prompt; an encoder-decoder drafter on its own
         # encoding of the source; a decoder-only drafter with cross-attention on the target's encoder outputs
         self.encoder_inputs = None  # the extra forward kwargs that carry the source, for the last two
+        static = self.cache_implementation == "static"
         if not target.config.is_encoder_decoder:
             if model.config.is_encoder_decoder:
                 raise ValueError(
@@ -139,17 +168,40 @@ class ModelDrafter(Drafter):
                     "target's vocabulary."
                 )
             self.attention_mask = context.model_kwargs.get("attention_mask")  # [batch, prompt_len] or None
-            cache = DynamicCache(config=model.config)
+            if static and self.attention_mask is not None and bool((self.attention_mask != 0).all()):
+                self.attention_mask = None  # no padding: the causal mask over the cache, one shape for every forward
+            cache = None if static else DynamicCache(config=model.config)
             # a padded batch: what the cache holds, per row (nothing yet: a round may come before any drafting)
             batch = context.input_ids.shape[0]
             self.fed_ids = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
             self.fed_mask = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
         else:
+            if static:
+                raise ValueError(
+                    f"`ModelDrafter(cache_implementation='static')` drafts for decoder-only targets, but the target "
+                    f"({type(target).__name__}) is an encoder-decoder model, whose drafter also keeps a "
+                    "cross-attention cache over the source. Leave the drafter's cache dynamic "
+                    "(`cache_implementation=None`); the target itself may still use `cache_implementation=\"static\"`."
+                )
             self.attention_mask = None  # decoder prompts (start tokens) are never padded
             self.encoder_inputs = self._encoder_inputs(context, forward_params)
             # cross-attention reads the whole encoder output: no sliding-window layers there, whatever the decoder's
             # self-attention uses (as t5gemma's own generate builds it; a windowed cross cache drops encoder keys)
             cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache())
+        # trees: one sequence of a decoder-only target (the loop verifies no trees for encoder-decoder targets);
+        # padded batches get chains
+        one_sequence = self.encoder_inputs is None and context.input_ids.shape[0] == 1
+        self.tree_budget = context.tree_budget if one_sequence else None
+        self.tree_context_length = None  # cache length before the last tree's nodes, until `on_verified`
+        self.compiled, self.capacity = None, None  # a static cache's compiled forward and size
+        if static:
+            if context.input_ids.shape[0] != 1:
+                raise ValueError(
+                    f"`ModelDrafter(cache_implementation='static')` drafts one sequence per cache, but this call "
+                    f"handed it a batch of {context.input_ids.shape[0]}. Leave the drafter's cache dynamic for this "
+                    "call (`cache_implementation=None`)."
+                )
+            cache = self._static_cache(context)
         cache.activate_past_recording()
         # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
         # again in `on_verified`
@@ -160,16 +212,64 @@ class ModelDrafter(Drafter):
                 "drafts could not be undone. Use a drafter with standard (full or sliding-window) attention."
             )
         self.cache = cache
-        # trees: one sequence of a decoder-only target (the loop verifies no trees for encoder-decoder targets);
-        # padded batches get chains
-        one_sequence = self.encoder_inputs is None and context.input_ids.shape[0] == 1
-        self.tree_budget = context.tree_budget if one_sequence else None
-        self.tree_context_length = None  # cache length before the last tree's nodes, until `on_verified`
         if self.tree_budget is not None:
             check_tree_attention(model, "speculative_tree_budget", role="the drafter model (`assistant_model`)")
             # a single prompt may still carry left padding: its nodes must not see it, and positions skip it
             mask = self.attention_mask
             self.tree_padding = 0 if mask is None else int((mask == 0).sum())
+        if static and hasattr(model, "_valid_auto_compile_criteria") and model._valid_auto_compile_criteria(
+            {CACHE_KWARG: cache}, context.generation_config
+        ):
+            # transformers' own compiled call, cached on the model by transformers as for plain decoding
+            compiled = model.get_compiled_call(context.generation_config.compile_config)
+            if getattr(getattr(compiled, "__wrapped__", None), "__self__", model) is model:
+                self.compiled = compiled
+            else:
+                logger.warning_once(
+                    f"The draft model ({type(model).__name__}) holds a compiled forward that transformers made for "
+                    "another model (`copy.deepcopy` of a model that has generated with a static cache copies its "
+                    "`_compiled_call`, which runs the original's weights), so the drafter drafts eagerly. Delete it "
+                    "(`del draft._compiled_call`) to compile the draft model's own forward."
+                )
+
+    def _static_cache(self, context: DraftContext) -> StaticCache:
+        """A preallocated cache for one sequence of this call. A round feeds at most `max_length - 1` positions of
+        context and drafts; a tree's expanded nodes (at most `tree_top_k` per depth, each among the best
+        `tree_budget`, so at most `tree_top_k * tree_budget`) sit after the context until `on_verified`; and a
+        padded compiled forward's filler positions sit after its last token until it returns."""
+        model = self.model
+        nodes = self.tree_top_k * self.tree_budget if self.tree_budget is not None else 0
+        self.capacity = context.generation_config.max_length + nodes + max(_COMPILED_TOKENS, self.tree_top_k)
+        cache = StaticCache(config=model.config, max_cache_len=self.capacity)
+        if not is_static(cache):
+            layers = sorted({type(layer).__name__ for layer in cache.layers})
+            raise ValueError(
+                f"`ModelDrafter(cache_implementation='static')`: the drafter model ({type(model).__name__}) gets "
+                f"cache layers {layers} from `StaticCache`, not preallocated attention layers that can be rolled back "
+                "by moving their write position. Leave the drafter's cache dynamic (`cache_implementation=None`)."
+            )
+        problem = static_rewind_problem(cache, self.capacity + 1)
+        if problem is not None:
+            raise ValueError(
+                f"`ModelDrafter(cache_implementation='static')` cannot roll the drafter's static cache of "
+                f"{self.capacity} positions back: {problem}. Leave the drafter's cache dynamic "
+                "(`cache_implementation=None`), which keeps what a sliding window needs."
+            )
+        return cache
+
+    def _compiled(self, inputs: dict):
+        """Runs the compiled forward; past torch's recompile limit (graphs of other models built in this process
+        count too), this call drafts eagerly from here on."""
+        try:
+            return self.compiled(**inputs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            logger.warning_once(
+                "The drafter's compiled forward reached torch._dynamo's recompile limit (graphs of every model "
+                "compiled in this process count towards it), so the drafter runs eagerly for the rest of this call. "
+                "Raise `torch._dynamo.config.recompile_limit`, or use a `compile_config` with `fullgraph=False`."
+            )
+            self.compiled = None
+            return self.model(**inputs)
 
     def _encoder_inputs(self, context: DraftContext, forward_params) -> dict:
         """The source for a drafter of an encoder-decoder target, computed once per call."""
@@ -276,9 +376,8 @@ class ModelDrafter(Drafter):
             keep = input_ids.shape[1] - 1
             if self.tree_context_length is not None:
                 keep, self.tree_context_length = min(keep, self.tree_context_length), None
-            excess = self.cache.get_seq_length() - keep
-            if excess > 0:
-                self.cache.crop(-excess)
+            if cached_length(self.cache) > keep:  # after a fully accepted chain it holds one position less
+                rewind_cache(self.cache, keep)  # a crop, or a static cache's write position moved back
             return
         if not self.fed_ids.shape[1]:  # a padded batch whose rounds have not drafted yet: nothing is cached
             return
@@ -326,15 +425,33 @@ class ModelDrafter(Drafter):
             if expansion is None:
                 break
             size = expansion.tokens.shape[0]
+            tokens = expansion.tokens  # [f]
             allowed = torch.cat([context_visible.expand(size, -1), expansion.mask], dim=1)  # [f, keys]
-            logits = self.model(
-                input_ids=self._drafter_ids(expansion.tokens[None]).to(device),
-                attention_mask=additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
-                position_ids=torch.full((1, size), min(root_position + depth, self.max_position), dtype=torch.long,
-                                        device=device),
-                **{self.cache_argument: self.cache},
-                use_cache=True,
-            ).logits[0]  # [f, vocab]
+            cached = allowed.shape[1] - size
+            # a static cache's compiled forward: every depth padded to `tree_top_k` nodes, one graph
+            filler = self.tree_top_k - size if self.compiled is not None else 0
+            if filler:
+                # filler nodes after the real ones, invisible to them; each sees the context and itself, so that the
+                # keys it leaves in the cache's stale slots stay finite
+                rows = torch.cat([context_visible.expand(filler, -1),
+                                  allowed.new_zeros(filler, allowed.shape[1] - context_length),
+                                  torch.eye(filler, dtype=torch.bool, device=device)], dim=1)
+                allowed = torch.cat([torch.cat([allowed, allowed.new_zeros(size, filler)], dim=1), rows])
+                tokens = torch.cat([tokens, tokens[-1:].expand(filler)])
+            if self.capacity is not None:  # a static cache attends over all its columns: those past the nodes hidden
+                allowed = torch.nn.functional.pad(allowed, (0, self.capacity - allowed.shape[1]), value=False)
+            inputs = {
+                "input_ids": self._drafter_ids(tokens[None]).to(device),
+                "attention_mask": additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
+                "position_ids": torch.full((1, size + filler), min(root_position + depth, self.max_position),
+                                           dtype=torch.long, device=device),
+                self.cache_argument: self.cache,
+                "use_cache": True,
+            }
+            outputs = self._compiled(inputs) if self.compiled is not None else self.model(**inputs)
+            logits = outputs.logits[0, :size]  # [f, vocab]
+            if filler:
+                rewind_cache(self.cache, cached + size)
             logits = self._target_logits(logits)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
@@ -343,7 +460,9 @@ class ModelDrafter(Drafter):
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
-        cached = self.cache.get_seq_length()
+        cached = cached_length(self.cache)
+        if self.compiled is not None and cached:
+            return self._compiled_next_logits(ids, cached)
         batch, seq_len = ids.shape
         inputs = {"input_ids": self._drafter_ids(ids[:, cached:]).to(self.device), self.cache_argument: self.cache,
                   "use_cache": True}
@@ -376,6 +495,39 @@ class ModelDrafter(Drafter):
                 "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
                 "lookup, an n-gram table, or another draft model."
             ) from error
+        return self._target_logits(logits)
+
+    def _compiled_next_logits(self, ids: torch.LongTensor, cached: int) -> torch.FloatTensor:
+        """`_next_logits` through the compiled forward of a static draft cache, in one shape: the uncached tail in
+        forwards of `_COMPILED_TOKENS` tokens, the last one padded with filler positions after the last token (the
+        causal mask hides them from it; the cache is rewound past them). The positions' mask is the whole cache's,
+        `[1, capacity]`, when the prompt is left-padded, and none otherwise (the causal mask over the cache)."""
+        device, seq_len = self.device, ids.shape[1]
+        mask = self.attention_mask
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(1, self.capacity - mask.shape[1])], dim=-1).to(device)
+            all_positions = (mask.long().cumsum(-1) - 1).clamp(min=0, max=self.max_position)  # [1, capacity]
+        start = cached
+        while start < seq_len:
+            count = min(_COMPILED_TOKENS, seq_len - start)
+            chunk = ids[:, start : start + count]
+            chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, _COMPILED_TOKENS - count)], dim=-1)
+            inputs = {"input_ids": self._drafter_ids(chunk).to(device), self.cache_argument: self.cache,
+                      "use_cache": True}
+            if self.accepts_position_ids:
+                inputs["position_ids"] = (
+                    torch.arange(start, start + _COMPILED_TOKENS, device=device).clamp(max=self.max_position)[None]
+                    if mask is None else all_positions[:, start : start + _COMPILED_TOKENS]
+                )
+            if mask is not None:
+                inputs["attention_mask"] = mask
+            if self.accepts_logits_to_keep:  # an index tensor, not an int: its value is no guard of the graph
+                inputs["logits_to_keep"] = torch.tensor([count - 1], device=device)
+            logits = self._compiled(inputs).logits
+            logits = logits[:, 0] if self.accepts_logits_to_keep else logits[:, count - 1]
+            start += count
+        if count < _COMPILED_TOKENS:
+            rewind_cache(self.cache, seq_len)
         return self._target_logits(logits)
 
     def _drafter_ids(self, ids: torch.LongTensor) -> torch.LongTensor:

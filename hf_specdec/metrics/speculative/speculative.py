@@ -64,6 +64,7 @@ _FEATURES = datasets.Features({
         "verify_time_s": _FLOAT,
         "compiled_rounds": _INT,
         "target_compilations": _INT,
+        "drafter_compilations": _INT,
         "acceptance_rate": _FLOAT,
         "alpha": _FLOAT,
         "mean_accepted_length": _FLOAT,
