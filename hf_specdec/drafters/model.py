@@ -43,9 +43,9 @@ class ModelDrafter(Drafter):
     Drafts with a (small) causal language model that shares the target's tokenizer, the paper's approximation
     model M_q. `generate(assistant_model=draft)` builds one.
 
-    The drafter keeps its own `DynamicCache` for the duration of one `generate` call. Each round it feeds only the
-    tokens it has not seen (including the target's recovered or bonus token) and, after verification, crops the
-    drafts that were rejected. Its logits go through the target's own logits processors with the same prefix, so
+    The drafter keeps its own cache for the duration of one `generate` call (a `DynamicCache`, or a `StaticCache`
+    with `cache_implementation="static"`). Each round it feeds only the tokens it has not seen (including the
+    target's recovered or bonus token) and, after verification, rolls the rejected drafts back. Its logits go through the target's own logits processors with the same prefix, so
     q is standardized exactly like p (section 2.2).
 
     When the call verifies token trees (`speculative_tree_budget` set, one sequence, a decoder-only target), the
