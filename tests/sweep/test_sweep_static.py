@@ -1,6 +1,6 @@
 """The architecture sweep with a static cache (`cache_implementation="static"`): every model type whose own plain
-`generate` runs with a static cache, decoded greedily with speculation (the target as its own drafter; prompt
-lookup) on the same static cache kind and compared token for token with plain static `generate`, or refused with a
+`generate` runs with a static cache, decoded greedily with speculation (the target as its own drafter, with a
+dynamic and with a static draft cache; prompt lookup) on the same static cache kind and compared token for token with plain static `generate`, or refused with a
 message naming the model class and the reason. Part of the sweep CI step (`pytest -m sweep tests/sweep`).
 
 `STATIC_NOT_RUN` lists the model types whose plain static `generate` fails on the generic tiny config (or that the
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.sweep
 # a sliding window shorter than the generation: its static layers drop keys for good once full
 STATIC_REFUSALS = [*REFUSALS, r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
                               r"its sliding-window layers keep \d+ positions",
-                   r"Speculative beam search needs the target's cache to be a croppable dynamic cache"]
+                   r"Speculative beam search needs the target's cache to be a croppable dynamic cache",
+                   # the drafter's own static cache (`ModelDrafter(..., cache_implementation="static")`)
+                   STATIC_DRAFTER := r"`ModelDrafter\(cache_implementation='static'\)`"]
 
 # model type -> start of the error plain static `generate` raises on the tiny model (not speculation's limits)
 STATIC_NOT_RUN = {
@@ -59,7 +61,9 @@ def test_architecture_with_a_static_cache(model_type):
     hf_specdec.enable(model)
     results = {}
     known_runs, known_error = KNOWN_DEFECTS.get(model_type, ((), None))
-    for label, drafter in {"self": dict(assistant_model=model), "prompt_lookup": dict(drafter="prompt_lookup")}.items():
+    drafters = {"self": dict(assistant_model=model), "prompt_lookup": dict(drafter="prompt_lookup"),
+                "self_static": dict(drafter=hf_specdec.ModelDrafter(model, cache_implementation="static"))}
+    for label, drafter in drafters.items():
         try:
             spec = static_generate(model, inputs, speculative_gamma=GAMMA, **drafter)
         except Exception as error:  # noqa: BLE001 - a refusal, or a crash listed in KNOWN_DEFECTS
@@ -76,4 +80,5 @@ def test_architecture_with_a_static_cache(model_type):
         assert ignored == (model_type in DRAFTER_IGNORED), f"{label}: drafter ignored: {ignored}"
         results[label] = "identical"
     refused = {label for label, result in results.items() if result.startswith("refused")}
-    assert refused in (set(), set(results)) or all("assistant_model" in results[r] for r in refused), results
+    refused_drafter = {r for r in refused if "assistant_model" in results[r] or re.search(STATIC_DRAFTER, results[r])}
+    assert refused in (set(), set(results)) or refused == refused_drafter, results
