@@ -45,8 +45,8 @@ class ModelDrafter(Drafter):
 
     The drafter keeps its own cache for the duration of one `generate` call (a `DynamicCache`, or a `StaticCache`
     with `cache_implementation="static"`). Each round it feeds only the tokens it has not seen (including the
-    target's recovered or bonus token) and, after verification, rolls the rejected drafts back. Its logits go through the target's own logits processors with the same prefix, so
-    q is standardized exactly like p (section 2.2).
+    target's recovered or bonus token) and, after verification, rolls the rejected drafts back. Its logits go through
+    the target's own logits processors with the same prefix, so q is standardized exactly like p (section 2.2).
 
     When the call verifies token trees (`speculative_tree_budget` set, one sequence, a decoder-only target), the
     drafter grows a dynamic tree instead of a chain (EAGLE-2): the `tree_top_k` most likely tokens after the context
@@ -82,8 +82,9 @@ class ModelDrafter(Drafter):
             would compile a forward over that cache (`model._valid_auto_compile_criteria` with the call's
             `compile_config` and `disable_compile`: CUDA and other accelerators, or any device when the config asks
             for it), the drafter's forwards after its first run through transformers' own compiled call
-            (`model.get_compiled_call`), padded to a few fixed sizes (1, 2 or 4 new tokens; a tree's depth padded to
-            `tree_top_k` nodes), so kernels launch from a bounded number of graphs. Graphs built are counted in
+            (`model.get_compiled_call`) in two shapes at most: 2 tokens for every forward over the context (a longer
+            tail is fed 2 at a time, the last forward padded), and `tree_top_k` nodes for a tree's depths, so kernels
+            launch from a bounded number of graphs. Graphs built are counted in
             `speculative_stats.drafter_compilations`. For decoder-only targets; a batch of several sequences is
             drafted one sequence at a time (each with its own cache), and speculative beam search (`num_beams` > 1),
             which runs the draft model's own beams, refuses it. The draft cache changes what is drafted at most by
