@@ -39,8 +39,9 @@ class SpeculativeOptions:
     speculative_lenience: float = 1.0
     """Lenience l in (0, 1] (Appendix A.5); 1.0 is the exact algorithm, smaller values are lossy."""
     speculative_gamma_policy: str = "auto"
-    """How γ is chosen each round: "auto" (one token first, then γ; a smaller γ predicted to pay, or plain steps, while
-    drafting is measured not to pay), "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8, online)."""
+    """How γ is chosen each round: "auto" (one token first, then the γ up to speculative_gamma predicted to pay best;
+    plain steps while drafting is measured not to pay), "constant", "heuristic" (+2 / -1) or "optimal" (Theorem 3.8,
+    online, up to speculative_max_gamma)."""
     speculative_max_gamma: int | None = None
     """The largest γ any policy may choose; None: max(16, speculative_gamma)."""
     speculative_tree_budget: int | None = None
@@ -116,16 +117,20 @@ class SpeculativeGenerationConfig(GenerationConfig):
 
     Args:
         speculative_gamma (`int`, *optional*):
-            How many tokens the drafter proposes before the target verifies them in one forward (γ in the paper).
-            `None` (the default) drafts 5, or the drafter's own default (`Drafter.default_gamma`): prompt lookup
-            drafts 10, like transformers' recommended `prompt_lookup_num_tokens`.
+            How many tokens the drafter proposes before the target verifies them in one forward (γ in the paper):
+            every round under `"constant"`, the most a round drafts under `"auto"` (the default policy, which drafts
+            fewer where they pay better), the start of `"heuristic"` and `"optimal"`. `None` (the default) is 5, or
+            the drafter's own default (`Drafter.default_gamma`): prompt lookup drafts 10, like transformers'
+            recommended `prompt_lookup_num_tokens`.
         speculative_lenience (`float`, *optional*, defaults to 1.0):
             Lenience l in (0, 1] of the paper's Appendix A.5. `1.0` keeps the output exactly the target's; smaller
             values accept more drafts and are lossy, with the guarantee that no token is sampled with probability
             above p(x) / l.
         speculative_gamma_policy (`str`, *optional*, defaults to `"auto"`):
             How γ is chosen before each round: `"auto"` (one drafted token in the first round, before anything is
-            measured, then `speculative_gamma` while drafting pays; when the call's
+            measured, then, while drafting pays, the γ in 1 ... `speculative_gamma` that `"optimal"`'s estimates
+            predict emits the most tokens per second, so `speculative_gamma` is the most a round drafts (a tree
+            drafts it as its depth); when the call's
             own measurements over its last ten or so rounds show it emits fewer tokens per second than 95% of a
             plain step's, a chain steps down to the smaller γ predicted to pay best (from the acceptance measured
             per draft position and the rounds' cost taken as linear in their drafts), else takes plain steps,

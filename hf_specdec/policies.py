@@ -1,6 +1,6 @@
-"""Draft-length (γ) policies: `auto` (the default: the user's γ; a smaller one, or plain steps, when drafting is
-measured not to pay),
-`constant`, `heuristic` (+2 / -1) and `optimal` (Theorem 3.8 with online estimates).
+"""Draft-length (γ) policies: `auto` (the default: the γ up to the user's that `optimal`'s estimates predict pays
+best; plain steps when drafting is measured not to pay), `constant`, `heuristic` (+2 / -1) and `optimal` (Theorem 3.8
+with online estimates).
 
 A policy is created for one `generate` call, so nothing it learns outlives the call or lands on a user object.
 Before each round `next_gamma()` says how many tokens to draft (0 = a plain decoding step); after it `observe(...)`
@@ -133,10 +133,13 @@ class HeuristicGammaPolicy(GammaPolicy):
 
 
 class AutoGammaPolicy(GammaPolicy):
-    """The default: the user's γ every round, unless what the call measures says drafting loses to plain steps; then
-    plain steps (γ = 0), with a probe after 16, 32, 64, ... of them (a stop decided on noisy timings, or a drafter
-    that becomes useful later in the text, is found again). A useful drafter runs as under `"constant"`; a useless
-    one costs a few rounds.
+    """The default: while drafting, the γ in 1 ... the user's γ that `optimal`'s estimates (acceptance per draft
+    position, drafting and verifying costs measured per γ; `OptimalGammaPolicy.drafting_gamma`) predict emits the most
+    tokens per second, so the user's γ is the most a round drafts; unless what the call measures says drafting loses to
+    plain steps, then plain steps (γ = 0), with a probe after 16, 32, 64, ... of them (a stop decided on noisy timings,
+    or a drafter that becomes useful later in the text, is found again). A useless drafter costs a few rounds. Drafting
+    the user's γ whenever it did not lose, as this policy did before, ran at 0.86 of the best constant γ on the
+    memory-bound pair of `bench_memory_bound.py`, whose cost curve makes γ = 2 best and γ = 5 a loss of 10%.
 
     Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over
     drafting plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less
@@ -170,8 +173,8 @@ class AutoGammaPolicy(GammaPolicy):
     P and the median seconds R of recent drafting rounds at γ, taken as linear in the drafts (P + g (R - P) / γ for g
     drafts), it predicts the tokens per second of each smaller γ; the best is tried, afresh, when predicted to beat a
     plain step by `step_down_gain`, otherwise drafting stops (and a probe that resumes it resumes the smaller γ). A
-    useless drafter is predicted to lose at every γ and stops as before. Trees do not step down: their cost is set by
-    the tree budget, not by the depth."""
+    useless drafter is predicted to lose at every γ and stops as before. Trees do not step down, and their depth is
+    not chosen: their cost is set by the tree budget, not by the depth; a tree drafts the user's γ as its depth."""
 
     decay = 0.9  # weight of the drafting round before, per drafting round, in the drafting rate
     min_rounds = 3  # drafting rounds (after the first) before the rate decides
@@ -207,6 +210,9 @@ class AutoGammaPolicy(GammaPolicy):
         self.shadow_draft_wanted = False
         self.generator = None  # torch.Generator for sampled shadow acceptances, made on first use
         self.observed = False  # whether a round was seen
+        self.user_gamma = self.gamma  # the most a round drafts; a step down lowers `self.gamma` for a while
+        # which γ in 1 ... self.gamma pays best while drafting: `optimal`'s estimates, fed every round
+        self.chooser = OptimalGammaPolicy(self.gamma, self.gamma)
 
     def next_gamma(self) -> int:
         self.shadow_draft_wanted = False
@@ -219,7 +225,9 @@ class AutoGammaPolicy(GammaPolicy):
         if not self.stopped:
             if self.cautious:
                 return 1
-            return self.gamma if self.observed else min(self.gamma, self.first_gamma)
+            if not self.observed:
+                return min(self.gamma, self.first_gamma)
+            return self.gamma if self.trees else self.chooser.drafting_gamma(self.gamma)
         if self.plain_rounds >= self.probe_after:
             self.plain_rounds, self.probe_after = 0, self.probe_after * 2
             if self.shadow_drafts:
@@ -233,19 +241,27 @@ class AutoGammaPolicy(GammaPolicy):
     def observe_shadow(self, acceptance: float | None) -> None:
         if acceptance is None:  # nothing guessed: decides nothing
             self.shadow_outcome = None
-        elif not 0.0 < acceptance < 1.0:
+            return
+        if not 0.0 < acceptance < 1.0:
             self.shadow_outcome = acceptance >= 1.0
         else:
             if self.generator is None:
                 self.generator = torch.Generator().manual_seed(0)
             self.shadow_outcome = bool(torch.rand((), generator=self.generator) < acceptance)
+        # a guess is a first draft position's draft: what the γ chooser knows of acceptance there
+        chooser = self.chooser
+        chooser.reached, chooser.accepted = count_positions(chooser.reached, chooser.accepted, 1,
+                                                            [int(self.shadow_outcome)], chooser.decay)
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
-        self._count_positions(drafted, [accepted])
-        self._observe(drafted, accepted, draft_time_s, verify_time_s, first_round)
+        self.observe_rows(drafted=drafted, accepted_per_row=[accepted], draft_time_s=draft_time_s,
+                          verify_time_s=verify_time_s, first_round=first_round)
 
     def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
         self._count_positions(drafted, accepted_per_row)
+        if not self.trees:  # a shadow step reaches it as a plain step (drafted 0): a plain step's cost
+            self.chooser.observe_rows(drafted=drafted, accepted_per_row=accepted_per_row, draft_time_s=draft_time_s,
+                                      verify_time_s=verify_time_s, first_round=first_round)
         # a batch's tokens per second is the number of rows times a row's mean: the mean, unrounded, decides
         self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s,
                       first_round)
@@ -340,6 +356,8 @@ class AutoGammaPolicy(GammaPolicy):
         if self.stopped:
             self.plain_rounds = 0
             self._step_down()
+        elif not self.measure_plain:  # a step down holds until drafting pays again: then the chooser may go back up
+            self.gamma = self.user_gamma
 
     def _step_down(self) -> None:
         """Drafting at γ was measured to lose; tries the smaller γ predicted to pay best, if any (see the class
@@ -461,13 +479,11 @@ class OptimalGammaPolicy(GammaPolicy):
             if sum(self.accepted) == 0:
                 return 0  # its drafts all failed: take a plain step, which also measures its cost
             # Theorem 3.8, at most doubling the user's γ: a few drafts and prefill-laden costs extrapolate poorly
-            speedups = [tokens / (gamma * self.prior_c + 1.0)
-                        for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))]
-            return max(range(min(2 * self.gamma, self.max_gamma) + 1), key=lambda g: (speedups[g], -g))
+            return self._theorem_gamma(0, min(2 * self.gamma, self.max_gamma))
         if self.rounds == 2 and 0 not in self.verify_s:  # one measured γ = k: the fitted line is flat
             return next(iter(self.verify_s)) // 2  # measure a second point (k = 1: a plain step) before trusting it
         rate = self.tokens_per_second(self.acceptance_rates())
-        best = max(range(1, self.max_gamma + 1), key=lambda g: (rate[g], -g))
+        best = self._best(rate, self.max_gamma)
         if rate[best] < self.min_gain * rate[0]:  # drafting seems not to pay
             if 0 not in self.verify_s:
                 return 0  # a plain step's cost was extrapolated: measure one
@@ -479,9 +495,40 @@ class OptimalGammaPolicy(GammaPolicy):
                 return 0
             best = 1  # but that is not sure yet: the cheapest draft measures more
         self.plain_rounds, self.probe_after = 0, self.first_probe_after
-        if self.rounds % self.explore_every == self.explore_every - 1:  # try a neighbour, alternating sides
+        return self._explored(best, self.max_gamma)
+
+    def drafting_gamma(self, cap: int) -> int:
+        """The γ in 1 ... `cap` predicted to emit the most tokens per second, for a policy that decides apart whether
+        to draft at all (`auto`): Theorem 3.8 at the first round's cost ratio while only that round is known, half the
+        γ measured so far while one γ alone is (a line through one point is flat), then the estimates, with a
+        neighbour tried every `explore_every` rounds."""
+        cap = min(cap, self.max_gamma)
+        if self.prior_c is None:
+            return cap
+        if not self.fit[0]:
+            return self._theorem_gamma(1, cap)
+        measured = [gamma for gamma in self.verify_s if gamma]
+        if len(self.verify_s) == 1 and measured and measured[0] > 1:
+            return min(cap, measured[0] // 2)
+        return self._explored(self._best(self.tokens_per_second(self.acceptance_rates()), cap), cap)
+
+    def _theorem_gamma(self, low: int, cap: int) -> int:
+        """The γ in low ... cap of Theorem 3.8's best speedup at the first round's cost ratio (the smaller of equals)."""
+        speedups = [tokens / (gamma * self.prior_c + 1.0)
+                    for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))]
+        return max(range(low, cap + 1), key=lambda g: (speedups[g], -g))
+
+    @staticmethod
+    def _best(rate: list[float], cap: int) -> int:
+        """The γ in 1 ... cap of the highest rate (the smaller of equals)."""
+        return max(range(1, cap + 1), key=lambda g: (rate[g], -g))
+
+    def _explored(self, best: int, cap: int) -> int:
+        """`best`, or every `explore_every` rounds a neighbour of it in 1 ... cap (alternating sides), which keeps
+        the cost estimates of nearby γ fresh."""
+        if self.rounds % self.explore_every == self.explore_every - 1:
             side = 1 if (self.rounds // self.explore_every) % 2 == 0 else -1
-            return min(self.max_gamma, max(1, best + side))
+            return min(cap, max(1, best + side))
         return best
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:

@@ -382,41 +382,63 @@ def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
     assert [index for index, g in enumerate(chosen) if g] == [0, 1, 18, 51, 116, 245]
 
 
-def test_auto_keeps_a_useful_drafter_at_the_users_gamma():
+def test_auto_drafts_the_gamma_that_pays_best_up_to_the_users():
     from hf_specdec.policies import AutoGammaPolicy
 
-    # accepts 2 of 5 per round; verify over k tokens costs 1 + 0.1k, drafting 0.1 per token: pays
+    # accepts 2 drafts per round; verifying k tokens costs 1 + 0.1k, drafting 0.1 per token: γ = 2 emits 3 tokens per
+    # 1.4 steps, the user's γ = 5 3 per 2.0. One token in the first round (before anything is measured), then the γ
+    # that `optimal`'s estimates predict pays best, at most the user's
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 100, lambda position: 1.0 if position < 2 else 0.0,
                       0.1, lambda k: 1.0 + 0.1 * k)
-    assert chosen == [1] + [5] * 99  # one token in the first round, before anything is measured
+    assert chosen[0] == 1 and 0 not in chosen and max(chosen) <= 5
+    assert chosen[8:].count(2) >= 0.75 * len(chosen[8:]), chosen
+    # always right, a flat verify cost: the user's γ pays best, and auto never drafts more than it
+    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 100, lambda position: 1.0, 0.1, lambda k: 1.0 + 0.02 * k)
+    assert chosen[0] == 1 and max(chosen) == 5 and chosen[8:].count(5) >= 0.8 * len(chosen[8:]), chosen
 
 
-def test_auto_measures_a_plain_step_when_it_is_close_then_steps_down_to_a_gamma_that_pays():
+def test_auto_reaches_the_best_constant_gamma_on_a_memory_bound_target():
+    """The headline pair's measured costs (a 1.1B bf16 Llama on this CPU: a forward over 2 / 3 / 4 / 6 tokens costs
+    0.905 / 0.955 / 0.99 / 1.065 one-token forwards, its 1-layer early exit 0.105 a token, α 0.5), 60 modelled
+    64-token calls: the best constant γ is 2. Drafting the user's γ = 5 whenever it did not lose to plain steps, as
+    `auto` did before, got 0.86 of it (the real pair: 1.25x plain against 1.39x for γ = 2); choosing γ in 1 ... 5 from
+    `optimal`'s estimates gets 0.96."""
     from hf_specdec.policies import AutoGammaPolicy
 
-    # compute-bound: verifying 6 tokens costs 2 steps; 1 of 5 accepted: 2 tokens per 2.5 steps beats 1 / verify but
-    # loses to a plain step, which the policy measures once. From the first position's rate (always right) and the
-    # round's cost taken as linear in its drafts, γ = 1 is predicted to give 2 tokens per 1.3 steps: it steps down
-    # there and keeps drafting (1.5x plain, where stopping gives 1.0x)
+    costs = {0: 1.0, 1: 0.905, 2: 0.955, 3: 0.988, 4: 1.03, 5: 1.065}
+    regime = dict(acceptance=[0.5], verify_cost=lambda k: costs[min(k, 5)] + 0.03 * max(k - 5, 0),
+                  draft_cost=lambda k: 0.105 * k)
+    seeds = range(60)
+    best = max(mean_rate(lambda: GammaPolicy(gamma, 16), seeds, **regime) for gamma in range(1, 6))
+    assert mean_rate(lambda: GammaPolicy(2, 16), seeds, **regime) == best
+    assert mean_rate(lambda: AutoGammaPolicy(5, 16), seeds, **regime) >= 0.94 * best
+    assert mean_rate(lambda: GammaPolicy(5, 16), seeds, **regime) < 0.9 * best  # the user's γ alone
+
+
+def test_auto_finds_the_smaller_gamma_that_pays_on_a_compute_bound_target():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    # compute-bound: verifying 6 tokens costs 2 steps; only the first draft is ever right. γ = 1 emits 2 tokens per
+    # 1.3 steps (1.5x plain); the user's γ = 5, 2 per 2.5 (a loss). One plain step is measured, and auto drafts 1
     chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
                       0.1, lambda k: 1.0 + k / 5)
-    assert chosen[:4] == [1, 5, 5, 5] and chosen[4] == 0
-    assert chosen[5:] == [1] * 35
+    assert chosen[0] == 1 and max(chosen) <= 5 and chosen[5:].count(0) == 0
+    assert chosen[5:].count(1) >= 0.75 * len(chosen[5:]), chosen
 
 
-def test_auto_stops_when_no_smaller_gamma_pays_either():
+def test_auto_stops_when_no_gamma_pays():
     from hf_specdec.policies import AutoGammaPolicy
 
-    # the same drafter where each drafted token costs a whole step: γ = 1 gives 2 tokens per 2.1 steps, predicted as
-    # such, so drafting stops (plain steps, then backed-off probes)
-    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
-                      0.1, lambda k: 1.0 + k)
-    assert chosen[:4] == [1, 5, 5, 5] and chosen[4] == 0
-    assert chosen[5:21] == [0] * 16
-    # a probe after 16 plain steps accepts its token, so drafting resumes; what was measured before the stop still
-    # counts (at half weight), so one more losing round at γ stops it again; the probes back off (the next comes
-    # after 32 plain steps), so a drafter that keeps losing costs few rounds
-    assert chosen[21:23] == [1, 5] and chosen[23:40] == [0] * 17
+    # the same drafter where each drafted token costs one and a half steps: γ = 1 gives 2 tokens per 2.6 steps, so
+    # drafting stops (plain steps, then backed-off probes), after a few rounds
+    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 120, lambda position: 1.0 if position < 1 else 0.0,
+                      0.1, lambda k: 1.0 + 1.5 * k)
+    assert chosen[0] == 1 and chosen[10:].count(0) >= 0.9 * len(chosen[10:]), chosen
+    # a probe accepts its token, so drafting resumes; what was measured before the stop still counts (at half
+    # weight), so one more losing round stops it again; the probes back off, so a drafter that keeps losing costs
+    # few rounds
+    drafting = [index for index, gamma in enumerate(chosen) if gamma and index >= 10]
+    assert 2 <= len(drafting) <= 8, chosen
 
 
 def test_auto_compares_with_a_measured_plain_step_not_a_verify_forward():
@@ -473,7 +495,9 @@ def test_auto_resumes_when_a_probe_is_accepted():
         chosen.append(gamma)
     assert chosen[:2] == [1, 1] and chosen[2:18] == [0] * 16 and chosen[18] == 1  # a probe that fails
     assert chosen[19:51] == [0] * 32  # backs off
-    assert chosen[51] == 1 and chosen[52:] == [4] * (200 - 52)  # the next probe found it useful
+    # the next probe found it useful: drafting resumes, at the γ that pays best (3: every round accepts 3 drafts)
+    assert chosen[51] == 1 and 0 not in chosen[52:] and max(chosen) <= 4
+    assert chosen[70:].count(3) >= 0.75 * len(chosen[70:]), chosen
 
 
 class RecordingDrafter(ScriptedDrafter):
@@ -541,7 +565,9 @@ def test_auto_shadow_draft_finds_a_drafter_that_becomes_right(target, do_sample)
         assert drafted[0] == 1 and sum(drafted[1:16]) == 0, str(drafted)  # stopped while the drafter is wrong
         resumed = next(index for index, count in enumerate(drafted) if index and count)
         assert resumed <= 15 + 17 + 1, str(drafted)  # a probe found it right: at the latest after 16 more plain steps
-        assert all(count == 5 for count in drafted[resumed:-1]), str(drafted)
+        # drafting goes on (the last round may have no room left to draft), never past the user's γ; which γ pays
+        # best here is this machine's timings' to say
+        assert 0 not in drafted[resumed:-1] and max(drafted) <= 5, str(drafted)
         # every draft after the resume is right (the last round's may pass max_length), and they are many
         assert out.speculative_stats.accepted_tokens >= max(sum(drafted[resumed:-1]), 20), str(drafted)
     else:
@@ -589,7 +615,7 @@ def test_auto_shadow_probe_guesses_within_half_a_plain_step(guess_s, guesses):
     assert not any(plain_steps(policy, 16))
     shadow_step(policy, None, guess_s)
     shadow_step(policy, 1.0, guess_s)
-    assert policy.next_gamma() == 4 and not policy.stopped
+    assert 1 <= policy.next_gamma() <= 4 and not policy.stopped and not policy.shadow
 
 
 def test_auto_shadow_probes_back_off():
@@ -605,7 +631,7 @@ def test_auto_resumes_at_a_right_guess_after_a_first_round_that_accepted_nothing
     policy = shadow_policy()
     shadow_step(policy, None, guess_s=0.1)  # nothing guessed: no decision
     shadow_step(policy, 1.0, guess_s=0.1)
-    assert policy.next_gamma() == 4
+    assert 1 <= policy.next_gamma() <= 4 and not policy.shadow  # drafting again
 
 
 def test_auto_sampled_shadow_acceptance_draws_from_its_own_generator():
@@ -629,11 +655,11 @@ USELESS_EARLY_EXIT = dict(acceptance=[0.01], draft_cost=lambda k: 0.3 * k, verif
                           guess_cost=0.35)  # on a compute-bound CPU
 
 
-@pytest.mark.parametrize("regime, stalls, least_of_constant, least_of_plain", [
-    (TREE_ON_A_MEMORY_BOUND_TARGET, (0.02, 2.0, 4.0), 0.95, 1.25),
-    (TREE_ON_A_MEMORY_BOUND_TARGET, (0.1, 2.0, 6.0), 0.92, 1.25),
-    (USELESS_EARLY_EXIT, (0.02, 2.0, 4.0), None, 0.95)])
-def test_auto_in_modelled_generations(regime, stalls, least_of_constant, least_of_plain):
+@pytest.mark.parametrize("regime, tree, stalls, least_of_constant, least_of_plain", [
+    (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.02, 2.0, 4.0), 0.95, 1.25),
+    (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.1, 2.0, 6.0), 0.92, 1.25),
+    (USELESS_EARLY_EXIT, False, (0.02, 2.0, 4.0), None, 0.95)])
+def test_auto_in_modelled_generations(regime, tree, stalls, least_of_constant, least_of_plain):
     """Over 100 modelled calls (deterministic): a drafter that pays, but whose rounds accept 0, 1 or 3 tokens (a
     tree), keeps drafting through unlucky rounds (1.31x against the constant γ's 1.36x; the policy before, which
     decided on the last three rounds alone and resumed on a single right guess, got 1.10x), and through stalls (in
@@ -642,7 +668,13 @@ def test_auto_in_modelled_generations(regime, stalls, least_of_constant, least_o
     from hf_specdec.policies import AutoGammaPolicy
 
     seeds, regime = range(100), dict(regime, stalls=stalls, new_tokens=96)
-    auto = mean_rate(lambda: AutoGammaPolicy(3, 16), seeds, **regime)
+
+    def auto_policy():
+        policy = AutoGammaPolicy(3, 16)
+        policy.trees = tree  # as the one-sequence loop sets it with `speculative_tree_budget`: γ is the tree's depth
+        return policy
+
+    auto = mean_rate(auto_policy, seeds, **regime)
     plain = mean_rate(lambda: GammaPolicy(0, 16), seeds, **regime)
     assert auto >= least_of_plain * plain
     if least_of_constant is not None:
