@@ -68,6 +68,7 @@ def main() -> None:
             plain_times.append(time.perf_counter() - start)
             start = time.perf_counter()
             out = target.generate(ids, attention_mask=mask, assistant_model=drafter, speculative_gamma=args.gamma,
+                                  speculative_gamma_policy="constant",
                                   return_dict_in_generate=True, **kwargs)
             spec_times.append(time.perf_counter() - start)
             same &= torch.equal(out.sequences, plain)

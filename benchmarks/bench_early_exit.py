@@ -86,7 +86,8 @@ def main() -> None:
     methods = {
         "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
         "transformers_assisted": lambda ids: GenerationMixin.generate(target, ids, assistant_model=assistant, **common),
-        "hf_specdec": lambda ids: target.generate(ids, assistant_model=drafter, speculative_gamma=args.gamma, **common),
+        "hf_specdec": lambda ids: target.generate(ids, assistant_model=drafter, speculative_gamma=args.gamma,
+                                                  speculative_gamma_policy="constant", **common),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
 
@@ -101,7 +102,7 @@ def main() -> None:
                 identical[name] &= torch.equal(out, reference)
 
     stats = [target.generate(ids, assistant_model=drafter, speculative_gamma=args.gamma, return_dict_in_generate=True,
-                             **common).speculative_stats for ids in prompts]
+                             speculative_gamma_policy="constant", **common).speculative_stats for ids in prompts]
     alpha = sum(s.beta_sum for s in stats) / sum(s.beta_count for s in stats)
     # in-loop costs, relative to one plain decoding step (the paper's T): what a drafter step and a verify round
     # actually cost during decoding, as timed by hf_specdec itself

@@ -59,7 +59,8 @@ def float32_head(model) -> None:
 def run_case(target, prompts, args, label, sweep=()):
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     drafter_kwargs = {"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
-    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, drafter_kwargs=drafter_kwargs, **common)
+    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, speculative_gamma_policy="constant",
+                drafter_kwargs=drafter_kwargs, **common)
     optimal = dict(ours, speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma)
     optimal_fresh = dict(optimal, drafter_kwargs={**drafter_kwargs, "follow_copies": False})
     optimal_from_max = dict(optimal, speculative_gamma=args.max_gamma)  # its first round drafts up to max_gamma

@@ -73,14 +73,15 @@ def main() -> None:
 
     def drafters_for(temperature):
         mode = "greedy" if temperature == 0 else "sample"
+        constant = dict(speculative_gamma_policy="constant")  # each at its γ, as the tables report it
         return {
-            "unigram": (dict(drafter=lower_order(trigram, 1, mode)), args.gamma_table),
-            "bigram": (dict(drafter=lower_order(trigram, 2, mode)), args.gamma_table),
-            "trigram": (dict(drafter=lower_order(trigram, 3, mode)), args.gamma_table),
-            "prompt_lookup": (dict(drafter="prompt_lookup"), args.gamma_table),
+            "unigram": (dict(drafter=lower_order(trigram, 1, mode), **constant), args.gamma_table),
+            "bigram": (dict(drafter=lower_order(trigram, 2, mode), **constant), args.gamma_table),
+            "trigram": (dict(drafter=lower_order(trigram, 3, mode), **constant), args.gamma_table),
+            "prompt_lookup": (dict(drafter="prompt_lookup", **constant), args.gamma_table),
             "prompt_lookup_optimal": (dict(drafter="prompt_lookup", speculative_gamma_policy="optimal",
                                            speculative_max_gamma=args.max_gamma), args.gamma_table),
-            "distilled": (dict(assistant_model=distilled), args.gamma_model),
+            "distilled": (dict(assistant_model=distilled, **constant), args.gamma_model),
         }
 
     transformers_drafts = {

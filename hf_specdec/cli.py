@@ -590,8 +590,11 @@ def bench(args: argparse.Namespace) -> int:
         return GenerationMixin.generate(target, ids, attention_mask=torch.ones_like(ids), **extra, **common)
 
     def ours(ids, gamma):
+        # each γ measured as itself, as transformers' constant schedule and Theorem 3.8 at γ beside it (the default
+        # policy would draft at most γ, fewer where fewer pay)
         return target.generate(ids, attention_mask=torch.ones_like(ids), speculative_gamma=gamma,
-                               return_dict_in_generate=True, **drafter_kwargs, **common)
+                               speculative_gamma_policy="constant", return_dict_in_generate=True, **drafter_kwargs,
+                               **common)
 
     methods = {"plain": plain, "transformers": assisted, "hf_specdec": ours}
     if not ("assistant_model" in drafter_kwargs or drafter_kwargs.get("drafter") == "prompt_lookup"):
@@ -639,6 +642,7 @@ def bench(args: argparse.Namespace) -> int:
                 "theorem_3_8": expected_speedup(alpha=clipped, gamma=gamma, c=c),
                 "theorem_3_8_at_measured_v": expected_tokens_per_round(clipped, gamma) / (gamma * c + v),
                 "identical_to_plain": identical,
+                "gammas_drafted": sorted({g for s in stats_list for g in s.gamma_history}),
             })
     drafter_name = " ".join(args.drafter or ["model"])
     print(f"{len(prompts)} prompt(s) x {args.repeats} interleaved repeat(s) after a warm-up, {args.max_new_tokens} "
@@ -835,7 +839,7 @@ def _parser() -> argparse.ArgumentParser:
                               "optional with the embedded target (default: model, the embedded distilled drafter)")
         if gamma_nargs:
             sub.add_argument("--gamma", type=_positive_int, nargs=gamma_nargs, default=[4], metavar="N",
-                             help="one or more draft lengths, each measured")
+                             help="one or more draft lengths, each measured at a constant γ")
         else:
             sub.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
                              help="draft length (default: the drafter's own, as in `generate`: 10 for prompt "

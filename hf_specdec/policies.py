@@ -172,9 +172,10 @@ class AutoGammaPolicy(GammaPolicy):
     each draft position (decayed like the rate; rows of a batch count as fractions of a round), a plain step's seconds
     P and the median seconds R of recent drafting rounds at γ, taken as linear in the drafts (P + g (R - P) / γ for g
     drafts), it predicts the tokens per second of each smaller γ; the best is tried, afresh, when predicted to beat a
-    plain step by `step_down_gain`, otherwise drafting stops (and a probe that resumes it resumes the smaller γ). A
-    useless drafter is predicted to lose at every γ and stops as before. Trees do not step down, and their depth is
-    not chosen: their cost is set by the tree budget, not by the depth; a tree drafts the user's γ as its depth."""
+    plain step by `step_down_gain` (it caps γ until drafting is measured to pay again; then the chooser may go back up
+    to the user's γ), otherwise drafting stops (and a probe that resumes it resumes the smaller γ). A useless drafter
+    is predicted to lose at every γ and stops as before. Trees do not step down, and their depth is not chosen: their
+    cost is set by the tree budget, not by the depth; a tree drafts the user's γ as its depth."""
 
     decay = 0.9  # weight of the drafting round before, per drafting round, in the drafting rate
     min_rounds = 3  # drafting rounds (after the first) before the rate decides
@@ -513,7 +514,8 @@ class OptimalGammaPolicy(GammaPolicy):
         return self._explored(self._best(self.tokens_per_second(self.acceptance_rates()), cap), cap)
 
     def _theorem_gamma(self, low: int, cap: int) -> int:
-        """The γ in low ... cap of Theorem 3.8's best speedup at the first round's cost ratio (the smaller of equals)."""
+        """The γ in low ... cap of Theorem 3.8's best speedup at the first round's cost ratio (the smaller of
+        equals)."""
         speedups = [tokens / (gamma * self.prior_c + 1.0)
                     for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))]
         return max(range(low, cap + 1), key=lambda g: (speedups[g], -g))

@@ -63,6 +63,7 @@ def test_bench_table(capsys, tmp_path):
     assert "x plain" in out and "Thm 3.8" in out
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [row["gamma"] for row in rows] == [2, 3] and all(row["identical_to_plain"] for row in rows)
+    assert [row["gammas_drafted"] for row in rows] == [[2], [3]]  # each γ measured as itself, never fewer drafts
 
 
 def test_bench_plot_needs_matplotlib(capsys, tmp_path):
