@@ -35,7 +35,8 @@ class SpeculativeOptions:
     """The speculative settings one `generate` call runs with; built and validated once per call."""
 
     speculative_gamma: int = 5
-    """How many tokens the drafter proposes per target forward (γ in the paper)."""
+    """How many tokens the drafter proposes per target forward (γ in the paper): every round under "constant", the most
+    a round drafts under "auto"."""
     speculative_lenience: float = 1.0
     """Lenience l in (0, 1] (Appendix A.5); 1.0 is the exact algorithm, smaller values are lossy."""
     speculative_gamma_policy: str = "auto"
