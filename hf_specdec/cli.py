@@ -395,7 +395,8 @@ def train_drafter(args: argparse.Namespace) -> int:
         resume_from_checkpoint=True if args.resume else None, draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
         num_synthetic_prompts=args.synthetic_prompts, answer_dtype=args.answer_dtype,
-        generation_batch_size=args.generation_batch_size, learning_rate=args.lr, seed=args.seed)
+        feature_dtype=args.feature_dtype, generation_batch_size=args.generation_batch_size, learning_rate=args.lr,
+        seed=args.seed)
     info = drafter.training_info
     print(f"EAGLE-3 head written to {args.output}: {info['steps']} steps, {info['wall time']}, held-out top-1 "
           f"agreement per draft step {info['held-out top-1 agreement per draft step']}")
@@ -960,6 +961,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="instructions the target first writes itself (Magpie), answered with --prompts")
     sub.add_argument("--answer-dtype", choices=["bfloat16", "float16", "float32"], default=None,
                      help="answer with a copy of the target in this dtype (default: the target's own)")
+    sub.add_argument("--feature-dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                     help="read the features the head learns from with a copy of the target in this dtype "
+                          "(default: the target's own; bfloat16 is ~4x faster on CPUs with bfloat16 matrix units)")
     sub.add_argument("--generation-batch-size", type=_positive_int, default=16, help="prompts answered at once")
     training(sub)
     sub.set_defaults(func=train_drafter)

@@ -1,9 +1,10 @@
 """Training an EAGLE-3 head on its target's own hidden states (`hf_specdec.distill.train_eagle_drafter`).
 
 The data are the target's own answers (self-distillation, as EAGLE-3 and Medusa-2 train): with `prompts`, the target
-first answers them, sampling in batches; with `texts`, it reads them as they are. One target forward per sequence,
-with `HiddenStateCapture` on the three layers the head reads, gives the features and the target's logits; both are
-kept for the whole run (the target never runs again), the logits restricted to the draft vocabulary.
+first answers them, sampling in batches; with `texts`, it reads them as they are. Each training batch first runs the
+target (or its copy in `feature_dtype`) forward with `HiddenStateCapture` on the three layers the head reads: that
+gives the features and the target's logits, restricted to the draft vocabulary. Nothing is kept between batches, so
+the data may be far larger than memory (texts read at prefill speed, for instance).
 
 The loss follows EAGLE-3's training-time test: the head is unrolled `ttt_steps` times, step j feeding at row t its
 own output of step j - 1 and the embedding of token x_{t+1+j}, at position t + j, attending the real rows up to t
@@ -134,32 +135,6 @@ def _synthetic_prompts(target, tokenizer, count: int, *, batch_size: int, show_p
     return found
 
 
-@torch.no_grad()
-def _target_features(target, sequences, layers, hot_ids: torch.LongTensor, batch_size: int = 4):
-    """Per sequence: the features `[len, 3h]` (float32), the target's logits over the draft vocabulary `[len, dv]`
-    (bfloat16), and whether its argmax lies in the draft vocabulary `[len]`."""
-    in_draft = torch.zeros(logits_width(target), dtype=torch.bool)
-    in_draft[hot_ids] = True
-    records = []
-    with HiddenStateCapture(target, layers, owner="train_eagle_drafter") as capture:
-        for start in range(0, len(sequences), batch_size):
-            chunk = sequences[start : start + batch_size]
-            width = max(len(ids) for ids, _ in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, (sequence, _) in enumerate(chunk):
-                ids[r, : len(sequence)] = torch.tensor(sequence)
-                mask[r, : len(sequence)] = 1
-            logits = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                            use_cache=False).logits.float().cpu()  # [b, width, vocab]
-            features = capture.take().float().cpu()  # [b, width, 3h]
-            for r, (sequence, _) in enumerate(chunk):
-                n = len(sequence)
-                records.append((features[r, :n].clone(), logits[r, :n][:, hot_ids].to(torch.bfloat16),
-                                in_draft[logits[r, :n].argmax(-1)]))
-    return records
-
-
 def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8):
     """EAGLE-3's training-time-test loss on a padded batch; returns (loss, per-step top-1 agreement counts, counts)."""
     ids, features, target_logits, target_in_draft, loss_mask = batch  # [b, T], [b, T, F], [b, T, dv], [b, T], [b, T]
@@ -173,6 +148,8 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
     eye = torch.eye(length, dtype=torch.bool, device=device)
     total = features.new_zeros(())
     agree, counted = [], []
+    p_all = F.softmax(target_logits.float(), dim=-1)  # [b, T, dv], once: step j reads it shifted by j
+    choice_all = target_logits.argmax(-1)  # [b, T]
     for j in range(ttt_steps):
         # row t feeds x_{t+1+j} and predicts x_{t+2+j}, from the target's logits at position t + 1 + j
         source = rows + 1 + j  # [T]
@@ -188,33 +165,59 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
         hidden, project = out, False
         weight = (loss_mask[:, source] & target_in_draft[:, source] & valid[None]).float()  # [b, T]
         log_q = F.log_softmax(model.logits(out).float(), dim=-1)  # [b, T, dv]
-        p = F.softmax(target_logits[:, source].float(), dim=-1)  # [b, T, dv]
+        p = p_all[:, source]  # [b, T, dv]
         cross_entropy = -(p * log_q).sum(-1)  # [b, T]
         total = total + (step_weight ** j) * (cross_entropy * weight).sum() / weight.sum().clamp(min=1)
         with torch.no_grad():
-            agree.append(((log_q.argmax(-1) == p.argmax(-1)).float() * weight).sum().item())
+            agree.append(((log_q.argmax(-1) == choice_all[:, source]).float() * weight).sum().item())
             counted.append(weight.sum().item())
     return total, agree, counted
 
 
-def _collate(records, loss_masks, sequences):
-    """Pads a list of (features, target logits, in-draft, loss mask, ids) on the right."""
+def _collate(reader, capture, hot_ids, loss_masks, sequences):
+    """Pads the sequences `indices` on the right and runs the target (`reader`) forward over them once: (ids, the
+    features `[b, T, 3h]` and the target's logits over the draft vocabulary `[b, T, dv]` in float32, whether its
+    argmax lies in the draft vocabulary, loss mask)."""
+    device = next(reader.parameters()).device
+    hot_ids = hot_ids.to(device)
+    in_draft = torch.zeros(logits_width(reader), dtype=torch.bool, device=device)
+    in_draft[hot_ids] = True
+
+    @torch.no_grad()
     def collate(indices):
         length = max(len(sequences[i][0]) for i in indices)
-        first = records[indices[0]]
         b = len(indices)
         ids = torch.zeros(b, length, dtype=torch.long)
-        features = torch.zeros(b, length, first[0].shape[-1])
-        logits = torch.zeros(b, length, first[1].shape[-1], dtype=first[1].dtype)
-        in_draft = torch.zeros(b, length, dtype=torch.bool)
+        attention = torch.zeros(b, length, dtype=torch.long)
         mask = torch.zeros(b, length, dtype=torch.bool)
         for r, i in enumerate(indices):
             n = len(sequences[i][0])
             ids[r, :n] = torch.tensor(sequences[i][0])
-            features[r, :n], logits[r, :n], in_draft[r, :n] = records[i]
+            attention[r, :n] = 1
             mask[r, :n] = loss_masks[i]
-        return ids, features, logits, in_draft, mask
+        logits = reader(input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
+        features = capture.take().float()  # [b, T, 3h]
+        return ids, features, logits[..., hot_ids].float(), in_draft[logits.argmax(-1)], mask
     return collate
+
+
+def _as_dtype(value, name: str) -> torch.dtype | None:
+    if isinstance(value, str):
+        if not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"`{name}` {value!r} is not a torch dtype; use for example 'bfloat16'.")
+        value = getattr(torch, value)
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"`{name}` must be a torch.dtype or its name, got {value!r}.")
+    return value
+
+
+def _copy_in(target, dtype: torch.dtype | None, copies: dict):
+    """`target` itself, or one shared copy of it in `dtype` (the user's model is never converted)."""
+    if dtype in (None, target.dtype):
+        return target
+    if dtype not in copies:
+        copies[dtype] = copy.deepcopy(target).to(dtype).eval()
+    return copies[dtype]
 
 
 def train_eagle_drafter(
@@ -237,6 +240,7 @@ def train_eagle_drafter(
     num_synthetic_prompts: int = 0,
     answer_dtype: torch.dtype | str | None = None,
     max_answer_minutes: float | None = None,
+    feature_dtype: torch.dtype | str | None = None,
     batch_size: int = 8,
     learning_rate: float = 1e-3,
     warmup_steps: int = 20,
@@ -274,8 +278,12 @@ def train_eagle_drafter(
             diverse self-distillation data without a prompt set. Needs a chat template.
         answer_dtype (`torch.dtype` or `str`, *optional*): answer (and write prompts) with a copy of the target in
             this dtype, for example `torch.bfloat16` on CPUs whose bfloat16 matrix kernels are several times faster.
-            The answers are only contexts: the features and the target distributions the head learns always come
-            from `target` itself, in its own dtype.
+            The answers are only contexts: the features and the target distributions the head learns come from
+            `target` itself, in its own dtype, unless `feature_dtype` says otherwise.
+        feature_dtype (`torch.dtype` or `str`, *optional*): read the features and the target distributions the head
+            learns with a copy of the target in this dtype (by default `target` itself). `torch.bfloat16` makes this
+            ~4x faster on CPUs with bfloat16 matrix units; the head then learns from features rounded to bfloat16
+            (EAGLE trains with noise added to its features anyway) and drafts from the target's own at generation.
         max_answer_minutes (`float`, *optional*): no answering batch starts after this many minutes (by default
             half of `max_minutes`), so that features and training keep their share of the budget; prompts left
             unanswered are not used.
@@ -307,12 +315,8 @@ def train_eagle_drafter(
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}.")
     if max_answer_minutes is not None and not max_answer_minutes > 0:
         raise ValueError(f"`max_answer_minutes` must be > 0, got {max_answer_minutes}.")
-    if isinstance(answer_dtype, str):
-        if not isinstance(getattr(torch, answer_dtype, None), torch.dtype):
-            raise ValueError(f"`answer_dtype` {answer_dtype!r} is not a torch dtype; use for example 'bfloat16'.")
-        answer_dtype = getattr(torch, answer_dtype)
-    if answer_dtype is not None and not isinstance(answer_dtype, torch.dtype):
-        raise TypeError(f"`answer_dtype` must be a torch.dtype or its name, got {answer_dtype!r}.")
+    answer_dtype = _as_dtype(answer_dtype, "answer_dtype")
+    feature_dtype = _as_dtype(feature_dtype, "feature_dtype")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}.")
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
@@ -326,6 +330,7 @@ def train_eagle_drafter(
     output_dir = Path(output_dir) if output_dir is not None else None
     target = target.eval()
     checkpoint = _find_checkpoint(resume_from_checkpoint, output_dir)
+    copies: dict = {}  # the target in `answer_dtype` / `feature_dtype`, made once
 
     # 1. data: the target's answers (or the texts), tokenized; saved so that a resumed run reuses them
     data_file = output_dir / DATA_NAME if output_dir is not None else None
@@ -343,8 +348,7 @@ def train_eagle_drafter(
         written = 0
         all_prompts = list(prompts or [])
         if all_prompts or num_synthetic_prompts:
-            # a copy in `answer_dtype` answers; the user's model is never converted
-            answerer = target if answer_dtype in (None, target.dtype) else copy.deepcopy(target).to(answer_dtype)
+            answerer = _copy_in(target, answer_dtype, copies)
             if num_synthetic_prompts:
                 # writing prompts gets at most a quarter of the answering budget
                 write_deadline = None if deadline is None else answer_start + 0.25 * (deadline - answer_start)
@@ -356,7 +360,6 @@ def train_eagle_drafter(
             sequences += _answer_prompts(answerer, tokenizer, all_prompts, max_answer_tokens=max_answer_tokens,
                                          batch_size=generation_batch_size, temperature=answer_temperature,
                                          show_progress=show, deadline=deadline, seed=seed)
-            del answerer
         for text in texts or []:
             ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
             if len(ids) >= 3:
@@ -392,87 +395,104 @@ def train_eagle_drafter(
     model = drafter.model.float()
     hot_ids = model.hot_ids.cpu()
 
-    # 3. the target's features and logits, once
-    feature_start = time.perf_counter()
-    records = _target_features(target, sequences, model.config.eagle_layers, hot_ids)
-    feature_seconds = time.perf_counter() - feature_start
+    # 3. the target's features and logits: one forward per batch, as the head trains (no copy of them is kept,
+    # so the data may be far larger than memory)
+    for dtype in list(copies):
+        if dtype != feature_dtype:
+            del copies[dtype]
+    reader = _copy_in(target, feature_dtype, copies)
     loss_masks = []
     for ids, start in sequences:
         mask = torch.zeros(len(ids), dtype=torch.bool)
         mask[max(start - 1, 0) :] = True  # predictions of answer tokens (position s predicts x_{s+1})
         loss_masks.append(mask)
-    collate = _collate(records, loss_masks, sequences)
-    embeddings = target.get_input_embeddings()
+    capture = HiddenStateCapture(reader, model.config.eagle_layers, owner="train_eagle_drafter")
+    try:
+        read = _collate(reader, capture, hot_ids, loss_masks, sequences)
+        feature_seconds = 0.0
 
-    # 4. training-time test
-    loader = torch.utils.data.DataLoader(train_ids, batch_size=batch_size, shuffle=True, generator=generator,
-                                         collate_fn=collate, drop_last=len(train_ids) >= batch_size)
-    model.to(accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    budget_s = None if max_minutes is None else max_minutes * 60.0
-    state = {"step": 0, "train_seconds": 0.0}
-    train_start = time.perf_counter()
+        def collate(indices):
+            nonlocal feature_seconds
+            begun = time.perf_counter()
+            batch = read(indices)
+            feature_seconds += time.perf_counter() - begun
+            return batch
 
-    def progress_fraction() -> float:
-        fractions = [0.0]
-        if num_steps is not None:
-            fractions.append(state["step"] / num_steps)
-        if budget_s is not None:  # the learning-rate schedule spans the training phase's share of the budget
-            left = budget_s - (train_start - started)
-            fractions.append(1.0 if left <= 0 else (time.perf_counter() - train_start) / left)
-        return min(1.0, max(fractions))
+        embeddings = target.get_input_embeddings()
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda _: min(1.0, (state["step"] + 1) / max(1, warmup_steps))
-        * 0.5 * (1 + math.cos(math.pi * progress_fraction())))
-    model.train()
-    # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
-    optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
-    if checkpoint is not None:
-        saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
-        optimizer.load_state_dict(saved_state["optimizer"])
-        state.update(step=int(saved_state["step"]), train_seconds=float(saved_state["train_seconds"]))
-    embeddings_device = next(embeddings.parameters()).device
+        # 4. training-time test
+        loader = torch.utils.data.DataLoader(train_ids, batch_size=batch_size, shuffle=True, generator=generator,
+                                             collate_fn=collate, drop_last=len(train_ids) >= batch_size)
+        model.to(accelerator.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+        budget_s = None if max_minutes is None else max_minutes * 60.0
+        state = {"step": 0, "train_seconds": 0.0, "loss_tokens": 0}
+        train_start = time.perf_counter()
 
-    def embed(tokens):
-        return embeddings(tokens.to(embeddings_device)).detach().float().to(accelerator.device)
+        def progress_fraction() -> float:
+            fractions = [0.0]
+            if num_steps is not None:
+                fractions.append(state["step"] / num_steps)
+            if budget_s is not None:  # the learning-rate schedule spans the training phase's share of the budget
+                left = budget_s - (train_start - started)
+                fractions.append(1.0 if left <= 0 else (time.perf_counter() - train_start) / left)
+            return min(1.0, max(fractions))
 
-    log = []
-    bar = tqdm(total=num_steps, desc="training EAGLE-3 head", unit="step", disable=not show, initial=state["step"])
-    done = False
-    while not done:
-        for batch in loader:
-            step_start = time.perf_counter()
-            batch = [tensor.to(accelerator.device) for tensor in batch]
-            with accelerator.autocast():
-                loss, agree, counted = _ttt_loss(model, embed, batch, ttt_steps)
-            accelerator.backward(loss)
-            if accelerator.num_processes > 1:
-                for parameter in model.parameters():
-                    if parameter.grad is not None:
-                        parameter.grad = accelerator.reduce(parameter.grad, reduction="mean")
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state["step"] += 1
-            state["train_seconds"] += time.perf_counter() - step_start
-            bar.update(1)
-            top1 = agree[0] / max(counted[0], 1.0)
-            log.append({"step": state["step"], "loss": loss.item(), "top1_step0": top1})
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.2f}")
-            if output_dir is not None and save_every and state["step"] % save_every == 0:
-                _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir)
-            finished = torch.tensor([float(progress_fraction() >= 1.0)], device=accelerator.device)
-            if accelerator.num_processes > 1:  # every process stops at the same step (wall clocks differ)
-                finished = accelerator.reduce(finished, reduction="sum")
-            if bool(finished.item()):
-                done = True
-                break
-    bar.close()
-    accelerator.wait_for_everyone()
-    model = model.eval()
-    agreement = eagle_agreement(model, embed, collate, eval_ids, min(ttt_steps, 4))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda _: min(1.0, (state["step"] + 1) / max(1, warmup_steps))
+            * 0.5 * (1 + math.cos(math.pi * progress_fraction())))
+        model.train()
+        # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
+        optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
+        if checkpoint is not None:
+            saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
+            optimizer.load_state_dict(saved_state["optimizer"])
+            state.update(step=int(saved_state["step"]), train_seconds=float(saved_state["train_seconds"]),
+                         loss_tokens=int(saved_state.get("loss_tokens", 0)))
+        embeddings_device = next(embeddings.parameters()).device
+
+        def embed(tokens):
+            return embeddings(tokens.to(embeddings_device)).detach().float().to(accelerator.device)
+
+        log = []
+        bar = tqdm(total=num_steps, desc="training EAGLE-3 head", unit="step", disable=not show, initial=state["step"])
+        done = False
+        while not done:
+            for batch in loader:
+                step_start = time.perf_counter()
+                batch = [tensor.to(accelerator.device) for tensor in batch]
+                with accelerator.autocast():
+                    loss, agree, counted = _ttt_loss(model, embed, batch, ttt_steps)
+                accelerator.backward(loss)
+                if accelerator.num_processes > 1:
+                    for parameter in model.parameters():
+                        if parameter.grad is not None:
+                            parameter.grad = accelerator.reduce(parameter.grad, reduction="mean")
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state["step"] += 1
+                state["train_seconds"] += time.perf_counter() - step_start
+                state["loss_tokens"] += int(batch[-1].sum())
+                bar.update(1)
+                top1 = agree[0] / max(counted[0], 1.0)
+                log.append({"step": state["step"], "loss": loss.item(), "top1_step0": top1})
+                bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.2f}")
+                if output_dir is not None and save_every and state["step"] % save_every == 0:
+                    _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir)
+                finished = torch.tensor([float(progress_fraction() >= 1.0)], device=accelerator.device)
+                if accelerator.num_processes > 1:  # every process stops at the same step (wall clocks differ)
+                    finished = accelerator.reduce(finished, reduction="sum")
+                if bool(finished.item()):
+                    done = True
+                    break
+        bar.close()
+        accelerator.wait_for_everyone()
+        model = model.eval()
+        agreement = eagle_agreement(model, embed, collate, eval_ids, min(ttt_steps, 4))
+    finally:
+        capture.close()  # the forward hooks leave the target (or its copy)
     drafter.model = model.to(dtype=target.dtype, device=target.device)
     answered = [start for _, start in sequences if start > 1]  # texts start at 1, answers after their prompt
     drafter.training_info = {
@@ -484,6 +504,7 @@ def train_eagle_drafter(
                           if answered else "")
         + (f"{' and ' if answered else ''}{len(texts or [])} texts" if texts else ""),
         "training tokens": sum(len(sequences[i][0]) for i in train_ids),
+        "positions trained on (with repeats)": state["loss_tokens"] * accelerator.num_processes,
         "draft vocabulary": len(hot_ids),
         "steps": state["step"],
         "wall time": f"{(time.perf_counter() - started) / 60:.1f} min in all (answering {answer_seconds / 60:.1f}, "
@@ -519,7 +540,8 @@ def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: 
     folder = output_dir / f"checkpoint-{state['step']}"
     snapshot = EagleDrafter(model, target_name=drafter.target_name)
     snapshot.save_pretrained(folder)
-    torch.save({"optimizer": optimizer.state_dict(), "step": state["step"], "train_seconds": state["train_seconds"]},
+    torch.save({"optimizer": optimizer.state_dict(), "step": state["step"], "train_seconds": state["train_seconds"],
+                "loss_tokens": state["loss_tokens"]},
                folder / STATE_NAME)
 
 

@@ -3,6 +3,7 @@ the published checkpoint layout both ways, refusals, and training with resume. T
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -412,6 +413,51 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     assert torch.equal(plain, fast)
 
 
+def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_feature_dtype():
+    """Features and target logits come from one forward per training batch (right-padded), at the head's layers, by
+    a copy of the target in `feature_dtype`; the user's model is neither converted nor left with hooks."""
+    from hf_specdec.eagle_training import _collate
+    from hf_specdec.rounds import HiddenStateCapture
+
+    target = eagle_target("llama", seed=2)
+    texts = own_samples(target, count=6, length=12, seed=1)
+    texts[1] = texts[1][:9]  # rows of different lengths: padding on the right
+    layers = [1, 2, 3]
+    hot = torch.arange(0, VOCAB, 2)
+    masks = [torch.ones(len(ids), dtype=torch.bool) for ids in texts]
+    sequences = [(ids, 1) for ids in texts]
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        reader = copy.deepcopy(target).to(dtype)
+        with HiddenStateCapture(reader, layers) as capture:
+            ids, features, logits, in_draft, loss_mask = _collate(reader, capture, hot, masks, sequences)([0, 1, 2])
+        for row, i in enumerate([0, 1, 2]):
+            n = len(texts[i])
+            with torch.no_grad():
+                out = target(torch.tensor([texts[i]]), output_hidden_states=True)
+            expected = torch.cat([out.hidden_states[layer][0] for layer in layers], dim=-1)
+            assert torch.equal(ids[row, :n], torch.tensor(texts[i])) and loss_mask[row, :n].all()
+            assert not loss_mask[row, n:].any()
+            assert features.dtype == torch.float32 and features.shape[-1] == 3 * target.config.hidden_size
+            scale = expected.abs().max()
+            assert (features[row, :n] - expected).abs().max() <= tolerance * scale
+            assert (logits[row, :n] - out.logits[0][:, hot]).abs().max() <= tolerance * out.logits.abs().max()
+            if dtype == torch.float32:
+                assert torch.equal(in_draft[row, :n], out.logits[0].argmax(-1) % 2 == 0)
+    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    hooks = [dict(module._forward_hooks) for module in target.modules()]  # transformers' own, from the forwards above
+    drafter = train_eagle_drafter(target, texts=texts, num_steps=3, batch_size=2, ttt_steps=2,
+                                  feature_dtype="bfloat16", show_progress=False)
+    assert drafter.training_info["steps"] == 3
+    assert target.dtype == torch.float32
+    assert all(torch.equal(before[name], tensor) for name, tensor in target.state_dict().items())
+    train_eagle_drafter(target, texts=texts, num_steps=1, batch_size=2, ttt_steps=1, show_progress=False)  # reads
+    assert [dict(module._forward_hooks) for module in target.modules()] == hooks  # with the target: hooks gone
+    plain, fast, _ = greedy_pair(target, drafter, prompt(8, seed=3))
+    assert torch.equal(plain, fast)
+    with pytest.raises(ValueError, match="`feature_dtype` 'half_float' is not a torch dtype"):
+        train_eagle_drafter(target, texts=texts, num_steps=1, feature_dtype="half_float")
+
+
 def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokenizer, capsys):
     from hf_specdec.cli import main
 
@@ -426,7 +472,7 @@ def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokeniz
     (tmp_path / "text.txt").write_text("the dog sat on the log and the cat watches the fox " * 8)
     code = main(["train-drafter", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.txt"),
                  "--texts", str(tmp_path / "text.txt"), "--output", str(tmp_path / "head"), "--steps", "4",
-                 "--ttt-steps", "2", "--max-answer-tokens", "12", "--threads", "1"])
+                 "--ttt-steps", "2", "--max-answer-tokens", "12", "--threads", "1", "--feature-dtype", "bfloat16"])
     assert code == 0
     assert "EAGLE-3 head written to" in capsys.readouterr().out
     assert (tmp_path / "head" / "model.safetensors").exists()
