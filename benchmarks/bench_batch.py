@@ -56,8 +56,10 @@ def main() -> None:
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=PAD)
     target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, pad_token_id=PAD)  # warm-up
     results = []
-    print(f"threads {torch.get_num_threads()}, gamma {args.gamma}, {args.max_new_tokens} new tokens, "
-          f"hidden {args.hidden_size}")
+    print(
+        f"threads {torch.get_num_threads()}, gamma {args.gamma}, {args.max_new_tokens} new tokens, "
+        f"hidden {args.hidden_size}"
+    )
     print(f"{'batch':>5} {'plain tok/s':>12} {'ours tok/s':>11} {'ratio':>6} {'alpha':>6} {'v(B)':>5} {'same':>5}")
     for batch in args.batch_sizes:
         ids, mask = padded_prompts(batch, target.config.vocab_size, seed=batch)
@@ -67,26 +69,42 @@ def main() -> None:
             plain = target.generate(ids, attention_mask=mask, **kwargs)
             plain_times.append(time.perf_counter() - start)
             start = time.perf_counter()
-            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, speculative_gamma=args.gamma,
-                                  speculative_gamma_policy="constant",
-                                  return_dict_in_generate=True, **kwargs)
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                assistant_model=drafter,
+                speculative_gamma=args.gamma,
+                speculative_gamma_policy="constant",
+                return_dict_in_generate=True,
+                **kwargs,
+            )
             spec_times.append(time.perf_counter() - start)
             same &= torch.equal(out.sequences, plain)
         tokens = batch * args.max_new_tokens
         plain_tps = tokens / statistics.median(plain_times)
         spec_tps = tokens / statistics.median(spec_times)
-        verify_ratio = (forward_ms(target, 48, args.gamma + 1, repeats=7, batch=batch)
-                        / forward_ms(target, 48, 1, repeats=7, batch=batch))
-        row = dict(batch=batch, plain_tokens_per_s=plain_tps, speculative_tokens_per_s=spec_tps,
-                   ratio=spec_tps / plain_tps, alpha=out.speculative_stats.alpha,
-                   mean_accepted_length=out.speculative_stats.mean_accepted_length, verify_cost_ratio=verify_ratio,
-                   identical=same)
+        verify_ratio = forward_ms(target, 48, args.gamma + 1, repeats=7, batch=batch) / forward_ms(
+            target, 48, 1, repeats=7, batch=batch
+        )
+        row = dict(
+            batch=batch,
+            plain_tokens_per_s=plain_tps,
+            speculative_tokens_per_s=spec_tps,
+            ratio=spec_tps / plain_tps,
+            alpha=out.speculative_stats.alpha,
+            mean_accepted_length=out.speculative_stats.mean_accepted_length,
+            verify_cost_ratio=verify_ratio,
+            identical=same,
+        )
         results.append(row)
-        print(f"{batch:>5} {plain_tps:>12.1f} {spec_tps:>11.1f} {row['ratio']:>6.2f} {row['alpha']:>6.3f} "
-              f"{verify_ratio:>5.2f} {str(same):>5}")
+        print(
+            f"{batch:>5} {plain_tps:>12.1f} {spec_tps:>11.1f} {row['ratio']:>6.2f} {row['alpha']:>6.3f} "
+            f"{verify_ratio:>5.2f} {str(same):>5}"
+        )
     if args.output:
-        args.output.write_text(json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results),
-                                          indent=2))
+        args.output.write_text(
+            json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -52,16 +52,17 @@ from hf_specdec.toy import build_early_exit_pair
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, ForwardCounter, parse_ints  # noqa: E402
+from bench_memory_bound import FULL_PAIR, QUICK_PAIR, ForwardCounter, parse_ints
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "beam_cpu_bf16.json"
 # as many encoder as decoder layers: transformers 5.23 sizes a T5's decoder cache by `num_layers`
-T5_MEMORY_BOUND = dict(d_model=1024, d_ff=2816, d_kv=64, num_heads=16, num_layers=12, num_decoder_layers=12,
-                       vocab_size=32128)
+T5_MEMORY_BOUND = dict(
+    d_model=1024, d_ff=2816, d_kv=64, num_heads=16, num_layers=12, num_decoder_layers=12, vocab_size=32128
+)
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
-    """"2x1,3x2" -> [(γ=2, u/w=1), (γ=3, u/w=2)]."""
+    """ "2x1,3x2" -> [(γ=2, u/w=1), (γ=3, u/w=2)]."""
     return [tuple(int(part) for part in item.split("x")) for item in text.split(",") if item.strip()]
 
 
@@ -69,8 +70,9 @@ def build_t5_pair(dtype: torch.dtype, seed: int = 0, **shape):
     """`examples/text2text.py`'s recipe at any size: a T5 target whose deeper decoder layers' output projections are
     damped (x 0.1) and whose other matrices are scaled up (x 4, so that its output varies), and the early exit that
     keeps its encoder, embeddings and first decoder layer."""
-    config = AutoConfig.for_model("t5", feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-                                  decoder_start_token_id=0, **shape)
+    config = AutoConfig.for_model(
+        "t5", feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **shape
+    )
     torch.manual_seed(seed)
     target = AutoModelForSeq2SeqLM.from_config(config).eval()
     with torch.no_grad():
@@ -131,8 +133,10 @@ def forward_costs(target, prompt: torch.LongTensor, num_beams: int, sizes, repea
             times[rows, positions].append(time.perf_counter() - start)
     ms = {size: 1000 * statistics.median(values[1:]) for size, values in times.items()}
     step = ms[num_beams, 1]
-    return {"plain_step_ms": step, "relative": {f"{rows}x{positions}": ms[rows, positions] / step
-                                                for rows, positions in sizes}}
+    return {
+        "plain_step_ms": step,
+        "relative": {f"{rows}x{positions}": ms[rows, positions] / step for rows, positions in sizes},
+    }
 
 
 def first_difference(plain: torch.LongTensor, ours: torch.LongTensor) -> int | None:
@@ -152,24 +156,31 @@ def run_pair(name: str, args, results: dict, save) -> None:
     description["build_s"] = time.perf_counter() - start
     description["target_parameters"] = sum(p.numel() for p in target.parameters())
     description["drafter_parameters"] = sum(p.numel() for p in drafter.parameters())
-    print(f"[{name}] built in {description['build_s']:.1f} s: {description['target_parameters'] / 1e6:.0f}M "
-          f"parameters", flush=True)
+    print(
+        f"[{name}] built in {description['build_s']:.1f} s: {description['target_parameters'] / 1e6:.0f}M parameters",
+        flush=True,
+    )
     prompts = prompts_for(target, args.prompts, args.prompt_length, args.seed)
     results.update(pair=description, beams={})
     for num_beams in args.beams:
-        base = dict(num_beams=num_beams, max_new_tokens=args.max_new_tokens, do_sample=False,
-                    return_dict_in_generate=True, output_scores=True)
+        base = dict(
+            num_beams=num_beams,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         methods = {"plain": dict(), "transformers (assistant dropped)": dict(assistant_model=drafter)}
         for gamma, ratio in args.configs:
             methods[f"ours γ={gamma} u={ratio * num_beams}"] = dict(
-                assistant_model=drafter, speculative_gamma=gamma, speculative_draft_beams=ratio * num_beams)
+                assistant_model=drafter, speculative_gamma=gamma, speculative_draft_beams=ratio * num_beams
+            )
         seconds = {method: [[] for _ in prompts] for method in methods}
         records = {method: [None] * len(prompts) for method in methods}
         for index, prompt in enumerate(prompts):
             for repeat in range(int(index != 0), args.repeats + 1):  # the first prompt's first pass warms up
                 for method, extra in methods.items():
-                    generate = (GenerationMixin.generate if method.startswith("transformers")
-                                else type(target).generate)
+                    generate = GenerationMixin.generate if method.startswith("transformers") else type(target).generate
                     calls = counter.count
                     tic = time.perf_counter()
                     out = generate(target, prompt, **base, **extra)
@@ -178,10 +189,14 @@ def run_pair(name: str, args, results: dict, save) -> None:
                         seconds[method][index].append(elapsed)
                     stats = getattr(out, "speculative_stats", None)
                     records[method][index] = {
-                        "sequences": out.sequences, "target_calls": counter.count - calls,
+                        "sequences": out.sequences,
+                        "target_calls": counter.count - calls,
                         "steps_per_call": stats.mean_accepted_length if stats else 1.0,
-                        "forward_positions": (statistics.mean(stats.target_forward_tokens[1:])
-                                              if stats and len(stats.target_forward_tokens) > 1 else num_beams),
+                        "forward_positions": (
+                            statistics.mean(stats.target_forward_tokens[1:])
+                            if stats and len(stats.target_forward_tokens) > 1
+                            else num_beams
+                        ),
                         "draft_share": stats.draft_time_s / elapsed if stats else 0.0,
                         "beam_steps_history": stats.beam_steps_history if stats else None,
                     }
@@ -198,15 +213,22 @@ def run_pair(name: str, args, results: dict, save) -> None:
                 "target_calls": [r["target_calls"] for r in rows],
                 "mean_forward_positions": statistics.mean(r["forward_positions"] for r in rows),
                 "draft_time_share": statistics.mean(r["draft_share"] for r in rows),
-                "identical_to_plain": [first_difference(records["plain"][i]["sequences"], r["sequences"]) is None
-                                       for i, r in enumerate(rows)],
-                "first_differing_position": [first_difference(records["plain"][i]["sequences"], r["sequences"])
-                                             for i, r in enumerate(rows)],
+                "identical_to_plain": [
+                    first_difference(records["plain"][i]["sequences"], r["sequences"]) is None
+                    for i, r in enumerate(rows)
+                ],
+                "first_differing_position": [
+                    first_difference(records["plain"][i]["sequences"], r["sequences"]) for i, r in enumerate(rows)
+                ],
                 "beam_steps_history": [r["beam_steps_history"] for r in rows],
             }
         # what a round costs: a forward over its rows x positions, against a plain step over w rows x 1
-        sizes = sorted({(max(1, round(summary[m]["mean_forward_positions"] / (gamma + 1))), gamma + 1)
-                        for m, (gamma, _) in zip(list(methods)[2:], args.configs)})
+        sizes = sorted(
+            {
+                (max(1, round(summary[m]["mean_forward_positions"] / (gamma + 1))), gamma + 1)
+                for m, (gamma, _) in zip(list(methods)[2:], args.configs)
+            }
+        )
         costs = forward_costs(target, prompts[0], num_beams, sizes, args.cost_repeats)
         for method, (gamma, _) in zip(list(methods)[2:], args.configs):
             entry = summary[method]
@@ -219,10 +241,13 @@ def run_pair(name: str, args, results: dict, save) -> None:
             rounds = statistics.mean(len(h) for h in entry["beam_steps_history"])
             entry["bound"] = entry["steps_per_target_call"] / (relative + draft / rounds / plain_step_s)
         for method, entry in summary.items():
-            print(f"[{name}] w={num_beams} {method:>34}: {entry['speedup']:.2f}x plain, "
-                  f"{entry['steps_per_target_call']:.2f} steps/call, {entry['mean_forward_positions']:.0f} positions"
-                  f"/forward, identical {entry['identical_to_plain']}"
-                  + (f", bound {entry['bound']:.2f}x" if "bound" in entry else ""), flush=True)
+            print(
+                f"[{name}] w={num_beams} {method:>34}: {entry['speedup']:.2f}x plain, "
+                f"{entry['steps_per_target_call']:.2f} steps/call, {entry['mean_forward_positions']:.0f} positions"
+                f"/forward, identical {entry['identical_to_plain']}"
+                + (f", bound {entry['bound']:.2f}x" if "bound" in entry else ""),
+                flush=True,
+            )
         results["beams"][num_beams] = {"costs": costs, "methods": summary}
         save()
 
@@ -232,8 +257,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small pairs and few tokens: a smoke test")
     parser.add_argument("--pairs", default="memory_bound,seq2seq")
     parser.add_argument("--beams", type=parse_ints, default="2,4")
-    parser.add_argument("--configs", type=parse_configs, default="2x1,3x1,2x2",
-                        help="γ x (u / w), comma-separated")
+    parser.add_argument("--configs", type=parse_configs, default="2x1,3x1,2x2", help="γ x (u / w), comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
@@ -247,8 +271,12 @@ def main() -> None:
     results = {
         "benchmark": "beam",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "environment": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "threads": torch.get_num_threads(), "machine": platform.machine()},
+        "environment": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        },
         "pairs": {},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

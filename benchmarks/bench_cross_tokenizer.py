@@ -33,14 +33,13 @@ import time
 from pathlib import Path
 
 import torch
+from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 import hf_specdec
 from hf_specdec import zoo
 from hf_specdec.theory import expected_speedup
 from hf_specdec.zoo.tasks import load_prompts
-
-from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 
 RUNS = Path("/work/runs/cross_tokenizer")
 
@@ -71,8 +70,9 @@ def first_token_exactness(target, ids, ours: dict, theirs: dict, gamma: int, arg
     table = {key: value / total for key, value in table.items()}
     common = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=3)
     runs = {
-        "ours": lambda: target.generate(ids, speculative_gamma=gamma, speculative_gamma_policy="constant", **ours,
-                                        **common),
+        "ours": lambda: target.generate(
+            ids, speculative_gamma=gamma, speculative_gamma_policy="constant", **ours, **common
+        ),
         "transformers": lambda: GenerationMixin.generate(target, ids, **theirs, **common),
     }
     report = {"samples": args.exactness_samples, "support": len(table)}
@@ -80,9 +80,12 @@ def first_token_exactness(target, ids, ours: dict, theirs: dict, gamma: int, arg
         torch.manual_seed(args.seed)
         samples = [(int(run()[0, ids.shape[1]]),) for _ in range(args.exactness_samples)]
         inside = [sample for sample in samples if sample in table]
-        report[name] = {"outside_support": len(samples) - len(inside), "p_value": goodness_of_fit(table, inside),
-                        "top_token_frequency": samples.count(max(table, key=table.get)) / len(samples),
-                        "top_token_probability": max(table.values())}
+        report[name] = {
+            "outside_support": len(samples) - len(inside),
+            "p_value": goodness_of_fit(table, inside),
+            "top_token_frequency": samples.count(max(table, key=table.get)) / len(samples),
+            "top_token_probability": max(table.values()),
+        }
         print(f"first-token exactness {name}: {report[name]}", flush=True)
     return report
 
@@ -111,15 +114,19 @@ def main() -> None:
     gamma = args.gamma
     ours = {
         "same_tokenizer": dict(assistant_model=same_drafter),
-        "cross_tokenizer": dict(assistant_model=cross_drafter, tokenizer=tokenizer,
-                                assistant_tokenizer=cross_tokenizer),
+        "cross_tokenizer": dict(
+            assistant_model=cross_drafter, tokenizer=tokenizer, assistant_tokenizer=cross_tokenizer
+        ),
     }
     theirs = {
         "same_tokenizer": dict(assistant_model=assistant_with_gamma(same_drafter, gamma)),
         # a deep copy: when sampling, transformers replaces the assistant's head by a pruned one in place
         # (`set_output_embeddings`), which a shallow copy would share with the model our runs use
-        "cross_tokenizer": dict(assistant_model=assistant_with_gamma(copy.deepcopy(cross_drafter), gamma),
-                                tokenizer=tokenizer, assistant_tokenizer=cross_tokenizer),
+        "cross_tokenizer": dict(
+            assistant_model=assistant_with_gamma(copy.deepcopy(cross_drafter), gamma),
+            tokenizer=tokenizer,
+            assistant_tokenizer=cross_tokenizer,
+        ),
     }
     counter = ForwardCounter(target)
     warm = tokenizer("def f(x):\n    return", return_tensors="pt").input_ids
@@ -130,22 +137,36 @@ def main() -> None:
         GenerationMixin.generate(target, warm, max_new_tokens=8, do_sample=False, **kwargs)
 
     prompts = load_prompts()
-    inputs = [tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens:]
-              for task in args.tasks for item in prompts[task][: args.prompts]]
-    results = {"threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "gamma": gamma,
-               "prompts": len(inputs), "repeats": args.repeats, "tasks": args.tasks,
-               "target_parameters": sum(p.numel() for p in target.parameters()),
-               "same_drafter_parameters": sum(p.numel() for p in same_drafter.parameters()),
-               "cross_drafter_parameters": sum(p.numel() for p in cross_drafter.parameters()),
-               "tokenizers": {"target": f"byte-level BPE, {len(tokenizer)} tokens",
-                              "cross_drafter": f"Metaspace BPE, {len(cross_tokenizer)} tokens"},
-               "runs": []}
+    inputs = [
+        tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens :]
+        for task in args.tasks
+        for item in prompts[task][: args.prompts]
+    ]
+    results = {
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "gamma": gamma,
+        "prompts": len(inputs),
+        "repeats": args.repeats,
+        "tasks": args.tasks,
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "same_drafter_parameters": sum(p.numel() for p in same_drafter.parameters()),
+        "cross_drafter_parameters": sum(p.numel() for p in cross_drafter.parameters()),
+        "tokenizers": {
+            "target": f"byte-level BPE, {len(tokenizer)} tokens",
+            "cross_drafter": f"Metaspace BPE, {len(cross_tokenizer)} tokens",
+        },
+        "runs": [],
+    }
     training = args.drafter_dir / "training.json"
     if training.exists():
         results["cross_drafter_training"] = json.loads(training.read_text())
     for temperature in args.temperatures:
-        sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature,
-                                                                        top_k=0, top_p=1.0)
+        sampling = (
+            dict(do_sample=False)
+            if temperature == 0
+            else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        )
         common = dict(max_new_tokens=args.max_new_tokens, **sampling)
         methods = ["plain"] + [f"ours/{name}" for name in ours] + [f"transformers/{name}" for name in theirs]
         seconds = {method: 0.0 for method in methods}
@@ -158,25 +179,36 @@ def main() -> None:
         for repeat, (index, ids) in ((r, item) for r in range(args.repeats) for item in enumerate(inputs)):
             mask = torch.ones_like(ids)
             outputs = {}
-            order = methods[repeat % len(methods):] + methods[: repeat % len(methods)]  # no method always first
+            order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]  # no method always first
             for method in order:  # interleaved: every method on this prompt before the next prompt
                 kind, _, name = method.partition("/")
                 if method in errors:
                     continue
                 if kind == "plain":
-                    run = lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common)  # noqa: E731
+                    run = lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common)
                 elif kind == "ours":
-                    run = lambda: target.generate(ids, attention_mask=mask, speculative_gamma=gamma,  # noqa: E731
-                                                  speculative_gamma_policy="constant", return_dict_in_generate=True,
-                                                  **ours[name], **common)
+                    run = lambda: target.generate(
+                        ids,
+                        attention_mask=mask,
+                        speculative_gamma=gamma,
+                        speculative_gamma_policy="constant",
+                        return_dict_in_generate=True,
+                        **ours[name],
+                        **common,
+                    )
                 else:
-                    run = lambda: GenerationMixin.generate(target, ids, attention_mask=mask,  # noqa: E731
-                                                           **theirs[name], **common)
+                    run = lambda: GenerationMixin.generate(
+                        target,
+                        ids,
+                        attention_mask=mask,
+                        **theirs[name],
+                        **common,
+                    )
                 torch.manual_seed(args.seed + index)
                 before = counter.count
                 try:
                     elapsed, out = timed(run)
-                except Exception as error:  # noqa: BLE001 - recorded: transformers' cross-vocabulary bugs (#45307)
+                except Exception as error:
                     errors[method] = f"{type(error).__name__}: {str(error)[:300]}"
                     print(f"{method} failed: {errors[method]}", flush=True)
                     continue
@@ -206,41 +238,58 @@ def main() -> None:
             c = sum(s.draft_time_s for s in runs) / max(1, drafted) / plain_step
             method, other = f"ours/{name}", f"transformers/{name}"
             row = {
-                "temperature": temperature, "drafter": name, "gamma": gamma, "alpha": alpha,
+                "temperature": temperature,
+                "drafter": name,
+                "gamma": gamma,
+                "alpha": alpha,
                 "acceptance_rate": sum(s.accepted_tokens for s in runs) / max(1, drafted),
                 "drafted_per_round": drafted / max(1, sum(s.row_rounds for s in runs)),
-                "tokens_per_target_call": tokens[method] / calls[method], "c": c,
-                "plain_s": seconds["plain"], "ours_s": seconds[method], "plain_tokens": tokens["plain"],
-                "ours_tokens": tokens[method], "speedup_over_plain": rate(method) / rate("plain"),
+                "tokens_per_target_call": tokens[method] / calls[method],
+                "c": c,
+                "plain_s": seconds["plain"],
+                "ours_s": seconds[method],
+                "plain_tokens": tokens["plain"],
+                "ours_tokens": tokens[method],
+                "speedup_over_plain": rate(method) / rate("plain"),
                 "theorem_3_8": expected_speedup(alpha=min(alpha, 1 - 1e-9), gamma=gamma, c=c),
             }
             if other in errors:
                 row["transformers_error"] = errors[other]
             else:
-                row.update({
-                    "transformers_s": seconds[other], "transformers_tokens": tokens[other],
-                    "transformers_tokens_per_target_call": tokens[other] / calls[other],
-                    "transformers_speedup_over_plain": rate(other) / rate("plain"),
-                    "speedup_over_transformers": rate(method) / rate(other),
-                })
+                row.update(
+                    {
+                        "transformers_s": seconds[other],
+                        "transformers_tokens": tokens[other],
+                        "transformers_tokens_per_target_call": tokens[other] / calls[other],
+                        "transformers_speedup_over_plain": rate(other) / rate("plain"),
+                        "speedup_over_transformers": rate(method) / rate(other),
+                    }
+                )
             if temperature == 0:
                 row["exact_match_vs_plain"] = exact[method]
                 if other not in errors:
                     row["transformers_exact_match_vs_plain"] = exact[other]
             results["runs"].append(row)
-            over = (f" x{row['speedup_over_transformers']:.2f} vs transformers "
-                    f"(theirs x{row['transformers_speedup_over_plain']:.2f}, "
-                    f"{row['transformers_tokens_per_target_call']:.2f} tok/call)"
-                    if "speedup_over_transformers" in row else f" transformers failed")
-            print(f"T={temperature:g} {name:16s} g={gamma} alpha {alpha:.3f} acc {row['acceptance_rate']:.3f} "
-                  f"tok/call {row['tokens_per_target_call']:.2f} c {c:.3f} speedup x{row['speedup_over_plain']:.2f} "
-                  f"(Thm 3.8 x{row['theorem_3_8']:.2f}){over}"
-                  + (f" exact {row['exact_match_vs_plain']}" if temperature == 0 else ""), flush=True)
+            over = (
+                f" x{row['speedup_over_transformers']:.2f} vs transformers "
+                f"(theirs x{row['transformers_speedup_over_plain']:.2f}, "
+                f"{row['transformers_tokens_per_target_call']:.2f} tok/call)"
+                if "speedup_over_transformers" in row
+                else " transformers failed"
+            )
+            print(
+                f"T={temperature:g} {name:16s} g={gamma} alpha {alpha:.3f} acc {row['acceptance_rate']:.3f} "
+                f"tok/call {row['tokens_per_target_call']:.2f} c {c:.3f} speedup x{row['speedup_over_plain']:.2f} "
+                f"(Thm 3.8 x{row['theorem_3_8']:.2f}){over}"
+                + (f" exact {row['exact_match_vs_plain']}" if temperature == 0 else ""),
+                flush=True,
+            )
     if args.exactness_samples:
         try:
-            results["first_token_exactness"] = first_token_exactness(target, inputs[0], ours["cross_tokenizer"],
-                                                                     theirs["cross_tokenizer"], gamma, args)
-        except Exception as error:  # noqa: BLE001 - the timings above are kept
+            results["first_token_exactness"] = first_token_exactness(
+                target, inputs[0], ours["cross_tokenizer"], theirs["cross_tokenizer"], gamma, args
+            )
+        except Exception as error:
             results["first_token_exactness"] = {"error": f"{type(error).__name__}: {error}"}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ prompts, γ=4, 8 prompts x 96 tokens per task. The TV drafter comes from
 
     OMP_NUM_THREADS=1 python benchmarks/bench_distill_objectives.py
 """
+
 import json
 import sys
 from pathlib import Path
@@ -13,10 +14,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 torch.set_num_threads(1)
-import hf_specdec
-from transformers import AutoModelForCausalLM
-from hf_specdec import zoo
-from hf_specdec.zoo.tasks import load_prompts
+from transformers import AutoModelForCausalLM  # noqa: E402  (after the path insert)
+
+import hf_specdec  # noqa: E402
+from hf_specdec import zoo  # noqa: E402
+from hf_specdec.zoo.tasks import load_prompts  # noqa: E402
+
 target, kl, tok = zoo.load_default()
 target = hf_specdec.enable(target)
 tv = AutoModelForCausalLM.from_pretrained(REPO / "build" / "zoo" / "drafter_tv", dtype=torch.float32).eval()
@@ -29,9 +32,17 @@ for task in ("completion", "editing", "continuation"):
                 ids = tok(item["prompt"], return_tensors="pt").input_ids[:, -512:]
                 torch.manual_seed(i)
                 kw = dict(do_sample=False) if T == 0 else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-                s = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=d, speculative_gamma=4,
-                                    max_new_tokens=96, return_dict_in_generate=True, **kw).speculative_stats
-                bs += s.beta_sum; bc += s.beta_count
+                s = target.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    assistant_model=d,
+                    speculative_gamma=4,
+                    max_new_tokens=96,
+                    return_dict_in_generate=True,
+                    **kw,
+                ).speculative_stats
+                bs += s.beta_sum
+                bc += s.beta_count
             out[f"{task} T={T:g} {name}"] = bs / bc
             print(task, T, name, round(bs / bc, 3), flush=True)
 json.dump(out, open(REPO / "benchmarks" / "results" / "zoo_distill_objective_alpha.json", "w"), indent=1)

@@ -80,14 +80,17 @@ def main() -> None:
 
     vocab = target.config.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (1, args.prompt_length), generator=generator).to(args.device)
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(0, vocab, (1, args.prompt_length), generator=generator).to(args.device)
+        for _ in range(args.prompts)
+    ]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     methods = {
         "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
         "transformers_assisted": lambda ids: GenerationMixin.generate(target, ids, assistant_model=assistant, **common),
-        "hf_specdec": lambda ids: target.generate(ids, assistant_model=drafter, speculative_gamma=args.gamma,
-                                                  speculative_gamma_policy="constant", **common),
+        "hf_specdec": lambda ids: target.generate(
+            ids, assistant_model=drafter, speculative_gamma=args.gamma, speculative_gamma_policy="constant", **common
+        ),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
 
@@ -101,8 +104,17 @@ def main() -> None:
                 seconds[name] += elapsed
                 identical[name] &= torch.equal(out, reference)
 
-    stats = [target.generate(ids, assistant_model=drafter, speculative_gamma=args.gamma, return_dict_in_generate=True,
-                             speculative_gamma_policy="constant", **common).speculative_stats for ids in prompts]
+    stats = [
+        target.generate(
+            ids,
+            assistant_model=drafter,
+            speculative_gamma=args.gamma,
+            return_dict_in_generate=True,
+            speculative_gamma_policy="constant",
+            **common,
+        ).speculative_stats
+        for ids in prompts
+    ]
     alpha = sum(s.beta_sum for s in stats) / sum(s.beta_count for s in stats)
     # in-loop costs, relative to one plain decoding step (the paper's T): what a drafter step and a verify round
     # actually cost during decoding, as timed by hf_specdec itself

@@ -26,10 +26,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--max-gamma", type=int, default=12)
-    parser.add_argument("--pairs", nargs="+", default=["good", "mediocre", "useless"],
-                        choices=["good", "mediocre", "useless"])
-    parser.add_argument("--gammas", type=int, nargs="+", default=None,
-                        help="constant γ values to sweep (default 1 ... --max-gamma)")
+    parser.add_argument(
+        "--pairs", nargs="+", default=["good", "mediocre", "useless"], choices=["good", "mediocre", "useless"]
+    )
+    parser.add_argument(
+        "--gammas", type=int, nargs="+", default=None, help="constant γ values to sweep (default 1 ... --max-gamma)"
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
@@ -50,10 +52,13 @@ def main() -> None:
         target, drafter = pairs[pair_name]
         target.generate(prompts[0], max_new_tokens=4)  # warm-up
         configs = {"plain": {}}
-        configs.update({f"constant_{g}": dict(assistant_model=drafter, speculative_gamma=g)
-                        for g in (args.gammas or range(1, args.max_gamma + 1))})
-        configs["optimal"] = dict(assistant_model=drafter, speculative_gamma_policy="optimal",
-                                  speculative_max_gamma=16)
+        configs.update(
+            {
+                f"constant_{g}": dict(assistant_model=drafter, speculative_gamma=g)
+                for g in (args.gammas or range(1, args.max_gamma + 1))
+            }
+        )
+        configs["optimal"] = dict(assistant_model=drafter, speculative_gamma_policy="optimal", speculative_max_gamma=16)
         configs["heuristic"] = dict(assistant_model=drafter, speculative_gamma_policy="heuristic")
         seconds = {name: 0.0 for name in configs}
         identical = True
@@ -78,9 +83,21 @@ def main() -> None:
             "identical_to_plain": identical,
         }
         summary = results["pairs"][pair_name]
-        print(pair_name, "best", best, round(summary["speedup_over_plain"][best], 3), "optimal",
-              round(summary["optimal_over_plain"], 3), "optimal/best", round(summary["optimal_over_best_constant"], 3),
-              "heuristic/best", round(summary["heuristic_over_best_constant"], 3), "identical", identical, flush=True)
+        print(
+            pair_name,
+            "best",
+            best,
+            round(summary["speedup_over_plain"][best], 3),
+            "optimal",
+            round(summary["optimal_over_plain"], 3),
+            "optimal/best",
+            round(summary["optimal_over_best_constant"], 3),
+            "heuristic/best",
+            round(summary["heuristic_over_best_constant"], 3),
+            "identical",
+            identical,
+            flush=True,
+        )
     print(json.dumps(results, indent=2))
     if args.output:
         args.output.write_text(json.dumps(results, indent=2) + "\n")

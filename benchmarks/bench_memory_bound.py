@@ -61,12 +61,19 @@ from hf_specdec.theory import expected_tokens_per_round, optimal_gamma
 from hf_specdec.toy import build_early_exit_pair
 from hf_specdec.trees import tree_attention_bias, tree_depths
 
-
 # TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
 FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
 QUICK_PAIR = dict(num_layers=4, hidden_size=256, intermediate_size=704, num_key_value_heads=2, vocab_size=2048)
-QUICK_DEFAULTS = dict(prompts=2, repeats=1, prompt_length=16, max_new_tokens=16, cost_repeats=3, batch_repeats=1,
-                      batches="1,4", tree_depth=3)
+QUICK_DEFAULTS = dict(
+    prompts=2,
+    repeats=1,
+    prompt_length=16,
+    max_new_tokens=16,
+    cost_repeats=3,
+    batch_repeats=1,
+    batches="1,4",
+    tree_depth=3,
+)
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "memory_bound_cpu_bf16_tinyllama.json"
 
 CAUSAL_SIZES = (1, 2, 3, 4, 6, 8, 11, 12, 16, 24, 32, 48)
@@ -83,8 +90,18 @@ def parse_ints(text: str) -> list[int]:
 
 
 @torch.no_grad()
-def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter_frontiers, repeats: int,
-                batch: int = 1, seed: int = 0, padding: list[int] | None = None) -> dict:
+def cost_curves(
+    target,
+    drafter,
+    context: int,
+    causal_sizes,
+    tree_sizes,
+    drafter_frontiers,
+    repeats: int,
+    batch: int = 1,
+    seed: int = 0,
+    padding: list[int] | None = None,
+) -> dict:
     """Median ms of cached forwards, all measured interleaved (each repeat visits every size once): the target over
     k causal tokens, the target over a random tree of k - 1 nodes plus its root (explicit 4D mask, positions by
     depth), and the drafter over a causal frontier of k tokens. Every forward keeps the logits of all its tokens,
@@ -114,8 +131,11 @@ def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter
     trees = {}
     for size in tree_sizes:  # a random valid tree of size - 1 nodes under the root (the last context token)
         nodes = size - 1
-        parents = torch.tensor([[int(torch.randint(-1, i, (1,), generator=generator)) if i else -1
-                                 for i in range(nodes)]]).expand(batch, nodes).to(device)  # [batch, nodes]
+        parents = (
+            torch.tensor([[int(torch.randint(-1, i, (1,), generator=generator)) if i else -1 for i in range(nodes)]])
+            .expand(batch, nodes)
+            .to(device)
+        )  # [batch, nodes]
         bias = tree_attention_bias(parents, past_length=context, tail_length=1, dtype=target.dtype)
         depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), tree_depths(parents)], dim=1)
         trees[size] = (bias, context + depths)  # [batch, 1, size, context + size], [batch, size]
@@ -126,18 +146,27 @@ def cost_curves(target, drafter, context: int, causal_sizes, tree_sizes, drafter
 
     def target_tree(k):
         bias, positions = trees[k]
-        target(tokens[:, :k], attention_mask=bias, position_ids=positions, **{CACHE_KWARG: target_cache},
-               use_cache=True, logits_to_keep=k)
+        target(
+            tokens[:, :k],
+            attention_mask=bias,
+            position_ids=positions,
+            **{CACHE_KWARG: target_cache},
+            use_cache=True,
+            logits_to_keep=k,
+        )
         target_cache.crop(-k)
 
     def drafter_causal(k):
         drafter(tokens[:, :k], **{CACHE_KWARG: drafter_cache}, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
         drafter_cache.crop(-k)
 
-    jobs = ([("target", k, target_causal) for k in causal_sizes] + [("tree", k, target_tree) for k in tree_sizes]
-            + [("drafter", k, drafter_causal) for k in drafter_frontiers])
+    jobs = (
+        [("target", k, target_causal) for k in causal_sizes]
+        + [("tree", k, target_tree) for k in tree_sizes]
+        + [("drafter", k, drafter_causal) for k in drafter_frontiers]
+    )
     times = {(kind, k): [] for kind, k, _ in jobs}
-    for kind, k, job in jobs:  # warm-up
+    for _kind, k, job in jobs:  # warm-up
         job(k)
     for _ in range(repeats):
         for kind, k, job in jobs:
@@ -247,8 +276,9 @@ def merged_stats(stats_list) -> dict:
         "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, target_calls),
         "mean_accepted_length": (sum(s.accepted_tokens for s in stats_list) + row_rounds) / max(1, row_rounds),
         "alpha": sum(s.beta_sum for s in stats_list) / max(1, sum(s.beta_count for s in stats_list)),
-        "acceptance_rate": (sum(s.accepted_tokens for s in stats_list)
-                            / max(1, sum(s.drafted_tokens for s in stats_list))),
+        "acceptance_rate": (
+            sum(s.accepted_tokens for s in stats_list) / max(1, sum(s.drafted_tokens for s in stats_list))
+        ),
         "mean_drafted_per_round": sum(drafted_history) / max(1, len(drafted_history)),
         "max_drafted_per_round": max(drafted_history, default=0),
         "mean_gamma": sum(gamma_history) / max(1, len(gamma_history)),
@@ -275,31 +305,58 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     defaults_assistant.generation_config = copy.deepcopy(drafter.generation_config)
 
     def transformers_at(assistant_model):
-        return lambda ids, **kw: GenerationMixin.generate(target, ids, assistant_model=assistant_model,
-                                                          **{**common, **kw})
+        return lambda ids, **kw: GenerationMixin.generate(
+            target, ids, assistant_model=assistant_model, **{**common, **kw}
+        )
 
     methods = {
         "plain": lambda ids, **kw: GenerationMixin.generate(target, ids, **{**common, **kw}),
         "transformers_assisted": transformers_at(assistant),
-        **{f"transformers_assisted_{gamma}": transformers_at(assistant_with_gamma(drafter, gamma))
-           for gamma in args.transformers_gammas if gamma != args.gamma},
+        **{
+            f"transformers_assisted_{gamma}": transformers_at(assistant_with_gamma(drafter, gamma))
+            for gamma in args.transformers_gammas
+            if gamma != args.gamma
+        },
         "transformers_default": transformers_at(defaults_assistant),
         "ours_default": lambda ids, **kw: target.generate(ids, **{**ours, **kw}),
         f"ours_constant_{args.gamma}": lambda ids, **kw: target.generate(
-            ids, speculative_gamma=args.gamma, speculative_gamma_policy="constant", **{**ours, **kw}),
-        **{f"ours_constant_{gamma}": (lambda gamma: lambda ids, **kw: target.generate(
-            ids, speculative_gamma=gamma, speculative_gamma_policy="constant", **{**ours, **kw}))(gamma)
-           for gamma in args.ours_gammas if gamma != args.gamma},
+            ids, speculative_gamma=args.gamma, speculative_gamma_policy="constant", **{**ours, **kw}
+        ),
+        **{
+            f"ours_constant_{gamma}": (
+                lambda gamma: (
+                    lambda ids, **kw: target.generate(
+                        ids, speculative_gamma=gamma, speculative_gamma_policy="constant", **{**ours, **kw}
+                    )
+                )
+            )(gamma)
+            for gamma in args.ours_gammas
+            if gamma != args.gamma
+        },
         "ours_optimal": lambda ids, **kw: target.generate(
-            ids, speculative_gamma=args.gamma, speculative_gamma_policy="optimal", **{**ours, **kw}),
+            ids, speculative_gamma=args.gamma, speculative_gamma_policy="optimal", **{**ours, **kw}
+        ),
     }
     for budget in args.tree_budgets:
-        methods[f"ours_tree_{budget}"] = (lambda budget: lambda ids, **kw: target.generate(
-            ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget, **{**ours, **kw}))(budget)
+        methods[f"ours_tree_{budget}"] = (
+            lambda budget: (
+                lambda ids, **kw: target.generate(
+                    ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget, **{**ours, **kw}
+                )
+            )
+        )(budget)
     for budget in args.constant_tree_budgets:
-        methods[f"ours_tree_{budget}_constant"] = (lambda budget: lambda ids, **kw: target.generate(
-            ids, speculative_gamma=args.tree_depth, speculative_tree_budget=budget,
-            speculative_gamma_policy="constant", **{**ours, **kw}))(budget)
+        methods[f"ours_tree_{budget}_constant"] = (
+            lambda budget: (
+                lambda ids, **kw: target.generate(
+                    ids,
+                    speculative_gamma=args.tree_depth,
+                    speculative_tree_budget=budget,
+                    speculative_gamma_policy="constant",
+                    **{**ours, **kw},
+                )
+            )
+        )(budget)
     names = list(methods)
     for name in names:  # warm-up (also runs the tree-attention probe outside the timings)
         methods[name](prompts[0][:, :8], max_new_tokens=min(8, args.max_new_tokens))
@@ -309,7 +366,7 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     outputs = {name: [[None] * args.repeats for _ in range(args.prompts)] for name in names}
     stats = {name: [] for name in names}
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[: repeat % len(names)]  # rotate: no method always goes first
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]  # rotate: no method always goes first
         for index, ids in enumerate(prompts):
             for name in order:
                 before = counter.count
@@ -317,7 +374,7 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
                 out = methods[name](ids)
                 seconds[name][repeat][index] = time.perf_counter() - start
                 forwards[name] += counter.count - before
-                outputs[name][index][repeat] = out.sequences[0, args.prompt_length:]
+                outputs[name][index][repeat] = out.sequences[0, args.prompt_length :]
                 if getattr(out, "speculative_stats", None) is not None:
                     stats[name].append(out.speculative_stats)
 
@@ -347,14 +404,18 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     best = min((name for name in names if name.startswith("transformers_")), key=lambda name: results[name]["median_s"])
     for name in names:
         results[name]["speedup_over_transformers_ratio_of_medians"] = (
-            results["transformers_assisted"]["median_s"] / results[name]["median_s"])
+            results["transformers_assisted"]["median_s"] / results[name]["median_s"]
+        )
         results[name]["speedup_over_transformers_ratio_of_totals"] = (
-            results["transformers_assisted"]["total_s"] / results[name]["total_s"])
+            results["transformers_assisted"]["total_s"] / results[name]["total_s"]
+        )
         results[name]["transformers_best"] = best
         results[name]["speedup_over_transformers_best_ratio_of_medians"] = (
-            results[best]["median_s"] / results[name]["median_s"])
+            results[best]["median_s"] / results[name]["median_s"]
+        )
         results[name]["speedup_over_transformers_best_ratio_of_totals"] = (
-            results[best]["total_s"] / results[name]["total_s"])
+            results[best]["total_s"] / results[name]["total_s"]
+        )
     return results
 
 
@@ -363,25 +424,34 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
 
 
 def run_batches(target, drafter, args, counter) -> list[dict]:
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                  pad_token_id=PAD)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True, pad_token_id=PAD)
     methods = {
         "plain": lambda ids, mask: GenerationMixin.generate(target, ids, attention_mask=mask, **common),
         # the default: `auto`, starting from the default γ, picks γ by itself
-        "ours_default": lambda ids, mask: target.generate(ids, attention_mask=mask, assistant_model=drafter,
-                                                          **common),
+        "ours_default": lambda ids, mask: target.generate(ids, attention_mask=mask, assistant_model=drafter, **common),
         "ours_optimal": lambda ids, mask: target.generate(
-            ids, attention_mask=mask, assistant_model=drafter, speculative_gamma_policy="optimal", **common),
+            ids, attention_mask=mask, assistant_model=drafter, speculative_gamma_policy="optimal", **common
+        ),
         f"ours_constant_{args.batch_gamma}": lambda ids, mask: target.generate(
-            ids, attention_mask=mask, assistant_model=drafter, speculative_gamma=args.batch_gamma,
-            speculative_gamma_policy="constant", **common),
+            ids,
+            attention_mask=mask,
+            assistant_model=drafter,
+            speculative_gamma=args.batch_gamma,
+            speculative_gamma_policy="constant",
+            **common,
+        ),
     }
     names = list(methods)
     context = args.prompt_length + args.max_new_tokens // 2
     rows = []
     for batch in args.batches:
-        ids, mask = padded_prompts(batch, target.config.vocab_size, seed=args.seed + batch,
-                                   shortest=max(1, args.prompt_length // 2), longest=args.prompt_length)
+        ids, mask = padded_prompts(
+            batch,
+            target.config.vocab_size,
+            seed=args.seed + batch,
+            shortest=max(1, args.prompt_length // 2),
+            longest=args.prompt_length,
+        )
         width = ids.shape[1]
         for name in names:  # warm-up at this batch size
             methods[name](ids[:, -8:], mask[:, -8:].clone().fill_(1))
@@ -389,7 +459,7 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
         forwards = {name: 0 for name in names}
         outputs, stats = {}, {name: [] for name in names}
         for repeat in range(args.batch_repeats):
-            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
             for name in order:
                 before = counter.count
                 start = time.perf_counter()
@@ -403,8 +473,9 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
         row = {"batch": batch, "prompt_lengths": mask.sum(-1).tolist(), "methods": {}}
         reference = outputs["plain"][0]
         for name in names:
-            differing = sorted({r for out in outputs[name] for r in range(batch)
-                                if not torch.equal(out[r], reference[r])})
+            differing = sorted(
+                {r for out in outputs[name] for r in range(batch) if not torch.equal(out[r], reference[r])}
+            )
             entry = {
                 "median_s": statistics.median(seconds[name]),
                 "seconds": seconds[name],
@@ -422,14 +493,27 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
                 entry["speculative_stats"] = merged_stats(stats[name])
             row["methods"][name] = entry
         for name in names:
-            row["methods"][name]["ratio_over_plain"] = (row["methods"][name]["tokens_per_s"]
-                                                       / row["methods"]["plain"]["tokens_per_s"])
-        costs = cost_curves(target, drafter, context, BATCH_SIZES_PER_ROW, (), (1,), args.cost_repeats,
-                            batch=batch, seed=args.seed, padding=(mask == 0).sum(-1).tolist())
+            row["methods"][name]["ratio_over_plain"] = (
+                row["methods"][name]["tokens_per_s"] / row["methods"]["plain"]["tokens_per_s"]
+            )
+        costs = cost_curves(
+            target,
+            drafter,
+            context,
+            BATCH_SIZES_PER_ROW,
+            (),
+            (1,),
+            args.cost_repeats,
+            batch=batch,
+            seed=args.seed,
+            padding=(mask == 0).sum(-1).tolist(),
+        )
         alpha = row["methods"][f"ours_constant_{args.batch_gamma}"]["speculative_stats"]["alpha"]
         c_batch = costs["c_frontier"][1]
-        bounds = {gamma: priced_speedup(alpha, gamma, c_batch, costs["v_causal"][gamma + 1])
-                  for gamma in (k - 1 for k in BATCH_SIZES_PER_ROW if k > 1)}
+        bounds = {
+            gamma: priced_speedup(alpha, gamma, c_batch, costs["v_causal"][gamma + 1])
+            for gamma in (k - 1 for k in BATCH_SIZES_PER_ROW if k > 1)
+        }
         best_gamma = max(bounds, key=bounds.get)
         row["costs"] = costs
         row["alpha"] = alpha
@@ -439,9 +523,12 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
         for name in names[1:]:
             row["methods"][name]["fraction_of_bound"] = row["methods"][name]["ratio_over_plain"] / row["bound"]
         rows.append(row)
-        print(f"batch {batch}: plain {row['methods']['plain']['tokens_per_s']:.1f} tok/s, "
-              + ", ".join(f"{n} {row['methods'][n]['ratio_over_plain']:.2f}x" for n in names[1:])
-              + f", bound {row['bound']:.2f}x", flush=True)
+        print(
+            f"batch {batch}: plain {row['methods']['plain']['tokens_per_s']:.1f} tok/s, "
+            + ", ".join(f"{n} {row['methods'][n]['ratio_over_plain']:.2f}x" for n in names[1:])
+            + f", bound {row['bound']:.2f}x",
+            flush=True,
+        )
     return rows
 
 
@@ -498,56 +585,96 @@ def theory(batch1: dict, costs: dict, args) -> dict:
 
 
 def markdown(batch1: dict, batches: list[dict], args) -> str:
-    lines = [f"| method | speedup | vs transformers (γ = {args.gamma}) | vs transformers' best | tokens / call | α "
-             "| identical |", "|---|---|---|---|---|---|---|"] if batch1 else []
-    labels = {"plain": "plain `generate`", "transformers_assisted": f"transformers assisted (γ = {args.gamma})",
-              "transformers_default": "transformers assisted, its defaults (20 drafts, confidence 0.4)",
-              "ours_default": "ours, defaults", f"ours_constant_{args.gamma}": f"ours, γ = {args.gamma}",
-              "ours_optimal": "ours, `optimal`",
-              **{f"ours_constant_{gamma}": f"ours, γ = {gamma}" for gamma in args.ours_gammas},
-              **{f"transformers_assisted_{gamma}": f"transformers assisted (γ = {gamma})"
-                 for gamma in args.transformers_gammas}}
+    lines = (
+        [
+            f"| method | speedup | vs transformers (γ = {args.gamma}) | vs transformers' best | tokens / call | α "
+            "| identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        if batch1
+        else []
+    )
+    labels = {
+        "plain": "plain `generate`",
+        "transformers_assisted": f"transformers assisted (γ = {args.gamma})",
+        "transformers_default": "transformers assisted, its defaults (20 drafts, confidence 0.4)",
+        "ours_default": "ours, defaults",
+        f"ours_constant_{args.gamma}": f"ours, γ = {args.gamma}",
+        "ours_optimal": "ours, `optimal`",
+        **{f"ours_constant_{gamma}": f"ours, γ = {gamma}" for gamma in args.ours_gammas},
+        **{
+            f"transformers_assisted_{gamma}": f"transformers assisted (γ = {gamma})"
+            for gamma in args.transformers_gammas
+        },
+    }
     for name, row in batch1.items():
         budget = name.removeprefix("ours_tree_").removesuffix("_constant")
-        label = labels.get(name) or (f"ours, tree depth {args.tree_depth}, {budget} nodes"
-                                     + (", `constant`" if name.endswith("_constant") else ""))
+        label = labels.get(name) or (
+            f"ours, tree depth {args.tree_depth}, {budget} nodes"
+            + (", `constant`" if name.endswith("_constant") else "")
+        )
         stats = row.get("speculative_stats")
         alpha = f"{stats['alpha']:.2f}" if stats else "–"
-        lines.append(f"| {label} | {row['speedup_ratio_of_medians']:.2f}x "
-                     f"| {row['speedup_over_transformers_ratio_of_medians']:.2f}x "
-                     f"| {row['speedup_over_transformers_best_ratio_of_medians']:.2f}x "
-                     f"| {row['tokens_per_target_forward']:.2f} | {alpha} "
-                     f"| {row['identical_prompts']}/{row['prompts']} |")
+        lines.append(
+            f"| {label} | {row['speedup_ratio_of_medians']:.2f}x "
+            f"| {row['speedup_over_transformers_ratio_of_medians']:.2f}x "
+            f"| {row['speedup_over_transformers_best_ratio_of_medians']:.2f}x "
+            f"| {row['tokens_per_target_forward']:.2f} | {alpha} "
+            f"| {row['identical_prompts']}/{row['prompts']} |"
+        )
     if batches:
         gamma = args.batch_gamma
-        lines += [""] * bool(lines) + [f"| batch | plain tok/s | ours, default | ours `optimal` | ours γ = {gamma} "
-                                        "| bound (γ) | identical |", "|---|---|---|---|---|---|---|"]
+        lines += [""] * bool(lines) + [
+            f"| batch | plain tok/s | ours, default | ours `optimal` | ours γ = {gamma} | bound (γ) | identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in batches:
             methods = row["methods"]
             same = all(m["identical"] for m in methods.values())
-            lines.append(f"| {row['batch']} | {methods['plain']['tokens_per_s']:.1f} "
-                         f"| {methods['ours_default']['ratio_over_plain']:.2f}x "
-                         f"| {methods['ours_optimal']['ratio_over_plain']:.2f}x "
-                         f"| {methods[f'ours_constant_{gamma}']['ratio_over_plain']:.2f}x "
-                         f"| {row['bound']:.2f}x ({row['bound_gamma']}) | {same} |")
+            lines.append(
+                f"| {row['batch']} | {methods['plain']['tokens_per_s']:.1f} "
+                f"| {methods['ours_default']['ratio_over_plain']:.2f}x "
+                f"| {methods['ours_optimal']['ratio_over_plain']:.2f}x "
+                f"| {methods[f'ours_constant_{gamma}']['ratio_over_plain']:.2f}x "
+                f"| {row['bound']:.2f}x ({row['bound_gamma']}) | {same} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="a small model (4 layers, hidden 256, vocab 2048) and few tokens: a smoke test")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model (4 layers, hidden 256, vocab 2048) and few tokens: a smoke test",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--gamma", type=int, default=5, help="γ of the constant methods and of transformers")
-    parser.add_argument("--transformers-gammas", type=parse_ints, default="2,3",
-                        help="more constant γs for transformers' assisted generation (its best one is reported)")
-    parser.add_argument("--ours-gammas", type=parse_ints, default="2,3",
-                        help="more constant γs of ours, comma-separated (the γ policies are compared with the best)")
+    parser.add_argument(
+        "--transformers-gammas",
+        type=parse_ints,
+        default="2,3",
+        help="more constant γs for transformers' assisted generation (its best one is reported)",
+    )
+    parser.add_argument(
+        "--ours-gammas",
+        type=parse_ints,
+        default="2,3",
+        help="more constant γs of ours, comma-separated (the γ policies are compared with the best)",
+    )
     parser.add_argument("--tree-depth", type=int, default=6, help="speculative_gamma of the tree methods")
-    parser.add_argument("--tree-budgets", type=parse_ints, default="8,12,16",
-                        help='speculative_tree_budget values, comma-separated ("" skips the tree rows)')
-    parser.add_argument("--constant-tree-budgets", type=parse_ints, default="8",
-                        help='tree budgets also run under speculative_gamma_policy="constant" ("" skips them)')
+    parser.add_argument(
+        "--tree-budgets",
+        type=parse_ints,
+        default="8,12,16",
+        help='speculative_tree_budget values, comma-separated ("" skips the tree rows)',
+    )
+    parser.add_argument(
+        "--constant-tree-budgets",
+        type=parse_ints,
+        default="8",
+        help='tree budgets also run under speculative_gamma_policy="constant" ("" skips them)',
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-length", type=int, default=64)
@@ -557,8 +684,11 @@ def main() -> None:
     parser.add_argument("--batch-gamma", type=int, default=2, help="γ of the constant method in batches")
     parser.add_argument("--batch-repeats", type=int, default=3)
     parser.add_argument("--skip-batch", action="store_true", help="batch 1 only")
-    parser.add_argument("--batches-only", action="store_true",
-                        help="only the batched throughput section (no batch-1 methods, trees or theory)")
+    parser.add_argument(
+        "--batches-only",
+        action="store_true",
+        help="only the batched throughput section (no batch-1 methods, trees or theory)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="write the results as JSON here")
     if parser.parse_known_args()[0].quick:
@@ -574,18 +704,27 @@ def main() -> None:
     # transformers reads the draft length from the assistant's own generation config: set it on a copy
     assistant = assistant_with_gamma(drafter, args.gamma)
     counter = ForwardCounter(target)
-    print(f"built the pair in {build_s:.1f} s: {sum(p.numel() for p in target.parameters()) / 1e9:.3f}B parameters,"
-          f" {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"built the pair in {build_s:.1f} s: {sum(p.numel() for p in target.parameters()) / 1e9:.3f}B parameters,"
+        f" {torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     context = args.prompt_length + args.max_new_tokens // 2
     tree_sizes = sorted({args.gamma + 1, *(budget + 1 for budget in args.tree_budgets)})
     causal_sizes = sorted({*CAUSAL_SIZES, args.gamma + 1})
-    costs = cost_curves(target, drafter, context, causal_sizes, tree_sizes, DRAFTER_FRONTIERS, args.cost_repeats,
-                        seed=args.seed)
-    print(f"target step {costs['target_step_ms']:.1f} ms; v: "
-          + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_causal"].items())
-          + "; tree mask: " + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
-          + "; c: " + " ".join(f"{k}:{v:.3f}" for k, v in costs["c_frontier"].items()), flush=True)
+    costs = cost_curves(
+        target, drafter, context, causal_sizes, tree_sizes, DRAFTER_FRONTIERS, args.cost_repeats, seed=args.seed
+    )
+    print(
+        f"target step {costs['target_step_ms']:.1f} ms; v: "
+        + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_causal"].items())
+        + "; tree mask: "
+        + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
+        + "; c: "
+        + " ".join(f"{k}:{v:.3f}" for k, v in costs["c_frontier"].items()),
+        flush=True,
+    )
 
     batch1 = {} if args.batches_only else run_batch1(target, drafter, assistant, args, counter)
     predictions = None if args.batches_only else theory(batch1, costs, args)
@@ -598,19 +737,31 @@ def main() -> None:
         "benchmark": "memory_bound",
         "quick": args.quick,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "pair": {**shape, "num_attention_heads": target.config.num_attention_heads, "dtype": "bfloat16",
-                 "deep_layer_scale": 0.05, "head_logit_std_target": 4.0, "head_logit_std_measured": logit_std,
-                 "target_parameters": sum(p.numel() for p in target.parameters()),
-                 "drafter_parameters": sum(p.numel() for p in drafter.parameters()), "build_s": build_s},
-        "environment": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "hf_specdec": hf_specdec.__version__,
-                        "machine": platform.machine(), "processor": platform.processor()},
+        "pair": {
+            **shape,
+            "num_attention_heads": target.config.num_attention_heads,
+            "dtype": "bfloat16",
+            "deep_layer_scale": 0.05,
+            "head_logit_std_target": 4.0,
+            "head_logit_std_measured": logit_std,
+            "target_parameters": sum(p.numel() for p in target.parameters()),
+            "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+            "build_s": build_s,
+        },
+        "environment": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_specdec": hf_specdec.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+        },
         "costs": costs,
         "batch1": batch1,
         "theory": predictions,
         "batches": batches,
         "transformers_batches": "not measured: transformers' assisted generation refuses batch size > 1 "
-                                "(ValueError: assisted generate is only supported for batch_size = 1)",
+        "(ValueError: assisted generate is only supported for batch_size = 1)",
     }
     table = markdown(batch1, batches, args)
     results["markdown"] = table
@@ -619,15 +770,17 @@ def main() -> None:
     print()
     p = predictions
     if p is not None:
-        print(f"α {p['alpha']:.3f}, c {p['c']:.3f}, v(γ+1) {p['v_gamma_plus_1']:.2f}: Theorem 3.8 "
-              f"{p['theorem_3_8_at_v1']:.2f}x at v = 1, {p['theorem_3_8_at_measured_v']:.2f}x at measured v; "
-              f"ours γ = {args.gamma} gets {p['ours_constant_fraction_of_theorem_at_v1']:.0%} / "
-              f"{p['ours_constant_fraction_of_theorem_at_measured_v']:.0%}; best constant γ = "
-              f"{p['best_constant_gamma_at_measured_v']} ({p['best_constant_theorem_at_measured_v']:.2f}x), "
-              f"`optimal` gets {p['ours_optimal_fraction_of_best_constant_theorem']:.0%} of it; of our fastest "
-              f"constant γ measured ({p['ours_best_measured_constant']}), `optimal` gets "
-              f"{p['ours_optimal_fraction_of_best_measured_constant']:.0%} and our defaults "
-              f"{p['ours_default_fraction_of_best_measured_constant']:.0%}")
+        print(
+            f"α {p['alpha']:.3f}, c {p['c']:.3f}, v(γ+1) {p['v_gamma_plus_1']:.2f}: Theorem 3.8 "
+            f"{p['theorem_3_8_at_v1']:.2f}x at v = 1, {p['theorem_3_8_at_measured_v']:.2f}x at measured v; "
+            f"ours γ = {args.gamma} gets {p['ours_constant_fraction_of_theorem_at_v1']:.0%} / "
+            f"{p['ours_constant_fraction_of_theorem_at_measured_v']:.0%}; best constant γ = "
+            f"{p['best_constant_gamma_at_measured_v']} ({p['best_constant_theorem_at_measured_v']:.2f}x), "
+            f"`optimal` gets {p['ours_optimal_fraction_of_best_constant_theorem']:.0%} of it; of our fastest "
+            f"constant γ measured ({p['ours_best_measured_constant']}), `optimal` gets "
+            f"{p['ours_optimal_fraction_of_best_measured_constant']:.0%} and our defaults "
+            f"{p['ours_default_fraction_of_best_measured_constant']:.0%}"
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.output}")

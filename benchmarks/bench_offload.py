@@ -54,15 +54,21 @@ from hf_specdec.theory import expected_speedup, expected_tokens_per_round, optim
 from hf_specdec.toy import build_early_exit_pair
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "offload_cpu_bf16_tinyllama.json"
-QUICK_DEFAULTS = dict(prompts=1, repeats=1, max_new_tokens=12, prompt_length=16, dp_prompts=8, dp_max_new_tokens=16,
-                      dp_repeats=1)
+QUICK_DEFAULTS = dict(
+    prompts=1, repeats=1, max_new_tokens=12, prompt_length=16, dp_prompts=8, dp_max_new_tokens=16, dp_repeats=1
+)
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def disk_map(num_layers: int) -> dict:
     """Every decoder layer on disk; embeddings, final norm and head on the CPU (the execution device here)."""
-    return {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
-            **{f"model.layers.{i}": "disk" for i in range(num_layers)}}
+    return {
+        "model.embed_tokens": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+        **{f"model.layers.{i}": "disk" for i in range(num_layers)},
+    }
 
 
 def run_offload(args, folder: Path) -> dict:
@@ -73,38 +79,66 @@ def run_offload(args, folder: Path) -> dict:
     parameters = sum(p.numel() for p in target.parameters())
     del target
     device_map = disk_map(shape["num_layers"])
-    target = AutoModelForCausalLM.from_pretrained(folder / "target", device_map=device_map, dtype=torch.bfloat16,
-                                                  offload_folder=folder / "offload").eval()
+    target = AutoModelForCausalLM.from_pretrained(
+        folder / "target", device_map=device_map, dtype=torch.bfloat16, offload_folder=folder / "offload"
+    ).eval()
     target.generation_config.eos_token_id = None
     target = hf_specdec.enable(target)
     setup_s = time.perf_counter() - start
     counter = ForwardCounter(target)
-    print(f"offloaded target ready in {setup_s:.1f} s: {parameters / 1e9:.3f}B parameters, "
-          f"{shape['num_layers']} layers on disk, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"offloaded target ready in {setup_s:.1f} s: {parameters / 1e9:.3f}B parameters, "
+        f"{shape['num_layers']} layers on disk, {torch.get_num_threads()} threads",
+        flush=True,
+    )
 
     gamma = args.gamma
     context = args.prompt_length + args.max_new_tokens // 2
-    costs = cost_curves(target, drafter, context, sorted({1, 2, 4, gamma + 1, 2 * gamma + 1}), [], [1],
-                        args.cost_repeats, seed=args.seed)
-    print(f"offloaded target step {costs['target_step_ms']:.0f} ms; v: "
-          + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_causal"].items())
-          + f"; drafter step {costs['drafter_ms'][1]:.1f} ms (c {costs['c_frontier'][1]:.4f})", flush=True)
+    costs = cost_curves(
+        target,
+        drafter,
+        context,
+        sorted({1, 2, 4, gamma + 1, 2 * gamma + 1}),
+        [],
+        [1],
+        args.cost_repeats,
+        seed=args.seed,
+    )
+    print(
+        f"offloaded target step {costs['target_step_ms']:.0f} ms; v: "
+        + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_causal"].items())
+        + f"; drafter step {costs['drafter_ms'][1]:.1f} ms (c {costs['c_frontier'][1]:.4f})",
+        flush=True,
+    )
 
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(1, shape["vocab_size"], (1, args.prompt_length), generator=generator)
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(1, shape["vocab_size"], (1, args.prompt_length), generator=generator) for _ in range(args.prompts)
+    ]
     assistant = assistant_with_gamma(drafter, gamma)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     methods = {
         "plain": lambda ids: GenerationMixin.generate(target, ids, attention_mask=torch.ones_like(ids), **common),
         "transformers_assisted": lambda ids: GenerationMixin.generate(
-            target, ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, **common),
+            target, ids, attention_mask=torch.ones_like(ids), assistant_model=assistant, **common
+        ),
         "ours_constant": lambda ids: target.generate(
-            ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, speculative_gamma=gamma,
-            speculative_gamma_policy="constant", return_dict_in_generate=True, **common),
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=drafter,
+            speculative_gamma=gamma,
+            speculative_gamma_policy="constant",
+            return_dict_in_generate=True,
+            **common,
+        ),
         "ours_auto": lambda ids: target.generate(
-            ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, speculative_gamma=gamma,
-            return_dict_in_generate=True, **common),
+            ids,
+            attention_mask=torch.ones_like(ids),
+            assistant_model=drafter,
+            speculative_gamma=gamma,
+            return_dict_in_generate=True,
+            **common,
+        ),
     }
     names = list(methods)
     seconds = {name: [[0.0] * len(prompts) for _ in range(args.repeats)] for name in names}
@@ -123,7 +157,7 @@ def run_offload(args, folder: Path) -> dict:
                 seconds[name][repeat][p] = time.perf_counter() - begin
                 forwards[name] += counter.count - before
                 sequences = out.sequences if hasattr(out, "sequences") else out
-                outputs[name][p] = sequences[0, ids.shape[1]:]
+                outputs[name][p] = sequences[0, ids.shape[1] :]
                 if getattr(out, "speculative_stats", None) is not None:
                     stats[name].append(out.speculative_stats)
                 print(f"  repeat {repeat} prompt {p} {name:22s} {seconds[name][repeat][p]:7.1f} s", flush=True)
@@ -133,8 +167,9 @@ def run_offload(args, folder: Path) -> dict:
     for name in names:
         summary = time_summary(seconds[name], seconds["plain"])
         summary["tokens_per_target_call"] = new_tokens / max(1, forwards[name])
-        summary["identical_to_plain"] = all(torch.equal(outputs[name][p], outputs["plain"][p])
-                                            for p in range(len(prompts)))
+        summary["identical_to_plain"] = all(
+            torch.equal(outputs[name][p], outputs["plain"][p]) for p in range(len(prompts))
+        )
         if stats[name]:
             summary["stats"] = merged_stats(stats[name])
         transformers_median = statistics.median(s for r in seconds["transformers_assisted"] for s in r)
@@ -145,16 +180,29 @@ def run_offload(args, folder: Path) -> dict:
     c = costs["c_frontier"][1]
     v = costs["v_causal"][gamma + 1]
     theory = {
-        "alpha": alpha, "c": c, "gamma": gamma, "v_gamma_plus_1": v,
+        "alpha": alpha,
+        "c": c,
+        "gamma": gamma,
+        "v_gamma_plus_1": v,
         "theorem_3_8_at_v1": expected_speedup(alpha, gamma, c),
         "theorem_3_8_at_measured_v": expected_tokens_per_round(alpha, gamma) / (gamma * c + v),
         "optimal_gamma_at_v1": optimal_gamma(alpha, c),
     }
     theory["ours_constant_fraction_of_theorem_at_measured_v"] = (
-        rows["ours_constant"]["speedup_ratio_of_medians"] / theory["theorem_3_8_at_measured_v"])
-    return {"pair": {**shape, "dtype": "bfloat16", "target_parameters": parameters, "device_map": "layers on disk, "
-                     "embeddings/norm/head on cpu", "setup_s": setup_s},
-            "costs": costs, "methods": rows, "theory": theory}
+        rows["ours_constant"]["speedup_ratio_of_medians"] / theory["theorem_3_8_at_measured_v"]
+    )
+    return {
+        "pair": {
+            **shape,
+            "dtype": "bfloat16",
+            "target_parameters": parameters,
+            "device_map": "layers on disk, embeddings/norm/head on cpu",
+            "setup_s": setup_s,
+        },
+        "costs": costs,
+        "methods": rows,
+        "theory": theory,
+    }
 
 
 def _launch(command: list[str], env: dict) -> tuple[float, float, str]:
@@ -174,13 +222,38 @@ def run_data_parallel(args, folder: Path) -> dict:
     prompts = [item["prompt"] for task in load_prompts().values() for item in task][: args.dp_prompts]
     dataset = folder / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in prompts), encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    generate = ["-m", "hf_specdec.cli", "generate", "--drafter", "model", "--dataset", str(dataset),
-                "--batch-size", str(args.dp_batch_size), "--max-new-tokens", str(args.dp_max_new_tokens),
-                "--gamma", str(args.dp_gamma), "--gamma-policy", "constant"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--main_process_port", "29561"]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
+    generate = [
+        "-m",
+        "hf_specdec.cli",
+        "generate",
+        "--drafter",
+        "model",
+        "--dataset",
+        str(dataset),
+        "--batch-size",
+        str(args.dp_batch_size),
+        "--max-new-tokens",
+        str(args.dp_max_new_tokens),
+        "--gamma",
+        str(args.dp_gamma),
+        "--gamma-policy",
+        "constant",
+    ]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        "29561",
+    ]
     configs = {
         "1 process x 1 thread": ([sys.executable, *generate, "--threads", "1"], env),
         "1 process x 2 threads": ([sys.executable, *generate, "--threads", "2"], env),
@@ -189,7 +262,7 @@ def run_data_parallel(args, folder: Path) -> dict:
     times = {name: {"generation_s": [], "command_s": []} for name in configs}
     names = list(configs)
     for repeat in range(args.dp_repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             command, environment = configs[name]
             output = folder / f"dp_{len(times[name]['command_s'])}_{names.index(name)}.jsonl"
             generation, wall, _ = _launch([*command, "--output", str(output)], environment)
@@ -198,8 +271,10 @@ def run_data_parallel(args, folder: Path) -> dict:
             print(f"  repeat {repeat} {name:24s} generation {generation:6.1f} s, command {wall:6.1f} s", flush=True)
 
     def rows_of(index):
-        return [{k: v for k, v in json.loads(line).items() if k != "speculative_stats"}
-                for line in (folder / f"dp_0_{index}.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if k != "speculative_stats"}
+            for line in (folder / f"dp_0_{index}.jsonl").read_text().splitlines()
+        ]
 
     one, two = rows_of(0), rows_of(2)
     stats = [json.loads(line)["speculative_stats"] for line in (folder / "dp_0_0.jsonl").read_text().splitlines()]
@@ -208,17 +283,28 @@ def run_data_parallel(args, folder: Path) -> dict:
     for name in names:
         generation = statistics.median(times[name]["generation_s"])
         command = statistics.median(times[name]["command_s"])
-        rows[name] = {**times[name], "median_generation_s": generation, "median_command_s": command,
-                      "rows_per_s": len(prompts) / generation, "new_tokens_per_s": tokens / generation,
-                      "rows_per_s_whole_command": len(prompts) / command}
+        rows[name] = {
+            **times[name],
+            "median_generation_s": generation,
+            "median_command_s": command,
+            "rows_per_s": len(prompts) / generation,
+            "new_tokens_per_s": tokens / generation,
+            "rows_per_s_whole_command": len(prompts) / command,
+        }
     base = rows["1 process x 1 thread"]["median_generation_s"]
     for name in names:
         rows[name]["throughput_over_1_process_1_thread"] = base / rows[name]["median_generation_s"]
-    return {"rows": len(prompts), "new_tokens": tokens, "batch_size": args.dp_batch_size,
-            "max_new_tokens": args.dp_max_new_tokens, "gamma": args.dp_gamma,
-            "tokens_per_target_call_batches": sum(s["emitted_tokens"] for s in stats) / max(
-                1, sum(s["target_calls"] for s in stats)),
-            "two_processes_equal_one_process_row_for_row": one == two, "configs": rows}
+    return {
+        "rows": len(prompts),
+        "new_tokens": tokens,
+        "batch_size": args.dp_batch_size,
+        "max_new_tokens": args.dp_max_new_tokens,
+        "gamma": args.dp_gamma,
+        "tokens_per_target_call_batches": sum(s["emitted_tokens"] for s in stats)
+        / max(1, sum(s["target_calls"] for s in stats)),
+        "two_processes_equal_one_process_row_for_row": one == two,
+        "configs": rows,
+    }
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -230,25 +316,60 @@ def markdown(results: dict) -> str:
     lines = []
     offload = results.get("offload")
     if offload:
-        lines += table(["offloaded target (layers on disk)", "median s", "speedup vs plain", "vs transformers",
-                        "tokens/call", "identical"],
-                       [[name, f"{row['median_s']:.1f}", f"{row['speedup_ratio_of_medians']:.2f}x",
-                         f"{row['speedup_over_transformers_ratio_of_medians']:.2f}x",
-                         f"{row['tokens_per_target_call']:.2f}", str(row["identical_to_plain"])]
-                        for name, row in offload["methods"].items()])
+        lines += table(
+            [
+                "offloaded target (layers on disk)",
+                "median s",
+                "speedup vs plain",
+                "vs transformers",
+                "tokens/call",
+                "identical",
+            ],
+            [
+                [
+                    name,
+                    f"{row['median_s']:.1f}",
+                    f"{row['speedup_ratio_of_medians']:.2f}x",
+                    f"{row['speedup_over_transformers_ratio_of_medians']:.2f}x",
+                    f"{row['tokens_per_target_call']:.2f}",
+                    str(row["identical_to_plain"]),
+                ]
+                for name, row in offload["methods"].items()
+            ],
+        )
         t = offload["theory"]
-        lines.append(f"\nα {t['alpha']:.3f}, c {t['c']:.4f}, γ {t['gamma']}, v(γ+1) {t['v_gamma_plus_1']:.2f}: "
-                     f"Theorem 3.8 {t['theorem_3_8_at_v1']:.2f}x at v = 1, {t['theorem_3_8_at_measured_v']:.2f}x at "
-                     f"measured v; optimal γ at v = 1: {t['optimal_gamma_at_v1']}\n")
+        lines.append(
+            f"\nα {t['alpha']:.3f}, c {t['c']:.4f}, γ {t['gamma']}, v(γ+1) {t['v_gamma_plus_1']:.2f}: "
+            f"Theorem 3.8 {t['theorem_3_8_at_v1']:.2f}x at v = 1, {t['theorem_3_8_at_measured_v']:.2f}x at "
+            f"measured v; optimal γ at v = 1: {t['optimal_gamma_at_v1']}\n"
+        )
     dp = results.get("data_parallel")
     if dp:
-        lines += table(["data-parallel (zoo, `--drafter model`)", "generation s", "rows/s", "new tokens/s",
-                        "throughput", "whole command s"],
-                       [[name, f"{row['median_generation_s']:.1f}", f"{row['rows_per_s']:.2f}",
-                         f"{row['new_tokens_per_s']:.0f}", f"{row['throughput_over_1_process_1_thread']:.2f}x",
-                         f"{row['median_command_s']:.1f}"] for name, row in dp["configs"].items()])
-        lines.append(f"\n2-process output equals 1-process output row for row: "
-                     f"{dp['two_processes_equal_one_process_row_for_row']}")
+        lines += table(
+            [
+                "data-parallel (zoo, `--drafter model`)",
+                "generation s",
+                "rows/s",
+                "new tokens/s",
+                "throughput",
+                "whole command s",
+            ],
+            [
+                [
+                    name,
+                    f"{row['median_generation_s']:.1f}",
+                    f"{row['rows_per_s']:.2f}",
+                    f"{row['new_tokens_per_s']:.0f}",
+                    f"{row['throughput_over_1_process_1_thread']:.2f}x",
+                    f"{row['median_command_s']:.1f}",
+                ]
+                for name, row in dp["configs"].items()
+            ],
+        )
+        lines.append(
+            f"\n2-process output equals 1-process output row for row: "
+            f"{dp['two_processes_equal_one_process_row_for_row']}"
+        )
     return "\n".join(lines)
 
 
@@ -275,12 +396,20 @@ def main() -> None:
         parser.set_defaults(**QUICK_DEFAULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = {"benchmark": "offload_and_data_parallel", "quick": args.quick,
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "environment": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "transformers": transformers.__version__, "hf_specdec": hf_specdec.__version__,
-                               "machine": platform.machine(), "cores": os.cpu_count(),
-                               "load_average_at_start": os.getloadavg()[0]}}
+    results = {
+        "benchmark": "offload_and_data_parallel",
+        "quick": args.quick,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "environment": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_specdec": hf_specdec.__version__,
+            "machine": platform.machine(),
+            "cores": os.cpu_count(),
+            "load_average_at_start": os.getloadavg()[0],
+        },
+    }
     with tempfile.TemporaryDirectory() as folder:
         if not args.skip_offload:
             results["offload"] = run_offload(args, Path(folder))

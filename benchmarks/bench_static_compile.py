@@ -81,8 +81,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                        help="time the three references and these methods only")
+    parser.add_argument(
+        "--only", nargs="+", default=None, metavar="NAME", help="time the three references and these methods only"
+    )
     if parser.parse_known_args()[0].quick:
         parser.set_defaults(**QUICK_DEFAULTS)
     args = parser.parse_args()
@@ -95,35 +96,48 @@ def main() -> None:
     config = compile_config(args.device)
     vocab = target.config.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(1, vocab, (1, args.prompt_length), generator=generator).to(args.device)
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(1, vocab, (1, args.prompt_length), generator=generator).to(args.device)
+        for _ in range(args.prompts)
+    ]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
     static = dict(cache_implementation="static", compile_config=config)
     ours = dict(assistant_model=drafter, speculative_gamma=args.gamma, speculative_gamma_policy="constant")
     methods = {
         "plain_eager": lambda ids: GenerationMixin.generate(target, ids, **common),
         "plain_compiled": lambda ids: GenerationMixin.generate(target, ids, **common, **static),
-        "transformers_assisted": lambda ids: GenerationMixin.generate(target, ids, assistant_model=assistant,
-                                                                      **common),
+        "transformers_assisted": lambda ids: GenerationMixin.generate(target, ids, assistant_model=assistant, **common),
         "ours_eager": lambda ids, **kw: target.generate(ids, **{**ours, **kw}, **common),
         "ours_compiled": lambda ids, **kw: target.generate(ids, **{**ours, **kw}, **common, **static),
         "ours_optimal_compiled": lambda ids, **kw: target.generate(
-            ids, **{**ours, "speculative_gamma_policy": "optimal", **kw}, **common, **static),
+            ids, **{**ours, "speculative_gamma_policy": "optimal", **kw}, **common, **static
+        ),
     }
     if args.tree_budget:
         methods["ours_tree_compiled"] = lambda ids, **kw: target.generate(
-            ids, **{**ours, "speculative_gamma": args.tree_depth, "speculative_tree_budget": args.tree_budget, **kw},
-            **common, **static)
+            ids,
+            **{**ours, "speculative_gamma": args.tree_depth, "speculative_tree_budget": args.tree_budget, **kw},
+            **common,
+            **static,
+        )
     static_drafter = hf_specdec.ModelDrafter(drafter, cache_implementation="static")
     for name in [name for name in methods if name.startswith("ours_") and name.endswith("compiled")]:
-        methods[name + "_static_drafter"] = (
-            lambda ids, run=methods[name]: run(ids, assistant_model=None, drafter=static_drafter))
+        methods[name + "_static_drafter"] = lambda ids, run=methods[name]: run(
+            ids, assistant_model=None, drafter=static_drafter
+        )
     refused = None
     try:  # transformers serves a static cache in assisted generation from 5.24 on
-        GenerationMixin.generate(target, prompts[0][:, :8], assistant_model=assistant, cache_implementation="static",
-                                 disable_compile=True, **{**common, "max_new_tokens": 2})  # compiles nothing
+        GenerationMixin.generate(
+            target,
+            prompts[0][:, :8],
+            assistant_model=assistant,
+            cache_implementation="static",
+            disable_compile=True,
+            **{**common, "max_new_tokens": 2},
+        )  # compiles nothing
         methods["transformers_assisted_compiled"] = lambda ids: GenerationMixin.generate(
-            target, ids, assistant_model=assistant, **common, **static)
+            target, ids, assistant_model=assistant, **common, **static
+        )
     except ValueError as error:
         refused = str(error)
     names = list(methods)
@@ -131,8 +145,11 @@ def main() -> None:
         unknown = sorted(set(args.only) - set(names))
         if unknown:
             parser.error(f"--only: unknown method(s) {unknown}; known: {names}")
-        names = [name for name in names
-                 if name in ("plain_eager", "plain_compiled", "transformers_assisted") or name in args.only]
+        names = [
+            name
+            for name in names
+            if name in ("plain_eager", "plain_compiled", "transformers_assisted") or name in args.only
+        ]
 
     warmup = {}
     for name in names:  # first calls: compilation (and the capability probe) outside the steady-state timings
@@ -140,17 +157,22 @@ def main() -> None:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         methods[name](prompts[0])
-        warmup[name] = {"first_call_s": time.perf_counter() - start,
-                        "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs}
-        print(f"{name}: first call {warmup[name]['first_call_s']:.1f} s, "
-              f"{warmup[name]['graphs_compiled']} graphs compiled", flush=True)
+        warmup[name] = {
+            "first_call_s": time.perf_counter() - start,
+            "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        }
+        print(
+            f"{name}: first call {warmup[name]['first_call_s']:.1f} s, "
+            f"{warmup[name]['graphs_compiled']} graphs compiled",
+            flush=True,
+        )
 
     seconds = {name: [[0.0] * args.prompts for _ in range(args.repeats)] for name in names}
     outputs = {name: [[None] * args.repeats for _ in range(args.prompts)] for name in names}
     stats = {name: [] for name in names}
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for repeat in range(args.repeats):
-        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for index, ids in enumerate(prompts):
             for name in order:
                 if args.device == "cuda":
@@ -160,7 +182,7 @@ def main() -> None:
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 seconds[name][repeat][index] = time.perf_counter() - start
-                outputs[name][index][repeat] = out.sequences[0, args.prompt_length:].cpu()
+                outputs[name][index][repeat] = out.sequences[0, args.prompt_length :].cpu()
                 if getattr(out, "speculative_stats", None) is not None:
                     stats[name].append(out.speculative_stats)
     steady_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
@@ -168,28 +190,41 @@ def main() -> None:
     results = {}
     for name in names:
         row = time_summary(seconds[name], seconds["plain_eager"])
-        row["speedup_over_plain_compiled"] = (statistics.median(s for r in seconds["plain_compiled"] for s in r)
-                                              / row["median_s"])
+        row["speedup_over_plain_compiled"] = (
+            statistics.median(s for r in seconds["plain_compiled"] for s in r) / row["median_s"]
+        )
         row["speedup_over_transformers_assisted"] = (
-            statistics.median(s for r in seconds["transformers_assisted"] for s in r) / row["median_s"])
-        row["identical_to_plain_eager"] = sum(torch.equal(outputs[name][i][r], outputs["plain_eager"][i][0])
-                                              for i in range(args.prompts) for r in range(args.repeats))
-        row["identical_to_plain_compiled"] = sum(torch.equal(outputs[name][i][r], outputs["plain_compiled"][i][0])
-                                                 for i in range(args.prompts) for r in range(args.repeats))
+            statistics.median(s for r in seconds["transformers_assisted"] for s in r) / row["median_s"]
+        )
+        row["identical_to_plain_eager"] = sum(
+            torch.equal(outputs[name][i][r], outputs["plain_eager"][i][0])
+            for i in range(args.prompts)
+            for r in range(args.repeats)
+        )
+        row["identical_to_plain_compiled"] = sum(
+            torch.equal(outputs[name][i][r], outputs["plain_compiled"][i][0])
+            for i in range(args.prompts)
+            for r in range(args.repeats)
+        )
         row["runs"] = args.prompts * args.repeats
         reference = "plain_compiled" if "compiled" in name else "plain_eager"
         row["divergences_from_" + reference] = [
-            divergence(target, prompts[i][0], outputs[reference][i][0].to(args.device),
-                       outputs[name][i][0].to(args.device))
-            for i in range(args.prompts) if not torch.equal(outputs[name][i][0], outputs[reference][i][0])]
+            divergence(
+                target, prompts[i][0], outputs[reference][i][0].to(args.device), outputs[name][i][0].to(args.device)
+            )
+            for i in range(args.prompts)
+            if not torch.equal(outputs[name][i][0], outputs[reference][i][0])
+        ]
         row.update(warmup[name])
         if stats[name]:
             row["speculative_stats"] = merged_stats(stats[name])
             row["speculative_stats"]["compiled_rounds"] = sum(s.compiled_rounds for s in stats[name])
-            row["speculative_stats"]["target_compilations_steady_state"] = sum(s.target_compilations
-                                                                               for s in stats[name])
-            row["speculative_stats"]["drafter_compilations_steady_state"] = sum(s.drafter_compilations
-                                                                                for s in stats[name])
+            row["speculative_stats"]["target_compilations_steady_state"] = sum(
+                s.target_compilations for s in stats[name]
+            )
+            row["speculative_stats"]["drafter_compilations_steady_state"] = sum(
+                s.drafter_compilations for s in stats[name]
+            )
         results[name] = row
     alpha = next(row["speculative_stats"]["alpha"] for name, row in results.items() if name.startswith("ours_"))
     bound = expected_tokens_per_round(alpha, args.gamma)
@@ -198,22 +233,31 @@ def main() -> None:
         "quick": args.quick,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "pair": {**shape, "dtype": "bfloat16", "device": args.device},
-        "environment": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "hf_specdec": hf_specdec.__version__,
-                        "machine": platform.machine(), "processor": platform.processor(),
-                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
+        "environment": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_specdec": hf_specdec.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        },
         "compile_config": {k: v for k, v in config.to_dict().items() if k != "options"},
         "graphs_compiled_in_steady_state": steady_graphs,
         "transformers_assisted_static_cache_refused": refused,
         "theorem_3_8_at_v1": bound / (args.gamma * 0.1 + 1),  # c ≈ 0.1: the 1-layer drafter of a 22-layer target
         "results": results,
     }
-    print(f"\n{'method':30} {'median s':>9} {'vs plain':>9} {'vs plain compiled':>18} {'vs transformers':>16} "
-          f"{'identical':>10} {'first call s':>13}")
+    print(
+        f"\n{'method':30} {'median s':>9} {'vs plain':>9} {'vs plain compiled':>18} {'vs transformers':>16} "
+        f"{'identical':>10} {'first call s':>13}"
+    )
     for name, row in results.items():
-        print(f"{name:30} {row['median_s']:9.2f} {row['speedup_ratio_of_medians']:9.2f} "
-              f"{row['speedup_over_plain_compiled']:18.2f} {row['speedup_over_transformers_assisted']:16.2f} "
-              f"{row['identical_to_plain_eager']:>5}/{row['runs']:<4} {row['first_call_s']:13.1f}")
+        print(
+            f"{name:30} {row['median_s']:9.2f} {row['speedup_ratio_of_medians']:9.2f} "
+            f"{row['speedup_over_plain_compiled']:18.2f} {row['speedup_over_transformers_assisted']:16.2f} "
+            f"{row['identical_to_plain_eager']:>5}/{row['runs']:<4} {row['first_call_s']:13.1f}"
+        )
     print(f"α {alpha:.3f}; graphs compiled after warm-up: {steady_graphs}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(output, indent=2) + "\n")

@@ -30,14 +30,13 @@ from pathlib import Path
 
 import evaluate
 import torch
+from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 from transformers import GenerationMixin
 
 import hf_specdec
 from hf_specdec import NGramDrafter, zoo
 from hf_specdec.theory import expected_speedup
 from hf_specdec.zoo.tasks import TASKS, load_prompts
-
-from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 
 EXACT_MATCH = Path(__file__).resolve().parent / "metrics" / "exact_match" / "exact_match.py"
 DRAFTERS = ("unigram", "bigram", "trigram", "prompt_lookup", "distilled")
@@ -79,8 +78,10 @@ def main() -> None:
             "bigram": (dict(drafter=lower_order(trigram, 2, mode), **constant), args.gamma_table),
             "trigram": (dict(drafter=lower_order(trigram, 3, mode), **constant), args.gamma_table),
             "prompt_lookup": (dict(drafter="prompt_lookup", **constant), args.gamma_table),
-            "prompt_lookup_optimal": (dict(drafter="prompt_lookup", speculative_gamma_policy="optimal",
-                                           speculative_max_gamma=args.max_gamma), args.gamma_table),
+            "prompt_lookup_optimal": (
+                dict(drafter="prompt_lookup", speculative_gamma_policy="optimal", speculative_max_gamma=args.max_gamma),
+                args.gamma_table,
+            ),
             "distilled": (dict(assistant_model=distilled, **constant), args.gamma_model),
         }
 
@@ -90,28 +91,44 @@ def main() -> None:
         "prompt_lookup_10": dict(prompt_lookup_num_tokens=10),  # the value prompt lookup's authors recommend
     }
     # which transformers runs each of ours is compared with (the fastest of them)
-    compared_with = {"distilled": ["distilled"], "prompt_lookup": ["prompt_lookup"],
-                     "prompt_lookup_optimal": ["prompt_lookup", "prompt_lookup_10"]}
+    compared_with = {
+        "distilled": ["distilled"],
+        "prompt_lookup": ["prompt_lookup"],
+        "prompt_lookup_optimal": ["prompt_lookup", "prompt_lookup_10"],
+    }
     exact_match = evaluate.load(str(EXACT_MATCH))
     prompts = load_prompts()
     warm = tokenizer("def f(x):\n    return", return_tensors="pt").input_ids
     for kwargs, gamma in drafters_for(0).values():
         target.generate(warm, max_new_tokens=8, do_sample=False, speculative_gamma=gamma, **kwargs)
 
-    results = {"threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
-               "gamma": {"distilled": args.gamma_model, "tables_and_prompt_lookup": args.gamma_table},
-               "target_parameters": sum(p.numel() for p in target.parameters()),
-               "drafter_parameters": sum(p.numel() for p in distilled.parameters()), "runs": []}
+    results = {
+        "threads": torch.get_num_threads(),
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": args.prompts,
+        "gamma": {"distilled": args.gamma_model, "tables_and_prompt_lookup": args.gamma_table},
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "drafter_parameters": sum(p.numel() for p in distilled.parameters()),
+        "runs": [],
+    }
     for task in args.tasks:
-        inputs = [tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens:]
-                  for item in prompts[task][: args.prompts]]
+        inputs = [
+            tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens :]
+            for item in prompts[task][: args.prompts]
+        ]
         for temperature in args.temperatures:
-            sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature,
-                                                                            top_k=0, top_p=1.0)
+            sampling = (
+                dict(do_sample=False)
+                if temperature == 0
+                else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            )
             common = dict(max_new_tokens=args.max_new_tokens, **sampling)
             drafters = drafters_for(temperature)
-            seconds = {"plain": 0.0, **{f"ours/{name}": 0.0 for name in drafters},
-                       **{f"transformers/{name}": 0.0 for name in transformers_drafts}}
+            seconds = {
+                "plain": 0.0,
+                **{f"ours/{name}": 0.0 for name in drafters},
+                **{f"transformers/{name}": 0.0 for name in transformers_drafts},
+            }
             stats = {name: [] for name in drafters}
             texts = {name: [] for name in seconds}
             tokens = {name: 0 for name in seconds}  # generated tokens: at T=1 every method samples its own text
@@ -121,28 +138,37 @@ def main() -> None:
                 elapsed, plain = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common))
                 seconds["plain"] += elapsed
                 tokens["plain"] += plain.shape[1] - ids.shape[1]
-                texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1]:].tolist())))
+                texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1] :].tolist())))
                 for name, extra in transformers_drafts.items():
                     torch.manual_seed(args.seed + index)
-                    elapsed, out = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **extra,
-                                                                          **common))
+                    elapsed, out = timed(
+                        lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **extra, **common)
+                    )
                     seconds[f"transformers/{name}"] += elapsed
                     tokens[f"transformers/{name}"] += out.shape[1] - ids.shape[1]
-                    texts[f"transformers/{name}"].append(" ".join(map(str, out[0, ids.shape[1]:].tolist())))
+                    texts[f"transformers/{name}"].append(" ".join(map(str, out[0, ids.shape[1] :].tolist())))
                 for name, (kwargs, gamma) in drafters.items():
                     torch.manual_seed(args.seed + index)
-                    elapsed, out = timed(lambda: target.generate(ids, attention_mask=mask, speculative_gamma=gamma,
-                                                                 return_dict_in_generate=True, **kwargs, **common))
+                    elapsed, out = timed(
+                        lambda: target.generate(
+                            ids,
+                            attention_mask=mask,
+                            speculative_gamma=gamma,
+                            return_dict_in_generate=True,
+                            **kwargs,
+                            **common,
+                        )
+                    )
                     seconds[f"ours/{name}"] += elapsed
                     tokens[f"ours/{name}"] += out.sequences.shape[1] - ids.shape[1]
                     stats[name].append(out.speculative_stats)
-                    texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1]:].tolist())))
+                    texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1] :].tolist())))
             plain_step = seconds["plain"] / tokens["plain"]  # the paper's T
 
             def rate(method):  # tokens per second: at T=1 the methods' samples (and so their lengths) differ
                 return tokens[method] / seconds[method]
 
-            for name, (kwargs, gamma) in drafters.items():
+            for name, (_kwargs, gamma) in drafters.items():
                 runs = stats[name]
                 alpha = sum(s.beta_sum for s in runs) / max(1, sum(s.beta_count for s in runs))
                 drafted = sum(s.drafted_tokens for s in runs)
@@ -155,21 +181,33 @@ def main() -> None:
                 # the same theorem applied round by round to the γ actually drafted (a copy drafter with no match
                 # drafts 0, the optimal policy varies γ): expected tokens over expected cost, summed over rounds
                 drafted_per_round = [g for s in runs for g in s.drafted_history]
-                round_tokens = sum(hf_specdec.theory.expected_tokens_per_round(min(alpha, 1 - 1e-9), g)
-                                   for g in drafted_per_round)
+                round_tokens = sum(
+                    hf_specdec.theory.expected_tokens_per_round(min(alpha, 1 - 1e-9), g) for g in drafted_per_round
+                )
                 per_round = round_tokens / sum(g * c + 1 for g in drafted_per_round)
                 per_round_v = round_tokens / sum(g * c + v for g in drafted_per_round)
                 row = {
-                    "task": task, "temperature": temperature, "drafter": name, "gamma": gamma, "alpha": alpha,
+                    "task": task,
+                    "temperature": temperature,
+                    "drafter": name,
+                    "gamma": gamma,
+                    "alpha": alpha,
                     "acceptance_rate": sum(s.accepted_tokens for s in runs) / max(1, drafted),
                     "tokens_per_target_call": sum(s.emitted_tokens for s in runs) / sum(s.target_calls for s in runs),
-                    "c": c, "plain_s": seconds["plain"], "ours_s": seconds[f"ours/{name}"],
-                    "plain_tokens": tokens["plain"], "ours_tokens": tokens[f"ours/{name}"],
-                    "speedup_over_plain": speedup, "theorem_3_8": predicted,
-                    "measured_over_theorem": speedup / predicted, "verify_cost_v": v,
-                    "theorem_3_8_with_measured_v": with_v, "measured_over_theorem_with_v": speedup / with_v,
+                    "c": c,
+                    "plain_s": seconds["plain"],
+                    "ours_s": seconds[f"ours/{name}"],
+                    "plain_tokens": tokens["plain"],
+                    "ours_tokens": tokens[f"ours/{name}"],
+                    "speedup_over_plain": speedup,
+                    "theorem_3_8": predicted,
+                    "measured_over_theorem": speedup / predicted,
+                    "verify_cost_v": v,
+                    "theorem_3_8_with_measured_v": with_v,
+                    "measured_over_theorem_with_v": speedup / with_v,
                     "mean_drafted_per_round": sum(drafted_per_round) / len(drafted_per_round),
-                    "theorem_3_8_per_round": per_round, "measured_over_theorem_per_round": speedup / per_round,
+                    "theorem_3_8_per_round": per_round,
+                    "measured_over_theorem_per_round": speedup / per_round,
                     "theorem_3_8_per_round_with_v": per_round_v,
                     "measured_over_theorem_per_round_with_v": speedup / per_round_v,
                 }
@@ -181,18 +219,29 @@ def main() -> None:
                     row["transformers_speedup_over_plain"] = rate(f"transformers/{theirs}") / rate("plain")
                     row["speedup_over_transformers"] = rate(f"ours/{name}") / rate(f"transformers/{theirs}")
                 if temperature == 0:
-                    row["exact_match_vs_plain"] = exact_match.compute(predictions=texts[f"ours/{name}"],
-                                                                      references=texts["plain"])["exact_match"]
+                    row["exact_match_vs_plain"] = exact_match.compute(
+                        predictions=texts[f"ours/{name}"], references=texts["plain"]
+                    )["exact_match"]
                     if name in compared_with:
-                        row["transformers_exact_match_vs_plain"] = min(exact_match.compute(
-                            predictions=texts[f"transformers/{other}"], references=texts["plain"])["exact_match"]
-                            for other in compared_with[name])
+                        row["transformers_exact_match_vs_plain"] = min(
+                            exact_match.compute(predictions=texts[f"transformers/{other}"], references=texts["plain"])[
+                                "exact_match"
+                            ]
+                            for other in compared_with[name]
+                        )
                 results["runs"].append(row)
-                over = f" x{row['speedup_over_transformers']:.2f} vs transformers" if "speedup_over_transformers" in row else ""
+                over = (
+                    f" x{row['speedup_over_transformers']:.2f} vs transformers"
+                    if "speedup_over_transformers" in row
+                    else ""
+                )
                 em = f" EM {row['exact_match_vs_plain']:.2f}" if "exact_match_vs_plain" in row else ""
-                print(f"{task:12s} T={temperature:g} {name:21s} g={gamma} alpha {alpha:.3f} c {c:.3f} "
-                      f"v {v:.2f} speedup x{speedup:.2f} (Thm 3.8 x{predicted:.2f}, with v x{with_v:.2f}; "
-                      f"per round x{per_round:.2f}, with v x{per_round_v:.2f}){over}{em}", flush=True)
+                print(
+                    f"{task:12s} T={temperature:g} {name:21s} g={gamma} alpha {alpha:.3f} c {c:.3f} "
+                    f"v {v:.2f} speedup x{speedup:.2f} (Thm 3.8 x{predicted:.2f}, with v x{with_v:.2f}; "
+                    f"per round x{per_round:.2f}, with v x{per_round_v:.2f}){over}{em}",
+                    flush=True,
+                )
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1) + "\n")

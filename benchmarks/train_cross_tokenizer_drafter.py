@@ -37,16 +37,30 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.normalizer = normalizers.NFC()
     # words with their leading space, runs of spaces (indentation) and punctuation runs are pieces; spaces are "▁"
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?[A-Za-z_]+| ?[0-9]+| +|\n+| ?[^A-Za-z0-9_\s]+|\s"), behavior="isolated"),
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r" ?[A-Za-z_]+| ?[0-9]+| +|\n+| ?[^A-Za-z0-9_\s]+|\s"), behavior="isolated"),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False),
+        ]
+    )
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never", split=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False, limit_alphabet=200,
-                                  special_tokens=["<s>", "</s>", "<unk>", "<pad>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        limit_alphabet=200,
+        special_tokens=["<s>", "</s>", "<unk>", "<pad>"],
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", model_max_length=2048, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def main() -> None:
@@ -77,22 +91,35 @@ def main() -> None:
     log(f"{ids.numel()} training tokens, {len(blocks)} windows")
 
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 50)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps)))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+        ),
+    )
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
     steps_done = 0
     for step in range(args.steps):
         batch = blocks[torch.randint(len(blocks), (args.batch_size,), generator=generator)]
         logits = model(batch).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -108,9 +135,16 @@ def main() -> None:
     model.eval()
     model.save_pretrained(OUT / "drafter")
     tokenizer.save_pretrained(OUT / "drafter")
-    record = {"steps": steps_done, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-              "final_loss": loss.item(), "minutes": (time.perf_counter() - start) / 60,
-              "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}
+    record = {
+        "steps": steps_done,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "final_loss": loss.item(),
+        "minutes": (time.perf_counter() - start) / 60,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+    }
     (OUT / "drafter" / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     log(f"saved {OUT / 'drafter'}: {record}")
 

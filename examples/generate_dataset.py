@@ -27,7 +27,7 @@ from hf_specdec import zoo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dataset", help="JSONL file, one {\"prompt\": ...} object per line")
+    parser.add_argument("dataset", help='JSONL file, one {"prompt": ...} object per line')
     parser.add_argument("output", help="JSONL file to write")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run's output")
     parser.add_argument("--demo", action="store_true", help="first write `dataset` from the zoo's held-out prompts")
@@ -47,8 +47,17 @@ def main() -> None:
     target.to(state.device)
     drafter.to(state.device)
     written = hf_specdec.generate_dataset(
-        target, tokenizer, args.dataset, args.output, resume=args.resume, batch_size=8,
-        assistant_model=drafter, speculative_gamma=4, max_new_tokens=64, do_sample=False)
+        target,
+        tokenizer,
+        args.dataset,
+        args.output,
+        resume=args.resume,
+        batch_size=8,
+        assistant_model=drafter,
+        speculative_gamma=4,
+        max_new_tokens=64,
+        do_sample=False,
+    )
     if state.is_main_process:
         print(f"{written} row(s) generated into {args.output}")
 

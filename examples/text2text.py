@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerFast, pipeline
 
 import hf_specdec
-import hf_specdec.pipelines  # noqa: F401  (registers the pipelines transformers 5 removed)
+import hf_specdec.pipelines
 
 TEXTS = [
     "translate English to German: the cat sat on the mat and the dog sat on the log",
@@ -39,8 +39,9 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "</s>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(corpus * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
@@ -53,9 +54,18 @@ def build_tiny_pair(tokenizer, seed: int = 0):
     token).
     """
     config = AutoConfig.for_model(
-        "t5", vocab_size=len(tokenizer), d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=3,
-        num_decoder_layers=3, feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+        "t5",
+        vocab_size=len(tokenizer),
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_heads=4,
+        num_layers=3,
+        num_decoder_layers=3,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     target = AutoModelForSeq2SeqLM.from_config(config).eval()
@@ -78,8 +88,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an encoder-decoder checkpoint (path or Hub id); default: a tiny T5 built here")
     parser.add_argument("--assistant", help="a smaller checkpoint with the same tokenizer (path or Hub id)")
-    parser.add_argument("--task", default="text2text-generation",
-                        help='"text2text-generation", "summarization", "translation" or "translation_xx_to_yy"')
+    parser.add_argument(
+        "--task",
+        default="text2text-generation",
+        help='"text2text-generation", "summarization", "translation" or "translation_xx_to_yy"',
+    )
     parser.add_argument("--text", action="append", help="an input text (repeat for several); default: two samples")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--gamma", type=int, default=5, help="tokens drafted per round (speculative_gamma)")
@@ -89,8 +102,10 @@ def main():
         torch.set_num_threads(1)  # tensors this small only pay the overhead of more threads
         tokenizer = train_tokenizer()
         model, assistant = build_tiny_pair(tokenizer)
-        print("A random tiny T5 pair: its outputs are gibberish and too small to speed up; what matters is that "
-              "they match.")
+        print(
+            "A random tiny T5 pair: its outputs are gibberish and too small to speed up; what matters is that "
+            "they match."
+        )
     else:
         if args.assistant is None:
             parser.error("--model needs --assistant (a smaller checkpoint with the same tokenizer)")

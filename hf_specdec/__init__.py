@@ -1,14 +1,15 @@
 """hf_specdec: exact speculative decoding (Leviathan et al., 2023) inside transformers' `model.generate`."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
+from . import distill, metrics, pipelines, policies, zoo
 from .configuration import SpeculativeGenerationConfig
 from .dataset_generation import generate_dataset
 from .drafters import (
     CrossTokenizerDrafter,
     DraftContext,
-    DraftProposal,
     Drafter,
+    DraftProposal,
     EagleDrafter,
     ModelDrafter,
     NGramDrafter,
@@ -24,7 +25,6 @@ from .outputs import (
     SpeculativeEncoderDecoderOutput,
 )
 from .stats import SpeculativeStats
-from . import distill, metrics, pipelines, policies, zoo
 from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [

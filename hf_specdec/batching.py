@@ -48,7 +48,7 @@ from transformers.utils import ModelOutput
 
 from .caches import CACHE_KWARG, realign_cache, slice_cache
 from .devices import seconds_agreement
-from .drafters.base import DraftProposal, Drafter
+from .drafters.base import Drafter, DraftProposal
 from .drafters.model import logits_width
 from .rounds import checked_proposal, compiled_graphs, draft_context, standardize, target_logits, verify_round
 from .sequence import decode_sequence
@@ -60,17 +60,28 @@ if TYPE_CHECKING:
 __all__ = ["decode_batch", "fresh_cache", "slice_kwargs"]
 
 
-def decode_batch(model: "PreTrainedModel", input_ids: torch.LongTensor, model_kwargs: dict, *, drafter: Drafter,
-                 inputs_tensor=None, **run):
+def decode_batch(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    model_kwargs: dict,
+    *,
+    drafter: Drafter,
+    inputs_tensor=None,
+    **run,
+):
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
     stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
     cache = model_kwargs[CACHE_KWARG]
     # a drafter that reads the target's hidden states gets them from the one-sequence loop, and `prefill_chunk_size`
     # is honoured there (each row's prompt prefilled in chunks): rows one at a time
-    if (_supports_padded_batch(model, cache) and not drafter.reads_target_hidden_states
-            and run["generation_config"].prefill_chunk_size is None):
-        return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run,
-                              **model_kwargs), cache
+    if (
+        _supports_padded_batch(model, cache)
+        and not drafter.reads_target_hidden_states
+        and run["generation_config"].prefill_chunk_size is None
+    ):
+        return _decode_padded(
+            model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs
+        ), cache
     return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
 
 
@@ -88,12 +99,25 @@ def _supports_padded_batch(model, cache) -> bool:
 def _moves_by_column(layer) -> bool:
     """Whether everything `layer` holds is per-column state that `realign_cache` moves: no sliding window, and no
     convolution or recurrent state (which summarizes the last tokens of each row, whatever their columns)."""
-    return not (getattr(layer, "is_sliding", False) or hasattr(layer, "conv_states")
-                or hasattr(layer, "recurrent_states"))
+    return not (
+        getattr(layer, "is_sliding", False) or hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
+    )
 
 
-def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
-                   generation_config, options, policy, stats, **model_kwargs):
+def _decode_padded(
+    model,
+    input_ids,
+    *,
+    drafter,
+    inputs_tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    options,
+    policy,
+    stats,
+    **model_kwargs,
+):
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     cache = model_kwargs.pop(CACHE_KWARG)
@@ -116,14 +140,16 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
     text_start = (mask == 0).sum(-1).tolist()  # [batch]: where each row's text starts in its padded prompt
     row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
     draft_processors, padding_aware = _padded_batch_processors(logits_processor)
-    context = draft_context(model, input_ids, draft_processors, generation_config,
-                            {**model_kwargs, "attention_mask": mask}, inputs_tensor)
+    context = draft_context(
+        model, input_ids, draft_processors, generation_config, {**model_kwargs, "attention_mask": mask}, inputs_tensor
+    )
     if drafter.supports_padded_batches:
         batch_drafter, row_drafters = drafter.for_call(context), None
     else:
         batch_drafter = None
-        row_drafters = [drafter.for_call(_row_context(context, row, text_start[row], row_processors[row]))
-                        for row in range(batch)]
+        row_drafters = [
+            drafter.for_call(_row_context(context, row, text_start[row], row_processors[row])) for row in range(batch)
+        ]
 
     prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
     generated = [input_ids.new_empty(0) for _ in range(batch)]
@@ -150,10 +176,11 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         if batch_drafter is not None:
             for processor in padding_aware:
                 processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
-            proposal = checked_proposal(batch_drafter.propose(ids, gamma, attention_mask=mask), batch_drafter, ids,
-                                        gamma, vocab_size)
+            proposal = checked_proposal(
+                batch_drafter.propose(ids, gamma, attention_mask=mask), batch_drafter, ids, gamma, vocab_size
+            )
         else:
-            row_ids = [torch.cat([prompts[r, text_start[r]:], generated[r]])[None] for r in rows]
+            row_ids = [torch.cat([prompts[r, text_start[r] :], generated[r]])[None] for r in rows]
             proposal = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device)
         draft_tokens = proposal.tokens  # [rows, k]
         num_drafted = draft_tokens.shape[1]
@@ -165,15 +192,28 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
         full_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted)], dim=-1)
         # drafts past max_length are never emitted: clamping their positions keeps learned position tables in range
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=max_length - 1)
-        logits = target_logits(model, candidate_ids, num_drafted, {
-            **model_kwargs, CACHE_KWARG: cache, "attention_mask": full_mask, "position_ids": positions,
-        }, first_round)  # [rows, k + 1, vocab]
+        logits = target_logits(
+            model,
+            candidate_ids,
+            num_drafted,
+            {
+                **model_kwargs,
+                CACHE_KWARG: cache,
+                "attention_mask": full_mask,
+                "position_ids": positions,
+            },
+            first_round,
+        )  # [rows, k + 1, vocab]
         scores = logits
         if len(logits_processor):
             # each row with its own prefix, laid out as plain generate lays it out
             views = [torch.cat([prompts[r], generated[r], draft_tokens[i]])[None] for i, r in enumerate(rows)]
-            scores = standardize(logits, lambda i: row_processors[rows[i]],
-                                 lambda i, j: views[i][:, : lengths[i] + j], check_stateless=first_round)
+            scores = standardize(
+                logits,
+                lambda i: row_processors[rows[i]],
+                lambda i, j: views[i][:, : lengths[i] + j],
+                check_stateless=first_round,
+            )
 
         # 3. verify every row (Algorithm 1)
         verdict = verify_round(do_sample, proposal, scores, options)
@@ -241,8 +281,9 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
                 batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)
             else:
                 for i, r in enumerate(rows):
-                    row_drafters[r].on_verified(torch.cat([prompts[r, text_start[r]:], generated[r]])[None],
-                                                kept_accepted[i : i + 1])
+                    row_drafters[r].on_verified(
+                        torch.cat([prompts[r, text_start[r] :], generated[r]])[None], kept_accepted[i : i + 1]
+                    )
             stats.drafter_compilations += compiled_graphs() - graphs
         draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
         stats.draft_time_s += draft_s
@@ -251,8 +292,13 @@ def _decode_padded(model, input_ids, *, drafter, inputs_tensor, logits_processor
             row_stats[r].draft_time_s += draft_s
             row_stats[r].verify_time_s += verify_s
         # the policy sees one round of the whole batch: its time, and each row's accepted drafts
-        policy.observe_rows(drafted=num_drafted, accepted_per_row=accepted_list, draft_time_s=draft_s,
-                            verify_time_s=verify_s, first_round=first_round)
+        policy.observe_rows(
+            drafted=num_drafted,
+            accepted_per_row=accepted_list,
+            draft_time_s=draft_s,
+            verify_time_s=verify_s,
+            first_round=first_round,
+        )
         first_round = False
 
     for r, tokens in enumerate(generated):  # what each row keeps (a row that grew past its end was cut back)
@@ -359,20 +405,31 @@ def fresh_cache(cache, model):
     if cache.get_seq_length() == 0:
         return _for_one_row(copy.deepcopy(cache))
     config = model.config
-    return (EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
-            if isinstance(cache, EncoderDecoderCache) else DynamicCache(config=config))
+    return (
+        EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        if isinstance(cache, EncoderDecoderCache)
+        else DynamicCache(config=config)
+    )
 
 
 def _for_one_row(cache):
     """`cache` (an empty copy) with the layers that were allocated ahead for the whole batch reallocated for one row:
     transformers initializes a static cache early when `prefill_chunk_size` is set, while other static caches
     allocate on their first forward."""
-    for part in (cache.self_attention_cache, cache.cross_attention_cache) if isinstance(
-            cache, EncoderDecoderCache) else (cache,):
+    for part in (
+        (cache.self_attention_cache, cache.cross_attention_cache)
+        if isinstance(cache, EncoderDecoderCache)
+        else (cache,)
+    ):
         for layer in getattr(part, "layers", ()):
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if (getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor) and keys.dim() == 4
-                    and keys.shape[0] != 1 and hasattr(layer, "lazy_initialization")):
+            if (
+                getattr(layer, "is_initialized", False)
+                and isinstance(keys, torch.Tensor)
+                and keys.dim() == 4
+                and keys.shape[0] != 1
+                and hasattr(layer, "lazy_initialization")
+            ):
                 layer.lazy_initialization(keys[:1], values[:1])
     return cache
 
@@ -384,16 +441,32 @@ def slice_kwargs(model_kwargs, row: int, batch: int, model):
         if key == CACHE_KWARG:
             value = fresh_cache(value, model)
         elif isinstance(value, ModelOutput):
-            value = type(value)(**{k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v
-                                   for k, v in value.items()})
+            value = type(value)(
+                **{
+                    k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v
+                    for k, v in value.items()
+                }
+            )
         elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
             value = value[row : row + 1]
         sliced[key] = value
     return sliced
 
 
-def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, stopping_criteria,
-                 generation_config, options, policy, stats, **model_kwargs):
+def _decode_rows(
+    model,
+    input_ids,
+    *,
+    drafter,
+    inputs_tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    options,
+    policy,
+    stats,
+    **model_kwargs,
+):
     batch = input_ids.shape[0]
     pad = generation_config._pad_token_tensor
     rows_end_early = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
@@ -404,11 +477,21 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
         row_kwargs = slice_kwargs(model_kwargs, row, batch, model)
         row_ids = input_ids[row : row + 1]
         row_processors = processors_for_row(logits_processor, row, batch)
-        row_drafter = drafter.for_call(draft_context(model, row_ids, row_processors, generation_config, row_kwargs,
-                                                     _source_row(inputs_tensor, row, batch)))
-        sequence, _, _ = decode_sequence(model, row_ids, logits_processor=row_processors,
-                                         stopping_criteria=stopping_criteria, drafter=row_drafter,
-                                         stats=row_stats[row], **run, **row_kwargs)
+        row_drafter = drafter.for_call(
+            draft_context(
+                model, row_ids, row_processors, generation_config, row_kwargs, _source_row(inputs_tensor, row, batch)
+            )
+        )
+        sequence, _, _ = decode_sequence(
+            model,
+            row_ids,
+            logits_processor=row_processors,
+            stopping_criteria=stopping_criteria,
+            drafter=row_drafter,
+            stats=row_stats[row],
+            **run,
+            **row_kwargs,
+        )
         outputs.append(sequence)
         states.append((row_kwargs, row_processors, row_drafter))
     if not rows_end_early:
@@ -422,9 +505,17 @@ def _decode_rows(model, input_ids, *, drafter, inputs_tensor, logits_processor, 
                 row_kwargs = model._update_model_kwargs_for_generation(
                     {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
                 )
-                outputs[row], _, _ = decode_sequence(model, outputs[row], logits_processor=row_processors,
-                                                     stopping_criteria=until_stop, drafter=row_drafter,
-                                                     stats=row_stats[row], continuing=True, **run, **row_kwargs)
+                outputs[row], _, _ = decode_sequence(
+                    model,
+                    outputs[row],
+                    logits_processor=row_processors,
+                    stopping_criteria=until_stop,
+                    drafter=row_drafter,
+                    stats=row_stats[row],
+                    continuing=True,
+                    **run,
+                    **row_kwargs,
+                )
     for one_row in row_stats:  # rows decoded one after another: each forward is its own
         stats.merge(one_row)
     stats.rows.extend(row_stats)

@@ -68,7 +68,7 @@ costs little more."""
 
 
 def speculative_beam_search(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     input_ids: torch.LongTensor,  # [batch * num_beams, prompt_len]: `generate` has expanded it already
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
@@ -103,9 +103,19 @@ def speculative_beam_search(
     # the drafter is reset on one row per prompt (the source, for an encoder-decoder drafter, is encoded once)
     first_rows = torch.arange(batch, device=input_ids.device) * num_beams
     draft_model = _DraftBeams(
-        drafter.for_call(draft_context(model, input_ids[first_rows], logits_processor, generation_config,
-                                       select_rows(model_kwargs, first_rows, input_ids.shape[0]), inputs_tensor)),
-        num_beams, generation_config, batch,
+        drafter.for_call(
+            draft_context(
+                model,
+                input_ids[first_rows],
+                logits_processor,
+                generation_config,
+                select_rows(model_kwargs, first_rows, input_ids.shape[0]),
+                inputs_tensor,
+            )
+        ),
+        num_beams,
+        generation_config,
+        batch,
     )
 
     # the first step is plain beam search's: the prefill over the expanded prompt
@@ -139,7 +149,9 @@ def speculative_beam_search(
         cache.reorder_cache(cache_rows)
         _crop(cache, search.cur_len - 1)
         model_kwargs = model._update_model_kwargs_for_generation(
-            {}, select_rows(model_kwargs, origins, origins.shape[0]), is_encoder_decoder=model.config.is_encoder_decoder,
+            {},
+            select_rows(model_kwargs, origins, origins.shape[0]),
+            is_encoder_decoder=model.config.is_encoder_decoder,
             num_new_tokens=steps,
         )
         draft_model.keep(origins)
@@ -215,8 +227,12 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             "(`cache_implementation=None`), or use `num_beams=1`."
         )
     cache = model_kwargs.get(CACHE_KWARG)
-    if (cache is None or not isinstance(cache, (DynamicCache, EncoderDecoderCache)) or not cache.is_croppable
-            or is_static(cache)):  # an encoder-decoder's static cache is an `EncoderDecoderCache` of static ones
+    if (
+        cache is None
+        or not isinstance(cache, (DynamicCache, EncoderDecoderCache))
+        or not cache.is_croppable
+        or is_static(cache)
+    ):  # an encoder-decoder's static cache is an `EncoderDecoderCache` of static ones
         decoder_cache = getattr(cache, "self_attention_cache", cache)
         raise ValueError(
             f"Speculative beam search needs the target's cache to be a croppable dynamic cache, got "
@@ -230,6 +246,7 @@ def select_rows(model_kwargs: dict, rows: torch.LongTensor, batch: int) -> dict:
     """The prepared model kwargs of `batch` rows, with rows `rows` (`[n]`, repeats allowed) of every tensor (and
     of every tensor in a `ModelOutput`, such as `encoder_outputs`) whose first dimension is the batch; the cache is
     shared, not copied."""
+
     def pick(value):
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
             return value.index_select(0, rows.to(value.device))
@@ -266,7 +283,9 @@ class _DraftTree:
         self.num_nodes = len(self.nodes) - len(set(row_roots))  # drafted nodes, roots excluded
         self.depth = depth
         self.row_roots = torch.tensor(row_roots, dtype=torch.long, device=device)  # [rows]
-        padded = [path + [path[-1] if path else pad[root]] * (depth - len(path)) for root, path in zip(row_roots, paths)]
+        padded = [
+            path + [path[-1] if path else pad[root]] * (depth - len(path)) for root, path in zip(row_roots, paths)
+        ]
         self.row_tokens = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(paths), depth)
 
 
@@ -301,8 +320,9 @@ class _DraftBeams:
             processors.append(processor)
         return processors
 
-    def _forward(self, ids: torch.LongTensor, cache, batch_of_row: torch.LongTensor,
-                 attention_mask: torch.LongTensor | None) -> torch.FloatTensor:
+    def _forward(
+        self, ids: torch.LongTensor, cache, batch_of_row: torch.LongTensor, attention_mask: torch.LongTensor | None
+    ) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` (`[rows, len]`) and returns float32 log q of the last position."""
         drafter = self.drafter
         cached = cache.get_seq_length()
@@ -319,8 +339,10 @@ class _DraftBeams:
         else:
             inputs["input_ids"] = tail
             if attention_mask is not None:
-                mask = torch.cat([attention_mask, attention_mask.new_ones(ids.shape[0], ids.shape[1] -
-                                                                          attention_mask.shape[1])], dim=-1)
+                mask = torch.cat(
+                    [attention_mask, attention_mask.new_ones(ids.shape[0], ids.shape[1] - attention_mask.shape[1])],
+                    dim=-1,
+                )
                 inputs["attention_mask"] = mask.to(drafter.device)
                 positions = mask.long().cumsum(-1) - 1
             else:
@@ -334,8 +356,9 @@ class _DraftBeams:
         return self._processors(batch_of_row)(ids, logits.log_softmax(dim=-1))  # [rows, V]
 
     @torch.no_grad()
-    def search(self, running: torch.LongTensor, root_scores: torch.FloatTensor, attention_mask, depth: int,
-               width: int) -> _DraftTree:
+    def search(
+        self, running: torch.LongTensor, root_scores: torch.FloatTensor, attention_mask, depth: int, width: int
+    ) -> _DraftTree:
         """`running`: the target's running beams `[batch * w, cur_len]`; `root_scores`: their scores `[batch, w]`.
         Returns the tree of the drafter's beams of width `width` over `depth` steps; at every depth its first w beams
         are the best w children of the first w beams before (what the target keeps were p = q)."""
@@ -449,8 +472,9 @@ class _BeamSearch:
         self.all_scores = () if (return_dict and config.output_scores) else None
         self.raw_logits = () if (return_dict and config.output_logits) else None
         output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
-        self.running_sequences = torch.full((batch, num_beams, config.max_length), fill_value=output_fill_value,
-                                            dtype=torch.int64, device=device)
+        self.running_sequences = torch.full(
+            (batch, num_beams, config.max_length), fill_value=output_fill_value, dtype=torch.int64, device=device
+        )
         self.running_sequences[:, :, : self.cur_len] = model._unflatten_beam_dim(input_ids, batch, num_beams)
         self.sequences = self.running_sequences.detach().clone()
         self.running_beam_scores = torch.zeros((batch, num_beams), dtype=torch.float, device=device)
@@ -459,8 +483,9 @@ class _BeamSearch:
         self.is_sent_finished = torch.zeros((batch, num_beams), dtype=torch.bool, device=device)
         self.is_early_stop_heuristic_unsatisfied = torch.ones((batch, 1), dtype=torch.bool, device=device)
         self.next_token_hits_stopping_criteria = torch.zeros((batch, num_beams), dtype=torch.bool, device=device)
-        self.running_beam_indices = torch.full((batch, num_beams, config.max_length - self.cur_len), fill_value=-1,
-                                               dtype=torch.int32, device=device)
+        self.running_beam_indices = torch.full(
+            (batch, num_beams, config.max_length - self.cur_len), fill_value=-1, dtype=torch.int32, device=device
+        )
         self.beam_indices = self.running_beam_indices.detach().clone()
         self.finished = False
 
@@ -487,42 +512,62 @@ class _BeamSearch:
         log_probs = log_probs + self.running_beam_scores[:, :, None]
         log_probs = torch.reshape(log_probs, (batch, -1))
         topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
-            accumulated_log_probs=log_probs, running_sequences=self.running_sequences,
-            running_beam_indices=self.running_beam_indices, cur_len=cur_len,
-            decoder_prompt_len=self.decoder_prompt_len, do_sample=config.do_sample, beams_to_keep=self.beams_to_keep,
-            num_beams=num_beams, batch_size=batch,
+            accumulated_log_probs=log_probs,
+            running_sequences=self.running_sequences,
+            running_beam_indices=self.running_beam_indices,
+            cur_len=cur_len,
+            decoder_prompt_len=self.decoder_prompt_len,
+            do_sample=config.do_sample,
+            beams_to_keep=self.beams_to_keep,
+            num_beams=num_beams,
+            batch_size=batch,
         )
-        hits = self.stopping_criteria(model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]),
-                                      self.all_scores)
+        hits = self.stopping_criteria(
+            model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), self.all_scores
+        )
         self.next_token_hits_stopping_criteria = model._unflatten_beam_dim(hits, batch, self.beams_to_keep)
         self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
             model._get_running_beams_for_next_iteration(
-                topk_log_probs=topk_log_probs, topk_running_sequences=topk_running_sequences,
+                topk_log_probs=topk_log_probs,
+                topk_running_sequences=topk_running_sequences,
                 topk_running_beam_indices=topk_running_beam_indices,
-                next_token_hits_stopping_criteria=self.next_token_hits_stopping_criteria, num_beams=num_beams,
+                next_token_hits_stopping_criteria=self.next_token_hits_stopping_criteria,
+                num_beams=num_beams,
             )
         )
         self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = model._update_finished_beams(
-            sequences=self.sequences, topk_running_sequences=topk_running_sequences, beam_scores=self.beam_scores,
-            topk_log_probs=topk_log_probs, beam_indices=self.beam_indices,
+            sequences=self.sequences,
+            topk_running_sequences=topk_running_sequences,
+            beam_scores=self.beam_scores,
+            topk_log_probs=topk_log_probs,
+            beam_indices=self.beam_indices,
             topk_running_beam_indices=topk_running_beam_indices,
             is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
             is_sent_finished=self.is_sent_finished,
             next_token_hits_stopping_criteria=self.next_token_hits_stopping_criteria,
-            top_num_beam_mask=self.top_num_beam_mask, num_beams=num_beams, cur_len=cur_len,
-            decoder_prompt_len=self.decoder_prompt_len, length_penalty=config.length_penalty,
+            top_num_beam_mask=self.top_num_beam_mask,
+            num_beams=num_beams,
+            cur_len=cur_len,
+            decoder_prompt_len=self.decoder_prompt_len,
+            length_penalty=config.length_penalty,
             early_stopping=config.early_stopping,
         )
         self.cur_len = cur_len = cur_len + 1
         self.is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
             is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
-            running_beam_scores=self.running_beam_scores, beam_scores=self.beam_scores,
-            is_sent_finished=self.is_sent_finished, cur_len=cur_len, max_length=config.max_length,
-            decoder_prompt_len=self.decoder_prompt_len, early_stopping=config.early_stopping,
+            running_beam_scores=self.running_beam_scores,
+            beam_scores=self.beam_scores,
+            is_sent_finished=self.is_sent_finished,
+            cur_len=cur_len,
+            max_length=config.max_length,
+            decoder_prompt_len=self.decoder_prompt_len,
+            early_stopping=config.early_stopping,
             length_penalty=config.length_penalty,
         )
         self.finished = not model._beam_search_has_unfinished_sequences(
-            self.is_early_stop_heuristic_unsatisfied, self.is_sent_finished, self.next_token_hits_stopping_criteria,
+            self.is_early_stop_heuristic_unsatisfied,
+            self.is_sent_finished,
+            self.next_token_hits_stopping_criteria,
             config.early_stopping,
         )
 
@@ -564,10 +609,15 @@ class _BeamSearch:
         beam_indices = beam_indices[:, :max_generated_length]
         if not config.return_dict_in_generate:
             return sequences
-        output_class = (SpeculativeBeamEncoderDecoderOutput if model.config.is_encoder_decoder
-                        else SpeculativeBeamDecoderOnlyOutput)
+        output_class = (
+            SpeculativeBeamEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeBeamDecoderOnlyOutput
+        )
         return output_class(
-            sequences=sequences, sequences_scores=beam_scores if config.output_scores else None,
-            scores=self.all_scores, logits=self.raw_logits, beam_indices=beam_indices,
-            **{CACHE_KWARG: model_kwargs.get(CACHE_KWARG)}, speculative_stats=stats,
+            sequences=sequences,
+            sequences_scores=beam_scores if config.output_scores else None,
+            scores=self.all_scores,
+            logits=self.raw_logits,
+            beam_indices=beam_indices,
+            **{CACHE_KWARG: model_kwargs.get(CACHE_KWARG)},
+            speculative_stats=stats,
         )

@@ -9,9 +9,22 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.generation import utils as _generation_utils
 
-__all__ = ["CACHE_KWARG", "COLUMN_STATE", "cache_argument", "cache_of", "cached_length", "compact_cache", "compactable",
-           "croppable_after_first_forward", "is_static", "realign_cache", "rewind_cache", "slice_cache", "static_capacity",
-           "static_rewind_problem"]
+__all__ = [
+    "CACHE_KWARG",
+    "COLUMN_STATE",
+    "cache_argument",
+    "cache_of",
+    "cached_length",
+    "compact_cache",
+    "compactable",
+    "croppable_after_first_forward",
+    "is_static",
+    "realign_cache",
+    "rewind_cache",
+    "slice_cache",
+    "static_capacity",
+    "static_rewind_problem",
+]
 
 
 # the tensors a cache layer holds per column: name -> (batch dim, column dim). Keys and values of every layer, and
@@ -70,10 +83,16 @@ def slice_cache(cache: DynamicCache, start: int, length: int) -> None:
 def _column_state(layer) -> list:
     """(name, tensor, dims) of each per-column tensor `layer` holds; a layer with per-column tensors this module does
     not know is refused, as moving only some of them would misalign the rest silently."""
-    state = [(name, value, COLUMN_STATE[name]) for name, value in vars(layer).items()
-             if isinstance(value, torch.Tensor) and name in COLUMN_STATE and value.numel()]
-    unknown = [name for name, value in vars(layer).items()
-               if isinstance(value, torch.Tensor) and value.dim() >= 2 and name not in COLUMN_STATE]
+    state = [
+        (name, value, COLUMN_STATE[name])
+        for name, value in vars(layer).items()
+        if isinstance(value, torch.Tensor) and name in COLUMN_STATE and value.numel()
+    ]
+    unknown = [
+        name
+        for name, value in vars(layer).items()
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and name not in COLUMN_STATE
+    ]
     if unknown:
         raise ValueError(
             f"{type(layer).__name__} holds per-position state {unknown} that hf_specdec cannot move between the rows "
@@ -128,9 +147,11 @@ def static_rewind_problem(cache, max_length: int) -> str | None:
     for layer in getattr(cache, "self_attention_cache", cache).layers:
         # a generation writes at most max_length - 1 positions (the last token is never fed back)
         if isinstance(layer, StaticSlidingWindowLayer) and max_length - 1 > layer.max_cache_len:
-            return (f"its sliding-window layers keep {layer.max_cache_len} positions, and a static sliding window "
-                    f"that fills up drops the oldest keys for good, so rejected drafts past position "
-                    f"{layer.max_cache_len} could not be undone (this generation may reach max_length={max_length})")
+            return (
+                f"its sliding-window layers keep {layer.max_cache_len} positions, and a static sliding window "
+                f"that fills up drops the oldest keys for good, so rejected drafts past position "
+                f"{layer.max_cache_len} could not be undone (this generation may reach max_length={max_length})"
+            )
     return None
 
 
@@ -161,8 +182,11 @@ def compactable(cache) -> bool:
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
             return False
-        per_column_state = [name for name, value in vars(layer).items()
-                            if isinstance(value, torch.Tensor) and name not in ("keys", "values")]
+        per_column_state = [
+            name
+            for name, value in vars(layer).items()
+            if isinstance(value, torch.Tensor) and name not in ("keys", "values")
+        ]
         if per_column_state:
             return False
     return True

@@ -17,7 +17,7 @@ __all__ = ["check_multi_token_forward"]
 
 
 # model -> (dtype, attention implementation, refusal reason or None): nothing is written onto the user's model
-_MULTI_TOKEN_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_MULTI_TOKEN_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 _PROBE_DRAFTS = 4  # tokens of the probe's first round, as a drafter proposing γ = 4 would
 
 
@@ -48,9 +48,11 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
     if reason is None:
         limit = _attention_limit(model)
         if limit is not None and generation_config.max_length > limit[1]:
-            reason = (f"its attention selects at most {limit[0]}={limit[1]} keys per query, which makes a forward over "
-                      "several new tokens compute something else than step-by-step decoding once the sequence is "
-                      f"longer than that (this generation may reach max_length={generation_config.max_length})")
+            reason = (
+                f"its attention selects at most {limit[0]}={limit[1]} keys per query, which makes a forward over "
+                "several new tokens compute something else than step-by-step decoding once the sequence is "
+                f"longer than that (this generation may reach max_length={generation_config.max_length})"
+            )
     if reason is not None:
         raise ValueError(
             f"{type(model).__name__} cannot be verified exactly by speculative decoding: {reason}. Drop "
@@ -91,8 +93,9 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     prompt_len = prompt.shape[1]
 
     def advance(kwargs, new_tokens):
-        return model._update_model_kwargs_for_generation({}, dict(kwargs), is_encoder_decoder=is_encoder_decoder,
-                                                         num_new_tokens=new_tokens)
+        return model._update_model_kwargs_for_generation(
+            {}, dict(kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=new_tokens
+        )
 
     def fresh():
         kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own
@@ -111,15 +114,20 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
         cached = cached_length(kwargs[CACHE_KWARG])
         if cached == 0:
-            return (f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
-                    "the cache is empty), so there is nothing to roll rejected drafts back from")
+            return (
+                f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
+                "the cache is empty), so there is nothing to roll rejected drafts back from"
+            )
         if cached != prompt_len:
-            return (f"its cache holds {cached} positions after a forward over {prompt_len} tokens, so rolling it back "
-                    "by a number of rejected tokens would misalign it")
+            return (
+                f"its cache holds {cached} positions after a forward over {prompt_len} tokens, so rolling it back "
+                "by a number of rejected tokens would misalign it"
+            )
         for i in range(_PROBE_DRAFTS):
             kwargs = advance(kwargs, 1)
-            steps.append(target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False,
-                                       decode_kernels=False)[:, -1])
+            steps.append(
+                target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False, decode_kernels=False)[:, -1]
+            )
         want = torch.stack(steps, dim=1)  # [1, 5, vocab]
 
         # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
@@ -128,21 +136,27 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         cache = kwargs[CACHE_KWARG]
         first = target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), True)  # [1, 5, vocab]
         if not cache.is_croppable and not is_static(cache):
-            return ("its cache keeps recurrent state that cannot be rolled back to an earlier token, so rejected "
-                    "drafts could not be undone")
+            return (
+                "its cache keeps recurrent state that cannot be rolled back to an earlier token, so rejected "
+                "drafts could not be undone"
+            )
         rewind_cache(cache, prompt_len + 1)
         kwargs = advance(kwargs, 2)
-        second = target_logits(model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False,
-                               decode_kernels=False)
-    except Exception as error:  # noqa: BLE001 - any failure is a refusal that names it
+        second = target_logits(
+            model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False, decode_kernels=False
+        )
+    except Exception as error:
         message = str(error).splitlines()[0] if str(error) else ""
-        raise _ProbeFailed(f"a cached forward over several new tokens fails ({type(error).__name__}: "
-                           f"{message[:200]})") from error
+        raise _ProbeFailed(
+            f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"
+        ) from error
     # 'second' holds the logits after extra tokens 1, 2 and 3: positions 2-4 of `want`
     error = max(float((first - want).abs().max()), float((second - want[:, 2:]).abs().max()))
     scale = float(want.abs().max().clamp(min=1.0))
     tolerance = (1e-4 if model.dtype == torch.float32 else 3e-2) * scale
     if not error <= tolerance:
-        return (f"a cached forward over several new tokens disagrees with step-by-step decoding (largest logit "
-                f"difference {error:.3g}, against {tolerance:.3g} of rounding)")
+        return (
+            f"a cached forward over several new tokens disagrees with step-by-step decoding (largest logit "
+            f"difference {error:.3g}, against {tolerance:.3g} of rounding)"
+        )
     return None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["main"]
 
-DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 TASK_PROMPTS = 16  # held-out prompts per task in the embedded zoo (hf_specdec/zoo_models/heldout_prompts.json)
 
 
@@ -64,8 +64,9 @@ def _check_output_file(flag: str, name: str | None) -> None:
     path = Path(name).expanduser()
     folder = path.parent
     if not folder.is_dir():
-        raise CLIError(f"{flag} {name!r}: the folder {str(folder)!r} does not exist; create it first or pick "
-                       "another path")
+        raise CLIError(
+            f"{flag} {name!r}: the folder {str(folder)!r} does not exist; create it first or pick another path"
+        )
     if path.is_dir():
         raise CLIError(f"{flag} {name!r} is a directory; pass a file name")
     if not os.access(folder, os.W_OK):
@@ -92,8 +93,10 @@ def _load_target(name: str | None, dtype: str = "float32", gguf_file: str | None
 
     if name is None:
         if placement:
-            raise CLIError("--device-map, --offload-folder and --tp-plan need --target PATH (the embedded zoo model "
-                           "is loaded whole)")
+            raise CLIError(
+                "--device-map, --offload-folder and --tp-plan need --target PATH (the embedded zoo model "
+                "is loaded whole)"
+            )
         target, _, tokenizer = zoo.load_default(dtype=getattr(torch, dtype))
         return hf_specdec.enable(target), tokenizer
     from transformers import AutoTokenizer
@@ -101,7 +104,7 @@ def _load_target(name: str | None, dtype: str = "float32", gguf_file: str | None
     target = hf_specdec.enable(_load_model(name, dtype, gguf_file, **placement))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except Exception as err:  # noqa: BLE001 - any loading failure is a user-facing one-liner
+    except Exception as err:
         raise CLIError(f"could not load a tokenizer from {name!r}: {_one_line(err)}") from None
     return target, tokenizer
 
@@ -117,18 +120,22 @@ def _load_model(name: str, dtype: str = "float32", gguf_file: str | None = None,
             raise CLIError(f"--gguf-file {gguf_file!r} is not a file in {name!r}")
         try:
             return AutoModelForCausalLM.from_pretrained(name, gguf_file=gguf_file, dtype=getattr(torch, dtype)).eval()
-        except Exception as err:  # noqa: BLE001
-            raise CLIError(f"could not load {gguf_file!r} from {name!r} (GGUF needs `pip install gguf`): "
-                           f"{_one_line(err)}") from None
+        except Exception as err:
+            raise CLIError(
+                f"could not load {gguf_file!r} from {name!r} (GGUF needs `pip install gguf`): {_one_line(err)}"
+            ) from None
     try:
         # safetensors only: a directory holding only a pickle checkpoint never reaches the unpickler
-        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype), use_safetensors=True,
-                                                    **placement).eval()
-    except Exception as err:  # noqa: BLE001 - corrupt checkpoints raise many types (OSError, SafetensorsError...)
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=getattr(torch, dtype), use_safetensors=True, **placement
+        ).eval()
+    except Exception as err:
         hint = ""
         if Path(name).is_dir() and not any(Path(name).glob("*.safetensors")):
-            hint = ("; hf-specdec loads safetensors only and never unpickles: load the pickle checkpoint where you "
-                    "trust it and re-save it with `save_pretrained` (which writes safetensors)")
+            hint = (
+                "; hf-specdec loads safetensors only and never unpickles: load the pickle checkpoint where you "
+                "trust it and re-save it with `save_pretrained` (which writes safetensors)"
+            )
         raise CLIError(f"could not load a model from {name!r}: {_one_line(err)}{hint}") from None
 
 
@@ -154,7 +161,7 @@ def _load_drafter(spec: list[str] | None, *, embedded_target: bool, dtype: str =
             raise CLIError(f"no such n-gram drafter directory: {path!r}")
         try:
             return {"drafter": NGramDrafter.from_pretrained(path)}
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise CLIError(f"could not load an n-gram drafter from {path!r}: {_one_line(err)}") from None
     if path is None:
         import torch
@@ -171,11 +178,15 @@ def _check_vocabulary(target, drafter_kwargs: dict) -> None:
     model = drafter_kwargs.get("assistant_model")
     table = drafter_kwargs.get("drafter")
     if model is not None and logits_width(model) != width:
-        raise CLIError(f"the drafter has a vocabulary of {logits_width(model)} tokens but the target has {width}; "
-                       "a drafter must share the target's tokenizer")
+        raise CLIError(
+            f"the drafter has a vocabulary of {logits_width(model)} tokens but the target has {width}; "
+            "a drafter must share the target's tokenizer"
+        )
     if hasattr(table, "vocab_size") and table.vocab_size != width:
-        raise CLIError(f"the n-gram drafter was built for a vocabulary of {table.vocab_size} tokens but the target "
-                       f"has {width}; rebuild it with `hf-specdec build-ngram` and the target's tokenizer")
+        raise CLIError(
+            f"the n-gram drafter was built for a vocabulary of {table.vocab_size} tokens but the target "
+            f"has {width}; rebuild it with `hf-specdec build-ngram` and the target's tokenizer"
+        )
 
 
 def _read_text_file(path: Path) -> str | None:
@@ -196,8 +207,9 @@ def _read_prompt(args) -> str:
         except OSError as err:
             raise CLIError(f"cannot read --prompt-file {args.prompt_file!r}: {err.strerror or err}") from None
         if text is None:
-            raise CLIError(f"--prompt-file {args.prompt_file!r} is not a UTF-8 text file (binary data); pass a text "
-                           "file")
+            raise CLIError(
+                f"--prompt-file {args.prompt_file!r} is not a UTF-8 text file (binary data); pass a text file"
+            )
         if not text:
             raise CLIError(f"--prompt-file {args.prompt_file!r} is empty")
         return text
@@ -225,8 +237,11 @@ def _read_texts(files: list[str]) -> list[str]:
                 continue
             texts.append(text)
     if skipped:
-        print(f"hf-specdec: warning: skipped {len(skipped)} binary or non-UTF-8 file(s): {', '.join(skipped[:5])}"
-              f"{' ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+        print(
+            f"hf-specdec: warning: skipped {len(skipped)} binary or non-UTF-8 file(s): {', '.join(skipped[:5])}"
+            f"{' ...' if len(skipped) > 5 else ''}",
+            file=sys.stderr,
+        )
     if not any(text.strip() for text in texts):
         raise CLIError(f"the corpus is empty: {' '.join(files)} holds no text")
     return texts
@@ -285,8 +300,11 @@ def demo(args: argparse.Namespace) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
     methods = {"plain": lambda: GenerationMixin.generate(target, ids, **common)}
     for name, drafter_kwargs in drafters.items():
-        methods[name] = (lambda kwargs: lambda: target.generate(
-            ids, speculative_gamma=gamma, return_dict_in_generate=True, **kwargs, **common))(drafter_kwargs)
+        methods[name] = (
+            lambda kwargs: (
+                lambda: target.generate(ids, speculative_gamma=gamma, return_dict_in_generate=True, **kwargs, **common)
+            )
+        )(drafter_kwargs)
     warm = dict(max_new_tokens=4, do_sample=False)  # first calls pay one-off costs (allocations, lazy init)
     GenerationMixin.generate(target, ids[:, :8], **warm)
     for drafter_kwargs in drafters.values():
@@ -298,28 +316,34 @@ def demo(args: argparse.Namespace) -> int:
     print(f"Held-out {args.task} prompt {example['id']} ({ids.shape[1]} tokens), ending:")
     print("\n".join(example["prompt"].rstrip("\n").splitlines()[-5:]))
     print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens, plain greedy generate: {median['plain']:.2f} s) ---")
-    print(tokenizer.decode(plain[0, ids.shape[1]:]))
+    print(tokenizer.decode(plain[0, ids.shape[1] :]))
     print("---")
     print(f"{threads}; times are medians of {args.repeats} interleaved run(s), spread = (max - min) / median")
     labels = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
     all_same = True
-    print(f"{'drafter (gamma=' + str(gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
-          f"{'alpha':>6} {'tokens/call':>11} {'identical':>9}")
+    print(
+        f"{'drafter (gamma=' + str(gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
+        f"{'alpha':>6} {'tokens/call':>11} {'identical':>9}"
+    )
     print(f"{'none (plain generate)':28s} {median['plain']:8.2f} {_spread(seconds['plain']):6.0%} {1:7.2f}x")
     for name in drafters:
         out = outputs[name]
         stats = out.speculative_stats
         same = torch.equal(out.sequences, plain)
         all_same &= same
-        print(f"{labels[name]:28s} {median[name]:8.2f} {_spread(seconds[name]):6.0%} "
-              f"{median['plain'] / median[name]:7.2f}x {stats.alpha:6.3f} {stats.mean_accepted_length:11.2f} "
-              f"{str(same):>9}")
+        print(
+            f"{labels[name]:28s} {median[name]:8.2f} {_spread(seconds[name]):6.0%} "
+            f"{median['plain'] / median[name]:7.2f}x {stats.alpha:6.3f} {stats.mean_accepted_length:11.2f} "
+            f"{str(same):>9}"
+        )
     print(f"output identical to plain generate: {all_same}")
     return 0 if all_same else 1
 
 
-DEMO_INSTRUCTION = ("Rewrite this function with clearer names and a docstring:\n\ndef f(a, b):\n    c = 0\n"
-                    "    for x in a:\n        if x > b:\n            c = c + x\n    return c\n")
+DEMO_INSTRUCTION = (
+    "Rewrite this function with clearer names and a docstring:\n\ndef f(a, b):\n    c = 0\n"
+    "    for x in a:\n        if x > b:\n            c = c + x\n    return c\n"
+)
 
 
 def _demo_model(args: argparse.Namespace, threads: str) -> int:
@@ -333,18 +357,23 @@ def _demo_model(args: argparse.Namespace, threads: str) -> int:
     target, tokenizer = _load_target(args.model, gguf_file=args.gguf_file)
     text = args.prompt or DEMO_INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
     else:
         ids = tokenizer(text, return_tensors="pt").input_ids
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    methods = {"plain generate": lambda: GenerationMixin.generate(target, ids, **common),
-               "prompt lookup": lambda: target.generate(ids, drafter="prompt_lookup", return_dict_in_generate=True,
-                                                        speculative_gamma=args.gamma, **common)}
+    methods = {
+        "plain generate": lambda: GenerationMixin.generate(target, ids, **common),
+        "prompt lookup": lambda: target.generate(
+            ids, drafter="prompt_lookup", return_dict_in_generate=True, speculative_gamma=args.gamma, **common
+        ),
+    }
     if args.eagle is not None:
         head = EagleDrafter.from_pretrained(args.eagle, target=target)
-        methods["EAGLE-3 head"] = lambda: target.generate(ids, drafter=head, return_dict_in_generate=True,
-                                                          speculative_gamma=args.gamma, **common)
+        methods["EAGLE-3 head"] = lambda: target.generate(
+            ids, drafter=head, return_dict_in_generate=True, speculative_gamma=args.gamma, **common
+        )
     for method in methods.values():  # warm-up: first calls pay one-off costs
         method()
     seconds, outputs = _interleaved(methods, args.repeats, "demo")
@@ -352,7 +381,7 @@ def _demo_model(args: argparse.Namespace, threads: str) -> int:
     median = {name: statistics.median(times) for name, times in seconds.items()}
     print(f"{type(target).__name__} from {args.model}; prompt ({ids.shape[1]} tokens):\n{text}")
     print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens) ---")
-    print(tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True))
+    print(tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True))
     print("---")
     print(f"{threads}; times are medians of {args.repeats} interleaved run(s)")
     all_same = True
@@ -361,10 +390,11 @@ def _demo_model(args: argparse.Namespace, threads: str) -> int:
         sequences = out if name == "plain generate" else out.sequences
         same = torch.equal(sequences, plain)
         all_same &= same
-        extra = "" if name == "plain generate" else (
-            f" {out.speculative_stats.mean_accepted_length:5.2f} tokens/call")
-        print(f"{name:16s} {median[name]:7.2f} s {median['plain generate'] / median[name]:6.2f}x{extra}  identical: "
-              f"{same}")
+        extra = "" if name == "plain generate" else (f" {out.speculative_stats.mean_accepted_length:5.2f} tokens/call")
+        print(
+            f"{name:16s} {median[name]:7.2f} s {median['plain generate'] / median[name]:6.2f}x{extra}  identical: "
+            f"{same}"
+        )
     return 0 if all_same else 1
 
 
@@ -376,8 +406,10 @@ def train_drafter(args: argparse.Namespace) -> int:
     threads = _set_threads(args.threads)
     _check_output_dir("--output", args.output)
     if args.prompts is None and not args.texts and not args.synthetic_prompts:
-        raise CLIError("train-drafter needs data: --prompts FILE (one instruction per line, the target answers them), "
-                       "--texts FILE [FILE ...] and/or --synthetic-prompts N (the target writes N instructions)")
+        raise CLIError(
+            "train-drafter needs data: --prompts FILE (one instruction per line, the target answers them), "
+            "--texts FILE [FILE ...] and/or --synthetic-prompts N (the target writes N instructions)"
+        )
     if args.minutes is None and args.steps is None:
         raise CLIError("train-drafter needs a budget: --minutes M and/or --steps N")
     prompts = None
@@ -390,16 +422,31 @@ def train_drafter(args: argparse.Namespace) -> int:
     target, tokenizer = _load_target(args.target, gguf_file=args.gguf_file)
     print(threads, file=sys.stderr)
     drafter = train_eagle_drafter(
-        target, prompts, texts, tokenizer=tokenizer, max_minutes=args.minutes, num_steps=args.steps,
-        accelerator=Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision), output_dir=args.output,
-        resume_from_checkpoint=True if args.resume else None, draft_vocab_size=args.draft_vocab_size,
-        ttt_steps=args.ttt_steps, max_answer_tokens=args.max_answer_tokens, batch_size=args.batch_size,
-        num_synthetic_prompts=args.synthetic_prompts, answer_dtype=args.answer_dtype,
-        feature_dtype=args.feature_dtype, generation_batch_size=args.generation_batch_size, learning_rate=args.lr,
-        seed=args.seed)
+        target,
+        prompts,
+        texts,
+        tokenizer=tokenizer,
+        max_minutes=args.minutes,
+        num_steps=args.steps,
+        accelerator=Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision),
+        output_dir=args.output,
+        resume_from_checkpoint=True if args.resume else None,
+        draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps,
+        max_answer_tokens=args.max_answer_tokens,
+        batch_size=args.batch_size,
+        num_synthetic_prompts=args.synthetic_prompts,
+        answer_dtype=args.answer_dtype,
+        feature_dtype=args.feature_dtype,
+        generation_batch_size=args.generation_batch_size,
+        learning_rate=args.lr,
+        seed=args.seed,
+    )
     info = drafter.training_info
-    print(f"EAGLE-3 head written to {args.output}: {info['steps']} steps, {info['wall time']}, held-out top-1 "
-          f"agreement per draft step {info['held-out top-1 agreement per draft step']}")
+    print(
+        f"EAGLE-3 head written to {args.output}: {info['steps']} steps, {info['wall time']}, held-out top-1 "
+        f"agreement per draft step {info['held-out top-1 agreement per draft step']}"
+    )
     return 0
 
 
@@ -408,26 +455,34 @@ def _placement(args: argparse.Namespace) -> dict:
     transformers' tensor parallelism (`tp_plan`, under `torchrun`)."""
     placement = {}
     if args.offload_folder is not None and args.device_map is None:
-        raise CLIError("--offload-folder needs --device-map (e.g. --device-map auto); it is where layers that fit "
-                       "nowhere else are offloaded to disk")
+        raise CLIError(
+            "--offload-folder needs --device-map (e.g. --device-map auto); it is where layers that fit "
+            "nowhere else are offloaded to disk"
+        )
     if args.device_map is not None:
         if args.tp_plan is not None:
-            raise CLIError("--device-map and --tp-plan exclude each other: pick accelerate's dispatch (--device-map) "
-                           "or tensor parallelism (--tp-plan)")
+            raise CLIError(
+                "--device-map and --tp-plan exclude each other: pick accelerate's dispatch (--device-map) "
+                "or tensor parallelism (--tp-plan)"
+            )
         device_map = args.device_map
         if device_map.lstrip().startswith("{"):
             try:
                 device_map = json.loads(device_map)
             except json.JSONDecodeError as err:
-                raise CLIError(f"--device-map {args.device_map!r} is not valid JSON ({err.msg}); pass 'auto', a "
-                               "device such as 'cpu', or a JSON object {\"module name\": \"device\"}") from None
+                raise CLIError(
+                    f"--device-map {args.device_map!r} is not valid JSON ({err.msg}); pass 'auto', a "
+                    'device such as \'cpu\', or a JSON object {"module name": "device"}'
+                ) from None
         placement["device_map"] = device_map
         if args.offload_folder is not None:
             placement["offload_folder"] = args.offload_folder
     if args.tp_plan is not None:
         if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-            raise CLIError("--tp-plan shards the target over the processes of a launch: run it under `torchrun "
-                           "--nproc-per-node N -m hf_specdec.cli generate ...` with N >= 2")
+            raise CLIError(
+                "--tp-plan shards the target over the processes of a launch: run it under `torchrun "
+                "--nproc-per-node N -m hf_specdec.cli generate ...` with N >= 2"
+            )
         from transformers import DistributedConfig
 
         placement["distributed_config"] = DistributedConfig(tp_plan=args.tp_plan)
@@ -442,8 +497,12 @@ def generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     if args.dataset is not None:
         return _generate_dataset(args)
-    for flag, value in (("--output", args.output), ("--resume", args.resume or None),
-                        ("--batch-size", args.batch_size), ("--text-field", args.text_field)):
+    for flag, value in (
+        ("--output", args.output),
+        ("--resume", args.resume or None),
+        ("--batch-size", args.batch_size),
+        ("--text-field", args.text_field),
+    ):
         if value is not None:
             raise CLIError(f"{flag} goes with --dataset FILE (generation over a dataset); drop it, or pass --dataset")
     prompt = _read_prompt(args)
@@ -455,15 +514,26 @@ def generate(args: argparse.Namespace) -> int:
         raise CLIError("the prompt is empty after tokenization; pass a non-empty --prompt")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    elapsed, out = _timed(lambda: target.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, speculative_gamma=args.gamma,
-        return_dict_in_generate=True, **_sampling(args), **drafter_kwargs))
-    new = out.sequences[0, ids.shape[1]:]
+    elapsed, out = _timed(
+        lambda: target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            speculative_gamma=args.gamma,
+            return_dict_in_generate=True,
+            **_sampling(args),
+            **drafter_kwargs,
+        )
+    )
+    new = out.sequences[0, ids.shape[1] :]
     if _is_main_process():
         print(prompt + tokenizer.decode(new, skip_special_tokens=True))
         stats = out.speculative_stats
-        print(f"[{len(new)} tokens in {elapsed:.2f} s, alpha {stats.alpha:.3f}, "
-              f"{stats.mean_accepted_length:.2f} tokens per target call]", file=sys.stderr)
+        print(
+            f"[{len(new)} tokens in {elapsed:.2f} s, alpha {stats.alpha:.3f}, "
+            f"{stats.mean_accepted_length:.2f} tokens per target call]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -492,8 +562,10 @@ def _generate_dataset(args: argparse.Namespace) -> int:
         raise CLIError("--dataset needs --output FILE, the JSONL file the completions are written to")
     _check_output_file("--output", args.output)
     if Path(args.output).exists() and not args.resume:
-        raise CLIError(f"--output {args.output!r} exists; pass --resume to continue it after an interruption, or "
-                       "choose another path")
+        raise CLIError(
+            f"--output {args.output!r} exists; pass --resume to continue it after an interruption, or "
+            "choose another path"
+        )
     text_field = args.text_field or "prompt"
     dataset = Path(args.dataset)
     if dataset.is_dir():  # a `datasets` dataset saved with `save_to_disk`
@@ -501,11 +573,13 @@ def _generate_dataset(args: argparse.Namespace) -> int:
 
         try:
             loaded = datasets.load_from_disk(str(dataset))
-        except Exception as err:  # noqa: BLE001 - any loading failure is a user-facing one-liner
+        except Exception as err:
             raise CLIError(f"could not load a `datasets` dataset from {args.dataset!r}: {_one_line(err)}") from None
         if isinstance(loaded, datasets.DatasetDict):
-            raise CLIError(f"--dataset {args.dataset!r} holds the splits {sorted(loaded)}; pass one split's folder, "
-                           f"e.g. {str(dataset / sorted(loaded)[0])!r}")
+            raise CLIError(
+                f"--dataset {args.dataset!r} holds the splits {sorted(loaded)}; pass one split's folder, "
+                f"e.g. {str(dataset / sorted(loaded)[0])!r}"
+            )
         rows = load_rows(loaded, text_field)
     elif dataset.is_file():
         rows = load_rows(dataset, text_field)  # errors name the line, before any model is loaded
@@ -522,12 +596,25 @@ def _generate_dataset(args: argparse.Namespace) -> int:
             drafter_kwargs["assistant_model"].to(device)
     start = time.perf_counter()
     written = generate_dataset(
-        target, tokenizer, rows, args.output, text_field=text_field, batch_size=args.batch_size or 8,
-        resume=args.resume, seed=args.seed, max_new_tokens=args.max_new_tokens, speculative_gamma=args.gamma,
-        **_sampling(args), **drafter_kwargs)
+        target,
+        tokenizer,
+        rows,
+        args.output,
+        text_field=text_field,
+        batch_size=args.batch_size or 8,
+        resume=args.resume,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        speculative_gamma=args.gamma,
+        **_sampling(args),
+        **drafter_kwargs,
+    )
     if _is_main_process():
-        print(f"{written} row(s) generated in {time.perf_counter() - start:.1f} s on {execution_device(target)}; "
-              f"{len(rows)} row(s) in {args.output}", file=sys.stderr)
+        print(
+            f"{written} row(s) generated in {time.perf_counter() - start:.1f} s on {execution_device(target)}; "
+            f"{len(rows)} row(s) in {args.output}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -553,16 +640,20 @@ def bench(args: argparse.Namespace) -> int:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise CLIError("--plot needs matplotlib, which is not installed: `pip install \"hf-specdec[plot]\"` "
-                           "(or `pip install matplotlib`)") from None
+            raise CLIError(
+                '--plot needs matplotlib, which is not installed: `pip install "hf-specdec[plot]"` '
+                "(or `pip install matplotlib`)"
+            ) from None
     if args.prompt is not None or args.prompt_file is not None:
         prompts = [_read_prompt(args)]
     else:
         from hf_specdec.zoo.tasks import load_prompts
 
         if args.prompts > TASK_PROMPTS:
-            raise CLIError(f"--prompts {args.prompts}: the {args.task} task has {TASK_PROMPTS} held-out prompts; "
-                           f"pass --prompts {TASK_PROMPTS} or fewer")
+            raise CLIError(
+                f"--prompts {args.prompts}: the {args.task} task has {TASK_PROMPTS} held-out prompts; "
+                f"pass --prompts {TASK_PROMPTS} or fewer"
+            )
         prompts = [item["prompt"] for item in load_prompts()[args.task][: args.prompts]]
     threads = _set_threads(args.threads)
     target, tokenizer = _load_target(args.target, args.dtype)
@@ -593,9 +684,15 @@ def bench(args: argparse.Namespace) -> int:
     def ours(ids, gamma):
         # each γ measured as itself, as transformers' constant schedule and Theorem 3.8 at γ beside it (the default
         # policy would draft at most γ, fewer where fewer pay)
-        return target.generate(ids, attention_mask=torch.ones_like(ids), speculative_gamma=gamma,
-                               speculative_gamma_policy="constant", return_dict_in_generate=True, **drafter_kwargs,
-                               **common)
+        return target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            speculative_gamma=gamma,
+            speculative_gamma_policy="constant",
+            return_dict_in_generate=True,
+            **drafter_kwargs,
+            **common,
+        )
 
     methods = {"plain": plain, "transformers": assisted, "hf_specdec": ours}
     if not ("assistant_model" in drafter_kwargs or drafter_kwargs.get("drafter") == "prompt_lookup"):
@@ -629,44 +726,75 @@ def bench(args: argparse.Namespace) -> int:
             calls = sum(s.target_calls for s in stats_list)
             v = sum(s.verify_time_s for s in stats_list) / max(1, calls) / plain_step
             clipped = min(alpha, 1 - 1e-9)
-            rows.append({
-                "gamma": gamma, "alpha": alpha, "c": c, "v": v,
-                "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, calls),
-                "plain_s": median["plain"], "transformers_s": median.get("transformers"),
-                "hf_specdec_s": median["hf_specdec"],
-                "runs_s": seconds, "spread": max(_spread(times) for times in seconds.values()),
-                "speedup_over_plain": median["plain"] / median["hf_specdec"],
-                "transformers_speedup_over_plain": (median["plain"] / median["transformers"]
-                                                    if "transformers" in median else None),
-                "speedup_over_transformers": (median["transformers"] / median["hf_specdec"]
-                                              if "transformers" in median else None),
-                "theorem_3_8": expected_speedup(alpha=clipped, gamma=gamma, c=c),
-                "theorem_3_8_at_measured_v": expected_tokens_per_round(clipped, gamma) / (gamma * c + v),
-                "identical_to_plain": identical,
-                "gammas_drafted": sorted({g for s in stats_list for g in s.gamma_history}),
-            })
+            rows.append(
+                {
+                    "gamma": gamma,
+                    "alpha": alpha,
+                    "c": c,
+                    "v": v,
+                    "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, calls),
+                    "plain_s": median["plain"],
+                    "transformers_s": median.get("transformers"),
+                    "hf_specdec_s": median["hf_specdec"],
+                    "runs_s": seconds,
+                    "spread": max(_spread(times) for times in seconds.values()),
+                    "speedup_over_plain": median["plain"] / median["hf_specdec"],
+                    "transformers_speedup_over_plain": (
+                        median["plain"] / median["transformers"] if "transformers" in median else None
+                    ),
+                    "speedup_over_transformers": (
+                        median["transformers"] / median["hf_specdec"] if "transformers" in median else None
+                    ),
+                    "theorem_3_8": expected_speedup(alpha=clipped, gamma=gamma, c=c),
+                    "theorem_3_8_at_measured_v": expected_tokens_per_round(clipped, gamma) / (gamma * c + v),
+                    "identical_to_plain": identical,
+                    "gammas_drafted": sorted({g for s in stats_list for g in s.gamma_history}),
+                }
+            )
     drafter_name = " ".join(args.drafter or ["model"])
-    print(f"{len(prompts)} prompt(s) x {args.repeats} interleaved repeat(s) after a warm-up, {args.max_new_tokens} "
-          f"new tokens, greedy, drafter {drafter_name}, {threads}")
-    print("times: medians over repeats; spread: (max - min) / median, the worst method; c: drafter step / plain "
-          "step; v: verify forward / plain step; Thm 3.8: as stated (v = 1), and at the measured v")
-    header = (f"{'gamma':>5} {'plain s':>8} {'transf. s':>9} {'ours s':>8} {'x plain':>8} {'x transf.':>9} "
-              f"{'spread':>6} {'alpha':>6} {'c':>6} {'v':>5} {'Thm 3.8':>8} {'at v':>6} {'same':>5}")
+    print(
+        f"{len(prompts)} prompt(s) x {args.repeats} interleaved repeat(s) after a warm-up, {args.max_new_tokens} "
+        f"new tokens, greedy, drafter {drafter_name}, {threads}"
+    )
+    print(
+        "times: medians over repeats; spread: (max - min) / median, the worst method; c: drafter step / plain "
+        "step; v: verify forward / plain step; Thm 3.8: as stated (v = 1), and at the measured v"
+    )
+    header = (
+        f"{'gamma':>5} {'plain s':>8} {'transf. s':>9} {'ours s':>8} {'x plain':>8} {'x transf.':>9} "
+        f"{'spread':>6} {'alpha':>6} {'c':>6} {'v':>5} {'Thm 3.8':>8} {'at v':>6} {'same':>5}"
+    )
     print(header)
     for row in rows:
         transformers_s = f"{row['transformers_s']:9.2f}" if row["transformers_s"] is not None else f"{'n/a':>9}"
         over = f"{row['speedup_over_transformers']:9.2f}" if row["speedup_over_transformers"] else f"{'n/a':>9}"
         spread = f"{row['spread']:6.0%}" if args.repeats > 1 else f"{'n/a':>6}"
-        print(f"{row['gamma']:>5} {row['plain_s']:8.2f} {transformers_s} {row['hf_specdec_s']:8.2f} "
-              f"{row['speedup_over_plain']:8.2f} {over} {spread} {row['alpha']:6.3f} {row['c']:6.3f} "
-              f"{row['v']:5.2f} {row['theorem_3_8']:8.2f} {row['theorem_3_8_at_measured_v']:6.2f} "
-              f"{str(row['identical_to_plain']):>5}")
+        print(
+            f"{row['gamma']:>5} {row['plain_s']:8.2f} {transformers_s} {row['hf_specdec_s']:8.2f} "
+            f"{row['speedup_over_plain']:8.2f} {over} {spread} {row['alpha']:6.3f} {row['c']:6.3f} "
+            f"{row['v']:5.2f} {row['theorem_3_8']:8.2f} {row['theorem_3_8_at_measured_v']:6.2f} "
+            f"{str(row['identical_to_plain']):>5}"
+        )
     if args.repeats > 1 and max(row["spread"] for row in rows) > 0.2:
-        print("warning: repeated timings differ by more than 20%: the machine is busy; read the ratios with care, "
-              "or rerun with more --repeats or fewer --threads", file=sys.stderr)
+        print(
+            "warning: repeated timings differ by more than 20%: the machine is busy; read the ratios with care, "
+            "or rerun with more --repeats or fewer --threads",
+            file=sys.stderr,
+        )
     if args.output:
-        Path(args.output).write_text(json.dumps({"rows": rows, "prompts": len(prompts), "repeats": args.repeats,
-                                                 "threads": threads, "drafter": drafter_name}, indent=1) + "\n")
+        Path(args.output).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "prompts": len(prompts),
+                    "repeats": args.repeats,
+                    "threads": threads,
+                    "drafter": drafter_name,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     if args.plot is not None:
         figure, axes = plt.subplots(figsize=(6.4, 4.4))
         alpha = sum(r["alpha"] for r in rows) / len(rows)
@@ -674,27 +802,48 @@ def bench(args: argparse.Namespace) -> int:
         verify_cost = _verify_cost_line(rows)
         clipped = min(alpha, 1 - 1e-9)
         curve = list(range(1, max(gammas) + 2))
-        axes.plot(curve, [expected_speedup(alpha=clipped, gamma=g, c=c) for g in curve], "--", color="tab:blue",
-                  label=f"Theorem 3.8 as stated (a verify forward costs 1 step; alpha={alpha:.2f}, c={c:.2f})")
-        axes.plot(curve, [expected_tokens_per_round(clipped, g) / (g * c + verify_cost(g)) for g in curve], "-",
-                  color="tab:blue", label="Theorem 3.8 at the measured verify cost v (see table)")
-        axes.plot(gammas, [r["speedup_over_plain"] for r in rows], "o", color="tab:orange",
-                  label="hf_specdec (measured)")
+        axes.plot(
+            curve,
+            [expected_speedup(alpha=clipped, gamma=g, c=c) for g in curve],
+            "--",
+            color="tab:blue",
+            label=f"Theorem 3.8 as stated (a verify forward costs 1 step; alpha={alpha:.2f}, c={c:.2f})",
+        )
+        axes.plot(
+            curve,
+            [expected_tokens_per_round(clipped, g) / (g * c + verify_cost(g)) for g in curve],
+            "-",
+            color="tab:blue",
+            label="Theorem 3.8 at the measured verify cost v (see table)",
+        )
+        axes.plot(
+            gammas, [r["speedup_over_plain"] for r in rows], "o", color="tab:orange", label="hf_specdec (measured)"
+        )
         if "transformers" in methods:
-            axes.plot(gammas, [r["transformers_speedup_over_plain"] for r in rows], "s", color="tab:green",
-                      label="transformers' assisted generation (measured)")
+            axes.plot(
+                gammas,
+                [r["transformers_speedup_over_plain"] for r in rows],
+                "s",
+                color="tab:green",
+                label="transformers' assisted generation (measured)",
+            )
         axes.axhline(1.0, color="grey", lw=0.5)
-        axes.set_title(f"Speedup over plain generate: drafter {drafter_name}, target {args.target or 'embedded zoo'}"
-                       f"\n{len(prompts)} prompt(s) x {args.repeats} repeat(s), {args.max_new_tokens} new tokens, "
-                       f"greedy, {threads.split(' (')[0]}", fontsize=9)
+        axes.set_title(
+            f"Speedup over plain generate: drafter {drafter_name}, target {args.target or 'embedded zoo'}"
+            f"\n{len(prompts)} prompt(s) x {args.repeats} repeat(s), {args.max_new_tokens} new tokens, "
+            f"greedy, {threads.split(' (')[0]}",
+            fontsize=9,
+        )
         axes.set_xlabel("gamma (drafted tokens per round)")
         axes.xaxis.get_major_locator().set_params(integer=True)
         axes.set_ylabel("speedup over plain generate")
         axes.legend(fontsize=7)
         figure.tight_layout()
         figure.savefig(args.plot)
-        print(f"plot written to {args.plot} (dashed: Theorem 3.8 with a verify forward as cheap as one decoding step, "
-              "as the paper assumes; solid: priced at the measured verify cost, the closer bound on this machine)")
+        print(
+            f"plot written to {args.plot} (dashed: Theorem 3.8 with a verify forward as cheap as one decoding step, "
+            "as the paper assumes; solid: priced at the measured verify cost, the closer bound on this machine)"
+        )
     return 0 if all(row["identical_to_plain"] for row in rows) else 1
 
 
@@ -712,12 +861,20 @@ def build_ngram(args: argparse.Namespace) -> int:
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise CLIError(f"could not load a tokenizer from {args.tokenizer!r}: {_one_line(err)}") from None
     names = " ".join(Path(name).name or name for name in args.files)  # no local absolute paths in a shared card
     metadata = {"tokenizer_name": tokenizer_name} if tokenizer_name else {}
-    table = NGramDrafter.from_texts(texts, tokenizer=tokenizer, n=args.n, top_k=args.top_k, show_progress=True,
-                                    batch_size=16, corpus_description=f"{len(texts)} files from {names}", **metadata)
+    table = NGramDrafter.from_texts(
+        texts,
+        tokenizer=tokenizer,
+        n=args.n,
+        top_k=args.top_k,
+        show_progress=True,
+        batch_size=16,
+        corpus_description=f"{len(texts)} files from {names}",
+        **metadata,
+    )
     table.save_pretrained(args.output)
     print(f"n-gram drafter (n={args.n}, {len(texts)} files) written to {args.output}")
     return 0
@@ -726,7 +883,6 @@ def build_ngram(args: argparse.Namespace) -> int:
 def distill(args: argparse.Namespace) -> int:
     import copy
 
-    import torch
     from accelerate import Accelerator
 
     from hf_specdec.distill import distill_drafter
@@ -740,13 +896,25 @@ def distill(args: argparse.Namespace) -> int:
     if hasattr(config, "layer_types"):
         config.layer_types = None
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision)
-    drafter = distill_drafter(target, texts, config, tokenizer=tokenizer, objective=args.objective,
-                              num_steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                              learning_rate=args.lr, seed=args.seed, accelerator=accelerator,
-                              output_dir=args.output)
+    drafter = distill_drafter(
+        target,
+        texts,
+        config,
+        tokenizer=tokenizer,
+        objective=args.objective,
+        num_steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.lr,
+        seed=args.seed,
+        accelerator=accelerator,
+        output_dir=args.output,
+    )
     tokenizer.save_pretrained(args.output)
-    print(f"{args.layers}-layer drafter ({sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters) "
-          f"written to {args.output}")
+    print(
+        f"{args.layers}-layer drafter ({sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters) "
+        f"written to {args.output}"
+    )
     return 0
 
 
@@ -820,103 +988,209 @@ def _parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=help, description=help, formatter_class=_Formatter)
 
     def threads(sub):
-        sub.add_argument("--threads", type=_positive_int, default=None, metavar="N",
-                         help="torch CPU threads (default: no more than the idle cores, from the load average)")
+        sub.add_argument(
+            "--threads",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help="torch CPU threads (default: no more than the idle cores, from the load average)",
+        )
 
     def training(sub):
         sub.add_argument("--lr", type=_positive_float, default=1e-3, help="learning rate")
         sub.add_argument("--seed", type=int, default=0, help="torch seed")
-        sub.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"],
-                         help="accelerate's setting")
+        sub.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"], help="accelerate's setting")
         sub.add_argument("--cpu", action="store_true", help="force the CPU even when an accelerator is present")
         threads(sub)
 
     def model_args(sub, gamma_nargs=None):
-        sub.add_argument("--target", default=None, metavar="PATH",
-                         help="local directory or Hub id of a causal LM, safetensors only (default: the embedded "
-                              "zoo model)")
-        sub.add_argument("--drafter", nargs="+", metavar="KIND [PATH]", default=None,
-                         help="prompt_lookup | ngram [PATH] | model [PATH]: PATH is a local directory or Hub id, "
-                              "optional with the embedded target (default: model, the embedded distilled drafter)")
+        sub.add_argument(
+            "--target",
+            default=None,
+            metavar="PATH",
+            help="local directory or Hub id of a causal LM, safetensors only (default: the embedded zoo model)",
+        )
+        sub.add_argument(
+            "--drafter",
+            nargs="+",
+            metavar="KIND [PATH]",
+            default=None,
+            help="prompt_lookup | ngram [PATH] | model [PATH]: PATH is a local directory or Hub id, "
+            "optional with the embedded target (default: model, the embedded distilled drafter)",
+        )
         if gamma_nargs:
-            sub.add_argument("--gamma", type=_positive_int, nargs=gamma_nargs, default=[4], metavar="N",
-                             help="one or more draft lengths, each measured at a constant γ")
+            sub.add_argument(
+                "--gamma",
+                type=_positive_int,
+                nargs=gamma_nargs,
+                default=[4],
+                metavar="N",
+                help="one or more draft lengths, each measured at a constant γ",
+            )
         else:
-            sub.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
-                             help="draft length (default: the drafter's own, as in `generate`: 10 for prompt "
-                                  "lookup, else 5)")
-        sub.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N",
-                         help="tokens to generate per prompt")
-        sub.add_argument("--prompt", default=None, metavar="TEXT",
-                         help="the prompt text (default: a short Python function header)")
-        sub.add_argument("--prompt-file", default=None, metavar="FILE",
-                         help="read the prompt from this UTF-8 text file")
-        sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                         help="dtype the models are loaded in")
+            sub.add_argument(
+                "--gamma",
+                type=_positive_int,
+                default=None,
+                metavar="N",
+                help="draft length (default: the drafter's own, as in `generate`: 10 for prompt lookup, else 5)",
+            )
+        sub.add_argument(
+            "--max-new-tokens", type=_positive_int, default=128, metavar="N", help="tokens to generate per prompt"
+        )
+        sub.add_argument(
+            "--prompt", default=None, metavar="TEXT", help="the prompt text (default: a short Python function header)"
+        )
+        sub.add_argument(
+            "--prompt-file", default=None, metavar="FILE", help="read the prompt from this UTF-8 text file"
+        )
+        sub.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["float32", "bfloat16", "float16"],
+            help="dtype the models are loaded in",
+        )
         threads(sub)
 
     tasks = ["completion", "editing", "continuation"]
     sub = command("demo", "speculative vs plain generate with the embedded trained code model")
-    sub.add_argument("--drafter", default="all", choices=["all", "prompt_lookup", "ngram", "model"],
-                     help="which embedded drafter(s) to run against plain generate")
+    sub.add_argument(
+        "--drafter",
+        default="all",
+        choices=["all", "prompt_lookup", "ngram", "model"],
+        help="which embedded drafter(s) to run against plain generate",
+    )
     sub.add_argument("--task", default="completion", choices=tasks, help="which kind of held-out prompt")
-    sub.add_argument("--index", type=int, default=0, choices=range(TASK_PROMPTS), metavar=f"0-{TASK_PROMPTS - 1}",
-                     help="which held-out prompt of the task")
+    sub.add_argument(
+        "--index",
+        type=int,
+        default=0,
+        choices=range(TASK_PROMPTS),
+        metavar=f"0-{TASK_PROMPTS - 1}",
+        help="which held-out prompt of the task",
+    )
     sub.add_argument("--max-new-tokens", type=_positive_int, default=96, metavar="N", help="tokens to generate")
-    sub.add_argument("--gamma", type=_positive_int, default=None, metavar="N",
-                     help="draft length (default: 4 with the embedded zoo; with --model, each drafter's own default: "
-                          "10 for prompt lookup, 5 for an EAGLE head)")
-    sub.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
-                     help="interleaved timed runs of each method; the median is shown")
-    sub.add_argument("--model", default=None, metavar="DIR",
-                     help="run the demo on this local model instead of the embedded zoo (plain vs prompt lookup)")
+    sub.add_argument(
+        "--gamma",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="draft length (default: 4 with the embedded zoo; with --model, each drafter's own default: "
+        "10 for prompt lookup, 5 for an EAGLE head)",
+    )
+    sub.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="interleaved timed runs of each method; the median is shown",
+    )
+    sub.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="run the demo on this local model instead of the embedded zoo (plain vs prompt lookup)",
+    )
     sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --model DIR")
     sub.add_argument("--eagle", default=None, metavar="DIR", help="with --model: an EAGLE-3 head for it, too")
-    sub.add_argument("--prompt", default=None, metavar="TEXT", help="with --model: the instruction (default: a "
-                     "code rewrite)")
+    sub.add_argument(
+        "--prompt", default=None, metavar="TEXT", help="with --model: the instruction (default: a code rewrite)"
+    )
     threads(sub)
     sub.set_defaults(func=demo)
 
-    sub = command("generate", "generate with any target and drafter, for one prompt or a whole dataset "
-                  "(data-parallel under `accelerate launch`)")
+    sub = command(
+        "generate",
+        "generate with any target and drafter, for one prompt or a whole dataset "
+        "(data-parallel under `accelerate launch`)",
+    )
     model_args(sub)
     sub.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     sub.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (--do-sample)")
-    sub.add_argument("--seed", type=int, default=None, help="torch seed for sampling (default: unseeded; with "
-                     "--dataset each batch is seeded with it plus its first row's index)")
-    sub.add_argument("--gamma-policy", default=None, metavar="NAME",
-                     help="how γ is chosen each round: 'constant' keeps --gamma (reproducible rounds), 'auto' "
-                          "adapts it to measured acceptance and cost (default: the library's default, "
-                          "`hf_specdec.policies.list_gamma_policies()` lists them)")
-    sub.add_argument("--dataset", default=None, metavar="FILE",
-                     help="generate for every row of this JSONL file (or folder saved by `datasets`' save_to_disk); "
-                          "rows may carry per-row `generate` options in a 'generation_kwargs' object")
+    sub.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="torch seed for sampling (default: unseeded; with "
+        "--dataset each batch is seeded with it plus its first row's index)",
+    )
+    sub.add_argument(
+        "--gamma-policy",
+        default=None,
+        metavar="NAME",
+        help="how γ is chosen each round: 'constant' keeps --gamma (reproducible rounds), 'auto' "
+        "adapts it to measured acceptance and cost (default: the library's default, "
+        "`hf_specdec.policies.list_gamma_policies()` lists them)",
+    )
+    sub.add_argument(
+        "--dataset",
+        default=None,
+        metavar="FILE",
+        help="generate for every row of this JSONL file (or folder saved by `datasets`' save_to_disk); "
+        "rows may carry per-row `generate` options in a 'generation_kwargs' object",
+    )
     sub.add_argument("--output", default=None, metavar="JSONL", help="with --dataset: the file the rows go to")
-    sub.add_argument("--resume", action="store_true",
-                     help="with --dataset: continue an --output left partial by an interrupted run")
-    sub.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
-                     help="with --dataset: rows per generate call, length-sorted (default 8)")
-    sub.add_argument("--text-field", default=None, metavar="NAME",
-                     help="with --dataset: the row field holding the prompt (default 'prompt')")
-    sub.add_argument("--device-map", default=None, metavar="MAP",
-                     help="load --target with accelerate's device_map: 'auto', a device, or a JSON object of module "
-                          "names to devices ('cpu', 'disk', 0, ...)")
-    sub.add_argument("--offload-folder", default=None, metavar="DIR",
-                     help="with --device-map: where layers offloaded to disk are kept")
-    sub.add_argument("--tp-plan", default=None, choices=["auto"],
-                     help="shard --target with transformers' tensor parallelism, under `torchrun --nproc-per-node N`")
+    sub.add_argument(
+        "--resume", action="store_true", help="with --dataset: continue an --output left partial by an interrupted run"
+    )
+    sub.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --dataset: rows per generate call, length-sorted (default 8)",
+    )
+    sub.add_argument(
+        "--text-field",
+        default=None,
+        metavar="NAME",
+        help="with --dataset: the row field holding the prompt (default 'prompt')",
+    )
+    sub.add_argument(
+        "--device-map",
+        default=None,
+        metavar="MAP",
+        help="load --target with accelerate's device_map: 'auto', a device, or a JSON object of module "
+        "names to devices ('cpu', 'disk', 0, ...)",
+    )
+    sub.add_argument(
+        "--offload-folder",
+        default=None,
+        metavar="DIR",
+        help="with --device-map: where layers offloaded to disk are kept",
+    )
+    sub.add_argument(
+        "--tp-plan",
+        default=None,
+        choices=["auto"],
+        help="shard --target with transformers' tensor parallelism, under `torchrun --nproc-per-node N`",
+    )
     sub.set_defaults(func=generate)
 
     sub = command("bench", "plain vs transformers' assisted vs hf_specdec, side by side")
     model_args(sub, gamma_nargs="+")
     sub.add_argument("--task", default="completion", choices=tasks, help="which kind of held-out prompt")
-    sub.add_argument("--prompts", type=_positive_int, default=4, metavar="N",
-                     help=f"held-out prompts of --task, at most {TASK_PROMPTS} (ignored with --prompt/--prompt-file)")
-    sub.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
-                     help="interleaved repeats of every method; times are medians, with their spread")
-    sub.add_argument("--plot", default=None, metavar="IMAGE",
-                     help="write speedup vs gamma with the Theorem 3.8 curves to this image (needs the `plot` extra: "
-                          "pip install \"hf-specdec[plot]\")")
+    sub.add_argument(
+        "--prompts",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help=f"held-out prompts of --task, at most {TASK_PROMPTS} (ignored with --prompt/--prompt-file)",
+    )
+    sub.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="interleaved repeats of every method; times are medians, with their spread",
+    )
+    sub.add_argument(
+        "--plot",
+        default=None,
+        metavar="IMAGE",
+        help="write speedup vs gamma with the Theorem 3.8 curves to this image (needs the `plot` extra: "
+        'pip install "hf-specdec[plot]")',
+    )
     sub.add_argument("--output", default=None, metavar="JSON", help="write the rows as JSON to this file")
     sub.set_defaults(func=bench)
 
@@ -931,11 +1205,19 @@ def _parser() -> argparse.ArgumentParser:
     sub = command("distill", "distill a small drafter from a target on text files")
     sub.add_argument("files", nargs="+", help="UTF-8 text files, or directories (their *.py files)")
     sub.add_argument("--output", required=True, help="directory to write the drafter to (created if missing)")
-    sub.add_argument("--target", default=None, metavar="PATH",
-                     help="local directory or Hub id, safetensors only (default: the embedded zoo model)")
+    sub.add_argument(
+        "--target",
+        default=None,
+        metavar="PATH",
+        help="local directory or Hub id, safetensors only (default: the embedded zoo model)",
+    )
     sub.add_argument("--layers", type=_positive_int, default=1, help="decoder layers of the drafter")
-    sub.add_argument("--objective", default="kl", choices=["kl", "tv"],
-                     help="kl: KL(p || q); tv: total variation, 1 - beta, the acceptance rate directly")
+    sub.add_argument(
+        "--objective",
+        default="kl",
+        choices=["kl", "tv"],
+        help="kl: KL(p || q); tv: total variation, 1 - beta, the acceptance rate directly",
+    )
     sub.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default: one epoch)")
     sub.add_argument("--batch-size", type=_positive_int, default=8, help="windows per step")
     sub.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per window")
@@ -945,25 +1227,46 @@ def _parser() -> argparse.ArgumentParser:
     sub = command("train-drafter", "train an EAGLE-3 head for a target (hf_specdec.distill.train_eagle_drafter)")
     sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
     sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
-    sub.add_argument("--prompts", default=None, metavar="FILE",
-                     help="instructions, one per line: the target answers them and the head learns the answers")
+    sub.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="instructions, one per line: the target answers them and the head learns the answers",
+    )
     sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
     sub.add_argument("--output", required=True, help="directory for the head, checkpoints and data (created)")
     sub.add_argument("--minutes", type=_positive_float, default=None, help="wall-clock budget of the whole run")
     sub.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps")
     sub.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output")
-    sub.add_argument("--draft-vocab-size", type=_positive_int, default=None,
-                     help="draft vocabulary (default: every token of the data, at most 32000)")
+    sub.add_argument(
+        "--draft-vocab-size",
+        type=_positive_int,
+        default=None,
+        help="draft vocabulary (default: every token of the data, at most 32000)",
+    )
     sub.add_argument("--ttt-steps", type=_positive_int, default=7, help="training-time-test unroll")
     sub.add_argument("--max-answer-tokens", type=_positive_int, default=256, help="longest answer to a prompt")
     sub.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step")
-    sub.add_argument("--synthetic-prompts", type=_non_negative_int, default=0, metavar="N",
-                     help="instructions the target first writes itself (Magpie), answered with --prompts")
-    sub.add_argument("--answer-dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                     help="answer with a copy of the target in this dtype (default: the target's own)")
-    sub.add_argument("--feature-dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                     help="read the features the head learns from with a copy of the target in this dtype "
-                          "(default: the target's own; bfloat16 is ~4x faster on CPUs with bfloat16 matrix units)")
+    sub.add_argument(
+        "--synthetic-prompts",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="instructions the target first writes itself (Magpie), answered with --prompts",
+    )
+    sub.add_argument(
+        "--answer-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="answer with a copy of the target in this dtype (default: the target's own)",
+    )
+    sub.add_argument(
+        "--feature-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="read the features the head learns from with a copy of the target in this dtype "
+        "(default: the target's own; bfloat16 is ~4x faster on CPUs with bfloat16 matrix units)",
+    )
     sub.add_argument("--generation-batch-size", type=_positive_int, default=16, help="prompts answered at once")
     training(sub)
     sub.set_defaults(func=train_drafter)

@@ -75,8 +75,12 @@ class SpeculativeOptions:
             )
         budget = self.speculative_tree_budget
         if budget is not None:
-            _check_int("speculative_tree_budget", budget, MAX_TREE_BUDGET,
-                       "speculative_tree_budget=12` for trees of up to 12 nodes, or `speculative_tree_budget=None")
+            _check_int(
+                "speculative_tree_budget",
+                budget,
+                MAX_TREE_BUDGET,
+                "speculative_tree_budget=12` for trees of up to 12 nodes, or `speculative_tree_budget=None",
+            )
             if self.speculative_lenience != 1.0:
                 raise ValueError(
                     f"`speculative_lenience={lenience!r}` cannot be combined with `speculative_tree_budget="
@@ -85,8 +89,12 @@ class SpeculativeOptions:
             object.__setattr__(self, "speculative_tree_budget", int(budget))
         draft_beams = self.speculative_draft_beams
         if draft_beams is not None:
-            _check_int("speculative_draft_beams", draft_beams, MAX_DRAFT_BEAMS,
-                       "speculative_draft_beams=8` (at least `num_beams`), or `speculative_draft_beams=None")
+            _check_int(
+                "speculative_draft_beams",
+                draft_beams,
+                MAX_DRAFT_BEAMS,
+                "speculative_draft_beams=8` (at least `num_beams`), or `speculative_draft_beams=None",
+            )
             object.__setattr__(self, "speculative_draft_beams", int(draft_beams))
         from .policies import get_gamma_policy_class
 
@@ -95,7 +103,7 @@ class SpeculativeOptions:
         object.__setattr__(self, "speculative_max_gamma", int(max_gamma))
         object.__setattr__(self, "speculative_lenience", float(lenience))
 
-    def with_default_gamma(self, gamma: int | None, source: str) -> "SpeculativeOptions":
+    def with_default_gamma(self, gamma: int | None, source: str) -> SpeculativeOptions:
         """These options with `gamma`, a default named `source` in errors (a drafter class's `default_gamma`, or beam
         search's), as γ when `speculative_gamma` was left unset, capped by an explicitly set `speculative_max_gamma`;
         an explicitly set `speculative_gamma` always wins."""
@@ -106,8 +114,9 @@ class SpeculativeOptions:
         return dataclasses.replace(self, speculative_gamma=gamma, speculative_max_gamma=max_gamma)
 
 
-SPECULATIVE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SpeculativeOptions)
-                                         if f.name.startswith("speculative_")}
+SPECULATIVE_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(SpeculativeOptions) if f.name.startswith("speculative_")
+}
 
 
 class SpeculativeGenerationConfig(GenerationConfig):
@@ -190,14 +199,12 @@ class SpeculativeGenerationConfig(GenerationConfig):
         return output
 
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "SpeculativeGenerationConfig":
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> SpeculativeGenerationConfig:
         config_dict = {k: v for k, v in config_dict.items() if k != "hf_specdec_version"}
         return super().from_dict(config_dict, **kwargs)
 
 
-def resolve_speculative_options(
-    call_kwargs: dict[str, Any], *configs: GenerationConfig | None
-) -> SpeculativeOptions:
+def resolve_speculative_options(call_kwargs: dict[str, Any], *configs: GenerationConfig | None) -> SpeculativeOptions:
     """Pops the `speculative_*` keyword arguments of one `generate` call and resolves every field.
 
     Priority: the call's keyword argument, then the first config in `configs` that sets the attribute (the
@@ -207,8 +214,10 @@ def resolve_speculative_options(
     anywhere.
     A bad value fails naming where it came from; an unknown `speculative_*` name fails in a config as in the call.
     """
-    sources = ["the `generation_config` passed to `generate`", "`model.generation_config` (the model's "
-               "generation_config.json)"]
+    sources = [
+        "the `generation_config` passed to `generate`",
+        "`model.generation_config` (the model's generation_config.json)",
+    ]
     unknown = sorted(k for k in call_kwargs if k.startswith("speculative_") and k not in SPECULATIVE_DEFAULTS)
     if unknown:
         raise TypeError(
@@ -222,11 +231,18 @@ def resolve_speculative_options(
     for name, default in SPECULATIVE_DEFAULTS.items():
         # None sets nothing: the next source decides (`speculative_gamma` None everywhere: 5, or the drafter's own)
         values[name], origin[name] = next(
-            ((value, source) for value, source in (
-                (call_kwargs.pop(name, None), "the `generate` call's keyword arguments"),
-                *((getattr(config, name, None), source) for config, source in zip(configs, sources)
-                  if config is not None))
-             if value is not None),
+            (
+                (value, source)
+                for value, source in (
+                    (call_kwargs.pop(name, None), "the `generate` call's keyword arguments"),
+                    *(
+                        (getattr(config, name, None), source)
+                        for config, source in zip(configs, sources)
+                        if config is not None
+                    ),
+                )
+                if value is not None
+            ),
             (default, "the defaults"),
         )
     try:

@@ -44,11 +44,15 @@ def _read_jsonl_lines(path) -> tuple[list[dict], list[int]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"line {number} of {str(path)!r} is not valid JSON ({err.msg} at column {err.colno}); "
-                                 "each line must be one JSON object, e.g. {\"prompt\": \"...\"}") from None
+                raise ValueError(
+                    f"line {number} of {str(path)!r} is not valid JSON ({err.msg} at column {err.colno}); "
+                    'each line must be one JSON object, e.g. {"prompt": "..."}'
+                ) from None
             if not isinstance(row, dict):
-                raise ValueError(f"line {number} of {str(path)!r} is a JSON {type(row).__name__}, not an object; "
-                                 "each line must be one JSON object, e.g. {\"prompt\": \"...\"}")
+                raise ValueError(
+                    f"line {number} of {str(path)!r} is a JSON {type(row).__name__}, not an object; "
+                    'each line must be one JSON object, e.g. {"prompt": "..."}'
+                )
             rows.append(row)
             numbers.append(number)
     return rows, numbers
@@ -60,31 +64,39 @@ def load_rows(dataset, text_field: str = "prompt", options_field: str = "generat
     if isinstance(dataset, (str, os.PathLike)):
         path = Path(dataset)
         if not path.is_file():
-            raise ValueError(f"`dataset` {str(dataset)!r} is not a file; pass a JSONL file, a `datasets.Dataset` or a "
-                             "list of dicts")
+            raise ValueError(
+                f"`dataset` {str(dataset)!r} is not a file; pass a JSONL file, a `datasets.Dataset` or a list of dicts"
+            )
         rows, numbers = _read_jsonl_lines(path)
         names = [f"row {index} (line {number} of {str(dataset)!r})" for index, number in enumerate(numbers)]
     else:
         if isinstance(dataset, (Mapping, str, bytes)) or not isinstance(dataset, Iterable):
-            raise TypeError(f"`dataset` must be a JSONL path, a `datasets.Dataset` or a list of dicts, got "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"`dataset` must be a JSONL path, a `datasets.Dataset` or a list of dicts, got {type(dataset).__name__}"
+            )
         rows = []
         for index, row in enumerate(dataset):
             if not isinstance(row, Mapping):
-                raise TypeError(f"row {index} of `dataset` is a {type(row).__name__}, not a dict; each row must be a "
-                                "dict such as {\"prompt\": \"...\"}")
+                raise TypeError(
+                    f"row {index} of `dataset` is a {type(row).__name__}, not a dict; each row must be a "
+                    'dict such as {"prompt": "..."}'
+                )
             rows.append(dict(row))
         names = [f"row {index} of `dataset`" for index in range(len(rows))]
     for row, name in zip(rows, names):
         text = row.get(text_field)
         if not isinstance(text, str):
             found = "has no" if text_field not in row else f"has a {type(text).__name__} in its"
-            raise ValueError(f"{name} {found} {text_field!r} field (its fields: {sorted(row)}); every row needs the "
-                             "prompt text there, or pass the field that holds it as `text_field` (--text-field)")
+            raise ValueError(
+                f"{name} {found} {text_field!r} field (its fields: {sorted(row)}); every row needs the "
+                "prompt text there, or pass the field that holds it as `text_field` (--text-field)"
+            )
         options = row.get(options_field)
         if options is not None and not isinstance(options, dict):
-            raise ValueError(f"{name}: {options_field!r} must be a dict of `generate` options such as "
-                             f"{{\"max_new_tokens\": 32}}, got {options!r}")
+            raise ValueError(
+                f"{name}: {options_field!r} must be a dict of `generate` options such as "
+                f'{{"max_new_tokens": 32}}, got {options!r}'
+            )
     return rows
 
 
@@ -106,12 +118,16 @@ def _read_done(output: Path, rows: list[dict], text_field: str) -> tuple[dict[in
         except (ValueError, KeyError, TypeError):
             if last:  # cut short by the interruption: generated again
                 break
-            raise ValueError(f"cannot resume: line {number} of {str(output)!r} is not a row this function wrote; "
-                             "pass a new output path, or remove the file to start over") from None
+            raise ValueError(
+                f"cannot resume: line {number} of {str(output)!r} is not a row this function wrote; "
+                "pass a new output path, or remove the file to start over"
+            ) from None
         known = isinstance(index, int) and 0 <= index < len(rows)
         if not known or record.get(text_field) != rows[index][text_field]:
-            raise ValueError(f"cannot resume: line {number} of {str(output)!r} (index {index!r}) is not a row of this "
-                             "dataset; pass the dataset it was written for, or a new output path")
+            raise ValueError(
+                f"cannot resume: line {number} of {str(output)!r} (index {index!r}) is not a row of this "
+                "dataset; pass the dataset it was written for, or a new output path"
+            )
         if index in done:
             raise ValueError(f"cannot resume: row {index} appears twice in {str(output)!r} (line {number})")
         done[index] = raw.decode("utf-8")
@@ -119,8 +135,9 @@ def _read_done(output: Path, rows: list[dict], text_field: str) -> tuple[dict[in
     return done, keep
 
 
-def _batches(pending: list[int], lengths: list[int], rows: list[dict], options_field: str,
-             batch_size: int) -> list[list[int]]:
+def _batches(
+    pending: list[int], lengths: list[int], rows: list[dict], options_field: str, batch_size: int
+) -> list[list[int]]:
     """Rows with the same per-row options, longest first (stable by index), in batches of at most `batch_size`."""
     groups: dict[str, list[int]] = {}
     for index in pending:
@@ -133,8 +150,12 @@ def _batches(pending: list[int], lengths: list[int], rows: list[dict], options_f
 
 
 def _pad_id(tokenizer, model) -> int:
-    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id, model.generation_config.pad_token_id,
-                  model.generation_config.eos_token_id):
+    for value in (
+        tokenizer.pad_token_id,
+        tokenizer.eos_token_id,
+        model.generation_config.pad_token_id,
+        model.generation_config.eos_token_id,
+    ):
         if isinstance(value, list):
             value = value[0] if value else None
         if value is not None:
@@ -147,29 +168,40 @@ def _eos_ids(generation_config, options: dict) -> set[int]:
     return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
 
-def _generate_batch(model, tokenizer, rows, batch, token_ids, pad_id, device, options_field, completion_field,
-                    generate_kwargs, seed) -> list[dict]:
+def _generate_batch(
+    model, tokenizer, rows, batch, token_ids, pad_id, device, options_field, completion_field, generate_kwargs, seed
+) -> list[dict]:
     width = max(len(token_ids[index]) for index in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [rows, width]: left-padded
     attention_mask = torch.zeros(len(batch), width, dtype=torch.long)  # [rows, width]
     for r, index in enumerate(batch):
         ids = token_ids[index]
-        input_ids[r, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[r, width - len(ids):] = 1
+        input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[r, width - len(ids) :] = 1
     options = {**generate_kwargs, **(rows[batch[0]].get(options_field) or {})}
     if seed is not None:  # the batch's own seed: the same samples whatever process generates it
         torch.manual_seed(seed + min(batch))
-    out = model.generate(input_ids.to(device), attention_mask=attention_mask.to(device), pad_token_id=pad_id,
-                         return_dict_in_generate=True, **options)
+    out = model.generate(
+        input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        pad_token_id=pad_id,
+        return_dict_in_generate=True,
+        **options,
+    )
     sequences = out.sequences if hasattr(out, "sequences") else out  # [rows, width + new]
     if sequences.shape[0] != len(batch):
-        raise ValueError(f"`generate_dataset` writes one completion per row, but `generate` returned "
-                         f"{sequences.shape[0]} sequences for {len(batch)} rows; drop `num_return_sequences`, or "
-                         "repeat the rows in the dataset")
+        raise ValueError(
+            f"`generate_dataset` writes one completion per row, but `generate` returned "
+            f"{sequences.shape[0]} sequences for {len(batch)} rows; drop `num_return_sequences`, or "
+            "repeat the rows in the dataset"
+        )
     stats = getattr(out, "speculative_stats", None)
     # each row's own statistics (`rows`: one entry per row of a batch; a batch of one is the call itself)
-    row_stats = [None] * len(batch) if stats is None else (
-        [row.to_dict() for row in stats.rows] if len(batch) > 1 else [stats.to_dict()])
+    row_stats = (
+        [None] * len(batch)
+        if stats is None
+        else ([row.to_dict() for row in stats.rows] if len(batch) > 1 else [stats.to_dict()])
+    )
     eos = _eos_ids(model.generation_config, options)
     records = []
     for r, index in enumerate(batch):
@@ -177,8 +209,15 @@ def _generate_batch(model, tokenizer, rows, batch, token_ids, pad_id, device, op
         ends = [i for i, token in enumerate(new) if token in eos]
         new = new[: ends[0] + 1] if ends else new  # finished rows are padded after their EOS
         record = dict(rows[index])
-        record.update({"index": index, completion_field: tokenizer.decode(new, skip_special_tokens=True),
-                       "num_new_tokens": len(new), "speculative_stats": row_stats[r], "batch_size": len(batch)})
+        record.update(
+            {
+                "index": index,
+                completion_field: tokenizer.decode(new, skip_special_tokens=True),
+                "num_new_tokens": len(new),
+                "speculative_stats": row_stats[r],
+                "batch_size": len(batch),
+            }
+        )
         records.append(record)
     return records
 
@@ -291,38 +330,51 @@ def generate_dataset(
     from .mixin import enable
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}. Use `batch_size=8`, or 1 for one "
-                         "row per `generate` call.")
-    for name, value in (("text_field", text_field), ("options_field", options_field),
-                        ("completion_field", completion_field)):
+        raise ValueError(
+            f"`batch_size` must be a positive int, got {batch_size!r}. Use `batch_size=8`, or 1 for one "
+            "row per `generate` call."
+        )
+    for name, value in (
+        ("text_field", text_field),
+        ("options_field", options_field),
+        ("completion_field", completion_field),
+    ):
         if not isinstance(value, str) or not value:
             raise ValueError(f"`{name}` must be a non-empty str, got {value!r}")
     if completion_field in _WRITTEN or completion_field == text_field:
-        raise ValueError(f"`completion_field` {completion_field!r} clashes with a field this function writes; pick "
-                         "another name")
+        raise ValueError(
+            f"`completion_field` {completion_field!r} clashes with a field this function writes; pick another name"
+        )
     if "return_dict_in_generate" in generate_kwargs or "attention_mask" in generate_kwargs:
         raise ValueError("`generate_dataset` sets `return_dict_in_generate` and `attention_mask` itself; drop them")
     output = Path(output_file)
     if output.is_dir():
         raise ValueError(f"`output_file` {str(output_file)!r} is a directory; pass a file name")
     if not output.parent.is_dir():
-        raise ValueError(f"`output_file` {str(output_file)!r}: the folder {str(output.parent)!r} does not exist; "
-                         "create it first")
+        raise ValueError(
+            f"`output_file` {str(output_file)!r}: the folder {str(output.parent)!r} does not exist; create it first"
+        )
     if output.exists() and not resume:
-        raise ValueError(f"`output_file` {str(output_file)!r} exists; pass `resume=True` (--resume) to continue it "
-                         "after an interruption, or choose another path")
+        raise ValueError(
+            f"`output_file` {str(output_file)!r} exists; pass `resume=True` (--resume) to continue it "
+            "after an interruption, or choose another path"
+        )
     rows = load_rows(dataset, text_field, options_field)
     model = enable(model)
 
     tensor_parallel = _tensor_parallel(model)
     for options in [generate_kwargs, *(row.get(options_field) or {} for row in rows)]:
         if options.get("num_return_sequences", 1) != 1:
-            raise ValueError(f"`generate_dataset` writes one completion per row, got num_return_sequences="
-                             f"{options['num_return_sequences']}; drop it, or repeat the rows in the dataset")
+            raise ValueError(
+                f"`generate_dataset` writes one completion per row, got num_return_sequences="
+                f"{options['num_return_sequences']}; drop it, or repeat the rows in the dataset"
+            )
     samples = generate_kwargs.get("do_sample") or any((row.get(options_field) or {}).get("do_sample") for row in rows)
     if tensor_parallel and samples and seed is None:
-        raise ValueError("sampling with a tensor-parallel model needs `seed` (--seed): every process computes the same "
-                         "batch and must draw the same tokens")
+        raise ValueError(
+            "sampling with a tensor-parallel model needs `seed` (--seed): every process computes the same "
+            "batch and must draw the same tokens"
+        )
     if tensor_parallel:  # every process computes every batch together; rank 0 writes
         state, processes, is_main = None, 1, torch.distributed.get_rank() == 0
     else:
@@ -331,19 +383,27 @@ def generate_dataset(
 
     done, keep_bytes = _read_done(output, rows, text_field) if output.exists() else ({}, 0)
     _barrier(state, tensor_parallel)  # every process has read the file before the main process touches it
-    token_ids = {index: tokenizer(rows[index][text_field], add_special_tokens=add_special_tokens)["input_ids"]
-                 for index in range(len(rows)) if index not in done}
+    token_ids = {
+        index: tokenizer(rows[index][text_field], add_special_tokens=add_special_tokens)["input_ids"]
+        for index in range(len(rows))
+        if index not in done
+    }
     for index, ids in token_ids.items():
         if not ids:
-            raise ValueError(f"row {index} of `dataset`: its {text_field!r} is empty after tokenization; every prompt "
-                             "needs at least one token")
+            raise ValueError(
+                f"row {index} of `dataset`: its {text_field!r} is empty after tokenization; every prompt "
+                "needs at least one token"
+            )
     lengths = {index: len(ids) for index, ids in token_ids.items()}
     batches = _batches(sorted(token_ids), lengths, rows, options_field, batch_size)
     # dealt round-robin (long and short batches alike to every process), then padded with empty batches so that every
     # process takes the same number of steps: each step gathers once from all of them
     steps = -(-len(batches) // processes)
-    dealt = [batches[step * processes + p] if step * processes + p < len(batches) else []
-             for p in range(processes) for step in range(steps)]
+    dealt = [
+        batches[step * processes + p] if step * processes + p < len(batches) else []
+        for p in range(processes)
+        for step in range(steps)
+    ]
     if state is not None and processes > 1:
         with state.split_between_processes(dealt) as mine:
             mine = list(mine)
@@ -368,8 +428,23 @@ def generate_dataset(
     written = 0
     try:
         for batch in mine:
-            records = (_generate_batch(model, tokenizer, rows, batch, token_ids, pad_id, device, options_field,
-                                       completion_field, generate_kwargs, seed) if batch else [])
+            records = (
+                _generate_batch(
+                    model,
+                    tokenizer,
+                    rows,
+                    batch,
+                    token_ids,
+                    pad_id,
+                    device,
+                    options_field,
+                    completion_field,
+                    generate_kwargs,
+                    seed,
+                )
+                if batch
+                else []
+            )
             lines = [json.dumps(record, ensure_ascii=False) for record in records]
             if processes > 1:
                 lines = gather_object(lines)

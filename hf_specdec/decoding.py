@@ -16,9 +16,15 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .batching import decode_batch
 from .beam import speculative_beam_search
+from .caches import (
+    CACHE_KWARG,
+    cache_argument,
+    compactable,
+    croppable_after_first_forward,
+    is_static,
+    static_rewind_problem,
+)
 from .capability import check_multi_token_forward
-from .caches import (CACHE_KWARG, cache_argument, compactable, croppable_after_first_forward, is_static,
-                     static_rewind_problem)
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
@@ -36,7 +42,7 @@ __all__ = ["check_multi_token_forward", "speculative_decode"]  # the check lives
 
 
 def speculative_decode(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     input_ids: torch.LongTensor,  # [batch, prompt_len]
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
@@ -44,7 +50,7 @@ def speculative_decode(
     *,
     drafter: Drafter,
     options: SpeculativeOptions,
-    streamer: "BaseStreamer | None" = None,
+    streamer: BaseStreamer | None = None,
     inputs_tensor: torch.Tensor | None = None,
     stats: SpeculativeStats | None = None,
     attach_stats: bool = True,
@@ -54,10 +60,20 @@ def speculative_decode(
     long-form segments); `attach_stats=False` leaves `speculative_stats` out of the output, for callers that attach
     it to their own (classes whose `generate` splits and restacks outputs by row)."""
     if generation_config.num_beams > 1:  # the paper's Appendix A.4: `beam.py`
-        return speculative_beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                       drafter=drafter, options=options, streamer=streamer,
-                                       inputs_tensor=inputs_tensor, stats=stats, attach_stats=attach_stats,
-                                       **model_kwargs)
+        return speculative_beam_search(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            drafter=drafter,
+            options=options,
+            streamer=streamer,
+            inputs_tensor=inputs_tensor,
+            stats=stats,
+            attach_stats=attach_stats,
+            **model_kwargs,
+        )
     _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
     if options.speculative_tree_budget is not None:
         _check_trees_supported(model, input_ids, generation_config, model_kwargs, options.speculative_tree_budget)
@@ -66,26 +82,46 @@ def speculative_decode(
     policy = get_gamma_policy_class(options.speculative_gamma_policy)(
         options.speculative_gamma, options.speculative_max_gamma
     )
-    run = dict(logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-               generation_config=generation_config, options=options, policy=policy, stats=stats)
+    run = dict(
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        generation_config=generation_config,
+        options=options,
+        policy=policy,
+        stats=stats,
+    )
     check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
     scores = raw_logits = None
     if input_ids.shape[0] == 1:
-        drafter = drafter.for_call(draft_context(model, input_ids, logits_processor, generation_config, model_kwargs,
-                                                 inputs_tensor, options.speculative_tree_budget))
-        input_ids, scores, raw_logits = decode_sequence(model, input_ids, drafter=drafter, streamer=streamer, **run,
-                                                        **model_kwargs)
+        drafter = drafter.for_call(
+            draft_context(
+                model,
+                input_ids,
+                logits_processor,
+                generation_config,
+                model_kwargs,
+                inputs_tensor,
+                options.speculative_tree_budget,
+            )
+        )
+        input_ids, scores, raw_logits = decode_sequence(
+            model, input_ids, drafter=drafter, streamer=streamer, **run, **model_kwargs
+        )
         cache = model_kwargs[CACHE_KWARG]
     else:
-        input_ids, cache = decode_batch(model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor,
-                                        **run)
+        input_ids, cache = decode_batch(
+            model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor, **run
+        )
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
         return input_ids
     output_class = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
     return output_class(
-        sequences=input_ids, scores=scores, logits=raw_logits, **{CACHE_KWARG: cache},
+        sequences=input_ids,
+        scores=scores,
+        logits=raw_logits,
+        **{CACHE_KWARG: cache},
         speculative_stats=stats if attach_stats else None,
     )
 
@@ -117,8 +153,12 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
                 "generate one sequence per call."
             )
     mask = model_kwargs.get("attention_mask")
-    if (model.config.is_encoder_decoder and generation_config.prefill_chunk_size is not None
-            and isinstance(mask, torch.Tensor) and not bool(mask.bool().all())):
+    if (
+        model.config.is_encoder_decoder
+        and generation_config.prefill_chunk_size is not None
+        and isinstance(mask, torch.Tensor)
+        and not bool(mask.bool().all())
+    ):
         # transformers' `_prefill` cuts the attention mask to the decoder prompt's length, on an encoder-decoder
         # model the encoder's: plain generate's first token then attends the source's padding
         raise ValueError(
@@ -137,8 +177,11 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # beam search went to `beam.py`
         settings, name = _OTHER_DECODING_METHODS.get(mode, ((), f"the {mode.value} decoding method"))
-        given = ", ".join(f"{field}={getattr(generation_config, field)!r}" for field in settings
-                          if getattr(generation_config, field, None) is not None)
+        given = ", ".join(
+            f"{field}={getattr(generation_config, field)!r}"
+            for field in settings
+            if getattr(generation_config, field, None) is not None
+        )
         selects = f"`{'` / `'.join(settings)}` selects {name} ({given})" if settings else f"This call selects {name}"
         raise ValueError(
             f"{selects}, a decoding method of its own that a drafter cannot serve: hf_specdec's loop verifies "
@@ -176,7 +219,7 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"The target's cache ({type(cache).__name__}, cache_implementation="
             f"{generation_config.cache_implementation!r}) cannot be rolled back. Quantized, offloaded-static and "
             "linear-attention caches are not supported with a drafter; use the default dynamic cache "
-            "(`cache_implementation=None`) or a static one (`cache_implementation=\"static\"`)."
+            '(`cache_implementation=None`) or a static one (`cache_implementation="static"`).'
         )
 
 

@@ -21,7 +21,7 @@ def execution_device(model: torch.nn.Module) -> torch.device:
             device = getattr(part, "execution_device", None)
             if device is not None:
                 return torch.device(device)
-    for tensor in (embeddings.parameters() if embeddings is not None else ()):
+    for tensor in embeddings.parameters() if embeddings is not None else ():
         if tensor.device.type != "meta":
             return tensor.device
     for tensor in model.parameters():

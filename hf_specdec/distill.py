@@ -31,8 +31,9 @@ __all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement", "eagle_agreemen
 OBJECTIVES = ("kl", "tv")
 
 
-def _distillation_loss(target_logits: torch.Tensor, draft_logits: torch.Tensor, objective: str,
-                       temperature: float) -> torch.Tensor:
+def _distillation_loss(
+    target_logits: torch.Tensor, draft_logits: torch.Tensor, objective: str, temperature: float
+) -> torch.Tensor:
     """Mean per-position loss; both logits `[tokens, vocab]`."""
     target_log_p = F.log_softmax(target_logits.float() / temperature, dim=-1)  # [tokens, vocab]
     draft_log_q = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [tokens, vocab]
@@ -54,15 +55,19 @@ def _as_blocks(data, tokenizer, seq_len: int) -> torch.Tensor:
             if tokenizer is None:
                 raise ValueError("`texts_or_token_ids` holds texts: pass `tokenizer=` to tokenize them.")
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            data = [tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos for text in data if text]
+            data = [
+                tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos for text in data if text
+            ]
         ids = [int(token) for seq in data for token in torch.as_tensor(seq).flatten().tolist()]
         if len(ids) < seq_len + 1 and ids:
             seq_len = len(ids)
         num_blocks = len(ids) // seq_len if seq_len else 0
         blocks = torch.tensor(ids[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
     if blocks.numel() == 0 or blocks.shape[1] < 2:
-        raise ValueError("The distillation corpus is empty: `texts_or_token_ids` yields no block of at least 2 "
-                         "tokens. Pass non-empty texts (with `tokenizer=`) or token id sequences.")
+        raise ValueError(
+            "The distillation corpus is empty: `texts_or_token_ids` yields no block of at least 2 "
+            "tokens. Pass non-empty texts (with `tokenizer=`) or token id sequences."
+        )
     return blocks
 
 
@@ -78,8 +83,11 @@ def _build_drafter(target: PreTrainedModel, drafter, init_from_target: bool) -> 
         # early-exit start: every tensor the target has under the same name and shape (embeddings, the first
         # layers, the final norm, the head)
         target_state = target.state_dict()
-        state = {name: target_state[name].float() for name, tensor in model.state_dict().items()
-                 if name in target_state and target_state[name].shape == tensor.shape}
+        state = {
+            name: target_state[name].float()
+            for name, tensor in model.state_dict().items()
+            if name in target_state and target_state[name].shape == tensor.shape
+        }
         model.load_state_dict(state, strict=False)
     return model
 
@@ -88,9 +96,11 @@ def _check_vocabularies(target: PreTrainedModel, drafter: PreTrainedModel) -> No
     target_vocab = target.get_output_embeddings().weight.shape[0]
     draft_vocab = drafter.get_output_embeddings().weight.shape[0]
     if target_vocab != draft_vocab:
-        raise ValueError(f"The drafter has a vocabulary of {draft_vocab} tokens but the target has {target_vocab}. "
-                         "A drafter must share the target's tokenizer; build its config with "
-                         f"`vocab_size={target_vocab}`.")
+        raise ValueError(
+            f"The drafter has a vocabulary of {draft_vocab} tokens but the target has {target_vocab}. "
+            "A drafter must share the target's tokenizer; build its config with "
+            f"`vocab_size={target_vocab}`."
+        )
 
 
 def distill_drafter(
@@ -188,8 +198,9 @@ def distill_drafter(
     _check_vocabularies(target, drafter)
 
     generator = torch.Generator().manual_seed(seed)
-    loader = torch.utils.data.DataLoader(blocks, batch_size=batch_size, shuffle=True, generator=generator,
-                                         drop_last=len(blocks) >= batch_size)
+    loader = torch.utils.data.DataLoader(
+        blocks, batch_size=batch_size, shuffle=True, generator=generator, drop_last=len(blocks) >= batch_size
+    )
     steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
     total_steps = num_steps if num_steps is not None else max(1, math.ceil(num_epochs * steps_per_epoch))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=learning_rate, weight_decay=weight_decay)
@@ -202,15 +213,20 @@ def distill_drafter(
             fraction = max(fraction, (time.perf_counter() - started) / budget_s)
         return min(1.0, fraction)
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * done_fraction(step))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * done_fraction(step)))
+    )
     drafter.train()
     drafter, optimizer, loader, scheduler = accelerator.prepare(drafter, optimizer, loader, scheduler)
     target = target.to(accelerator.device).eval()
 
     log: list[dict[str, Any]] = []
-    progress = tqdm(total=total_steps, desc=f"distilling ({objective})", unit="step",
-                    disable=not (show_progress and accelerator.is_local_main_process))
+    progress = tqdm(
+        total=total_steps,
+        desc=f"distilling ({objective})",
+        unit="step",
+        disable=not (show_progress and accelerator.is_local_main_process),
+    )
     step, running = 0, []
     while step < total_steps:
         for batch in loader:  # [batch, seq_len]
@@ -219,8 +235,9 @@ def distill_drafter(
             with accelerator.autocast():
                 draft_logits = drafter(batch).logits  # [batch, seq_len, vocab]
             vocab = target_logits.shape[-1]
-            loss = _distillation_loss(target_logits.reshape(-1, vocab), draft_logits.reshape(-1, vocab), objective,
-                                      temperature)
+            loss = _distillation_loss(
+                target_logits.reshape(-1, vocab), draft_logits.reshape(-1, vocab), objective, temperature
+            )
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
@@ -243,15 +260,24 @@ def distill_drafter(
     if output_dir is not None and accelerator.is_main_process:
         output_dir = Path(output_dir)
         drafter.save_pretrained(output_dir)
-        record = {"objective": objective, "temperature": temperature, "steps": total_steps, "seq_len": blocks.shape[1],
-                  "batch_size": batch_size, "processes": accelerator.num_processes, "seed": seed, "log": log}
+        record = {
+            "objective": objective,
+            "temperature": temperature,
+            "steps": total_steps,
+            "seq_len": blocks.shape[1],
+            "batch_size": batch_size,
+            "processes": accelerator.num_processes,
+            "seed": seed,
+            "log": log,
+        }
         (output_dir / "distill_log.json").write_text(json.dumps(record, indent=1) + "\n")
     return drafter
 
 
 @torch.no_grad()
-def drafter_agreement(target: PreTrainedModel, drafter: PreTrainedModel, blocks: torch.Tensor,
-                      batch_size: int = 16) -> dict[str, float]:
+def drafter_agreement(
+    target: PreTrainedModel, drafter: PreTrainedModel, blocks: torch.Tensor, batch_size: int = 16
+) -> dict[str, float]:
     """How well `drafter` matches `target` on teacher-forced `[num_blocks, seq_len]` windows.
 
     Returns `kl` (mean KL(p || q)), `tv` (mean total variation; `1 - tv` is the mean acceptance probability beta

@@ -23,8 +23,8 @@ import json
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,9 @@ STATE_NAME = "training_state.pt"
 
 def _chat_prompt(tokenizer, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -50,9 +51,18 @@ def _chat_prompt(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
-def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tokens: int, batch_size: int,
-                    temperature: float, show_progress: bool, deadline: float | None = None,
-                    seed: int = 0) -> list[tuple[list[int], int]]:
+def _answer_prompts(
+    target,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_answer_tokens: int,
+    batch_size: int,
+    temperature: float,
+    show_progress: bool,
+    deadline: float | None = None,
+    seed: int = 0,
+) -> list[tuple[list[int], int]]:
     """The target's own answers: `(prompt + answer ids, prompt length)` per prompt, sampled in left-padded batches
     (in a seeded random order, prompts of similar length sharing a batch). No batch starts after `deadline`
     (`time.perf_counter()`), so a budget may leave later prompts unanswered."""
@@ -64,8 +74,11 @@ def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tok
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     shuffled = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()
     block = 4 * batch_size  # sorted by length within blocks of 4 batches: little padding, no bias to short prompts
-    order = [i for start in range(0, len(shuffled), block)
-             for i in sorted(shuffled[start : start + block], key=lambda i: len(encoded[i]))]
+    order = [
+        i
+        for start in range(0, len(shuffled), block)
+        for i in sorted(shuffled[start : start + block], key=lambda i: len(encoded[i]))
+    ]
     sequences: list[tuple[list[int], int] | None] = [None] * len(encoded)
     for start in tqdm(range(0, len(order), batch_size), desc="answering prompts", disable=not show_progress):
         if deadline is not None and time.perf_counter() > deadline:
@@ -92,27 +105,42 @@ def _answer_prompts(target, tokenizer, prompts: Sequence[str], *, max_answer_tok
 
 
 @torch.no_grad()
-def _synthetic_prompts(target, tokenizer, count: int, *, batch_size: int, show_progress: bool,
-                       deadline: float | None = None, max_tokens: int = 64) -> list[str]:
+def _synthetic_prompts(
+    target,
+    tokenizer,
+    count: int,
+    *,
+    batch_size: int,
+    show_progress: bool,
+    deadline: float | None = None,
+    max_tokens: int = 64,
+) -> list[str]:
     """Instructions the target writes itself (Magpie, Xu et al. 2024): sampled after the user-turn prefix of its
     chat template, up to the template's end-of-turn token; unfinished or very short ones are dropped."""
     from tqdm.auto import tqdm
 
     marker = "\ue000hf_specdec\ue000"
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("`num_synthetic_prompts` needs a tokenizer with a chat template (the target writes "
-                         "instructions after its user-turn prefix); pass `prompts=` or `texts=` instead.")
-    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                             add_generation_prompt=True)
+        raise ValueError(
+            "`num_synthetic_prompts` needs a tokenizer with a chat template (the target writes "
+            "instructions after its user-turn prefix); pass `prompts=` or `texts=` instead."
+        )
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
     if marker not in template:
-        raise ValueError("`num_synthetic_prompts`: the tokenizer's chat template does not show the user's message "
-                         "verbatim; pass `prompts=` or `texts=` instead.")
+        raise ValueError(
+            "`num_synthetic_prompts`: the tokenizer's chat template does not show the user's message "
+            "verbatim; pass `prompts=` or `texts=` instead."
+        )
     prefix, suffix = template.split(marker, 1)
     prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     end_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
     if not prefix_ids or not end_ids:
-        raise ValueError("`num_synthetic_prompts`: could not find the chat template's user-turn prefix and "
-                         "end-of-turn token; pass `prompts=` or `texts=` instead.")
+        raise ValueError(
+            "`num_synthetic_prompts`: could not find the chat template's user-turn prefix and "
+            "end-of-turn token; pass `prompts=` or `texts=` instead."
+        )
     end = end_ids[0]
     found: list[str] = []
     seen = set()
@@ -121,8 +149,17 @@ def _synthetic_prompts(target, tokenizer, count: int, *, batch_size: int, show_p
     for _ in range(4 * math.ceil(count / batch_size)):  # bounded: a model that never ends its turns stops here
         if len(found) >= count or (deadline is not None and time.perf_counter() > deadline):
             break
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                              top_k=0, top_p=0.95, max_new_tokens=max_tokens, eos_token_id=end, pad_token_id=end)
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=0.95,
+            max_new_tokens=max_tokens,
+            eos_token_id=end,
+            pad_token_id=end,
+        )
         for row in out[:, len(prefix_ids) :].tolist():
             if end not in row:
                 continue
@@ -158,8 +195,15 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
         tokens = ids[:, source]  # [b, T]
         mask = torch.cat([causal] + [eye] * j, dim=1)[None, None]  # [1, 1, T, (j + 1) T]
         positions = (rows + j)[None].expand(batch_size, -1)
-        out, keys, values = model(embeddings(tokens).to(features.dtype), hidden, positions, project=project,
-                                  past_keys=past_keys, past_values=past_values, mask=mask)
+        out, keys, values = model(
+            embeddings(tokens).to(features.dtype),
+            hidden,
+            positions,
+            project=project,
+            past_keys=past_keys,
+            past_values=past_values,
+            mask=mask,
+        )
         past_keys = keys if past_keys is None else torch.cat([past_keys, keys], dim=2)
         past_values = values if past_values is None else torch.cat([past_values, values], dim=2)
         hidden, project = out, False
@@ -167,7 +211,7 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
         log_q = F.log_softmax(model.logits(out).float(), dim=-1)  # [b, T, dv]
         p = p_all[:, source]  # [b, T, dv]
         cross_entropy = -(p * log_q).sum(-1)  # [b, T]
-        total = total + (step_weight ** j) * (cross_entropy * weight).sum() / weight.sum().clamp(min=1)
+        total = total + (step_weight**j) * (cross_entropy * weight).sum() / weight.sum().clamp(min=1)
         with torch.no_grad():
             agree.append(((log_q.argmax(-1) == choice_all[:, source]).float() * weight).sum().item())
             counted.append(weight.sum().item())
@@ -198,6 +242,7 @@ def _collate(reader, capture, hot_ids, loss_masks, sequences):
         logits = reader(input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
         features = capture.take().float()  # [b, T, 3h]
         return ids, features, logits[..., hot_ids].float(), in_draft[logits.argmax(-1)], mask
+
     return collate
 
 
@@ -298,19 +343,28 @@ def train_eagle_drafter(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    if isinstance(num_synthetic_prompts, bool) or not isinstance(num_synthetic_prompts, int) \
-            or num_synthetic_prompts < 0:
+    if (
+        isinstance(num_synthetic_prompts, bool)
+        or not isinstance(num_synthetic_prompts, int)
+        or num_synthetic_prompts < 0
+    ):
         raise ValueError(f"`num_synthetic_prompts` must be an int >= 0, got {num_synthetic_prompts!r}.")
     if prompts is None and texts is None and not num_synthetic_prompts:
-        raise ValueError("train_eagle_drafter needs training data: pass `prompts=` (the target answers them), "
-                         "`texts=` (trained on as they are) and/or `num_synthetic_prompts=` (the target writes "
-                         "instructions itself, then answers them).")
+        raise ValueError(
+            "train_eagle_drafter needs training data: pass `prompts=` (the target answers them), "
+            "`texts=` (trained on as they are) and/or `num_synthetic_prompts=` (the target writes "
+            "instructions itself, then answers them)."
+        )
     if tokenizer is None and (prompts or num_synthetic_prompts or any(isinstance(text, str) for text in texts or [])):
-        raise ValueError("train_eagle_drafter needs `tokenizer=` (the target's) to read `prompts` or texts given as "
-                         "strings; without one, pass `texts=` as token id sequences.")
+        raise ValueError(
+            "train_eagle_drafter needs `tokenizer=` (the target's) to read `prompts` or texts given as "
+            "strings; without one, pass `texts=` as token id sequences."
+        )
     if max_minutes is None and num_steps is None:
-        raise ValueError("train_eagle_drafter needs a budget: pass `max_minutes=` (wall clock of the whole call) "
-                         "and/or `num_steps=`.")
+        raise ValueError(
+            "train_eagle_drafter needs a budget: pass `max_minutes=` (wall clock of the whole call) "
+            "and/or `num_steps=`."
+        )
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}.")
     if max_answer_minutes is not None and not max_answer_minutes > 0:
@@ -322,8 +376,10 @@ def train_eagle_drafter(
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
         raise ValueError(f"`ttt_steps` must be a positive int, got {ttt_steps!r}.")
     if target.config.is_encoder_decoder:
-        raise ValueError(f"train_eagle_drafter trains heads for decoder-only targets; {type(target).__name__} is an "
-                         "encoder-decoder model.")
+        raise ValueError(
+            f"train_eagle_drafter trains heads for decoder-only targets; {type(target).__name__} is an "
+            "encoder-decoder model."
+        )
     accelerator = accelerator if accelerator is not None else Accelerator()
     set_seed(seed)
     show = show_progress and accelerator.is_local_main_process
@@ -341,8 +397,9 @@ def train_eagle_drafter(
         written = int(saved.get("written_prompts", 0))
     else:
         answer_start = time.perf_counter()
-        answer_minutes = max_answer_minutes if max_answer_minutes is not None else (
-            None if max_minutes is None else max_minutes / 2)
+        answer_minutes = (
+            max_answer_minutes if max_answer_minutes is not None else (None if max_minutes is None else max_minutes / 2)
+        )
         deadline = None if answer_minutes is None else answer_start + 60.0 * answer_minutes
         sequences = []
         written = 0
@@ -352,14 +409,27 @@ def train_eagle_drafter(
             if num_synthetic_prompts:
                 # writing prompts gets at most a quarter of the answering budget
                 write_deadline = None if deadline is None else answer_start + 0.25 * (deadline - answer_start)
-                synthetic = _synthetic_prompts(answerer, tokenizer, num_synthetic_prompts,
-                                               batch_size=generation_batch_size, show_progress=show,
-                                               deadline=write_deadline)
+                synthetic = _synthetic_prompts(
+                    answerer,
+                    tokenizer,
+                    num_synthetic_prompts,
+                    batch_size=generation_batch_size,
+                    show_progress=show,
+                    deadline=write_deadline,
+                )
                 all_prompts += synthetic
                 written = len(synthetic)
-            sequences += _answer_prompts(answerer, tokenizer, all_prompts, max_answer_tokens=max_answer_tokens,
-                                         batch_size=generation_batch_size, temperature=answer_temperature,
-                                         show_progress=show, deadline=deadline, seed=seed)
+            sequences += _answer_prompts(
+                answerer,
+                tokenizer,
+                all_prompts,
+                max_answer_tokens=max_answer_tokens,
+                batch_size=generation_batch_size,
+                temperature=answer_temperature,
+                show_progress=show,
+                deadline=deadline,
+                seed=seed,
+            )
         for text in texts or []:
             ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
             if len(ids) >= 3:
@@ -367,9 +437,15 @@ def train_eagle_drafter(
         answer_seconds = time.perf_counter() - answer_start
         if data_file is not None and accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"sequences": [torch.tensor(ids) for ids, _ in sequences],
-                        "starts": torch.tensor([start for _, start in sequences]),
-                        "answer_seconds": answer_seconds, "written_prompts": written}, data_file)
+            torch.save(
+                {
+                    "sequences": [torch.tensor(ids) for ids, _ in sequences],
+                    "starts": torch.tensor([start for _, start in sequences]),
+                    "answer_seconds": answer_seconds,
+                    "written_prompts": written,
+                },
+                data_file,
+            )
     if len(sequences) < 2:
         raise ValueError(f"train_eagle_drafter got {len(sequences)} usable sequence(s); give more prompts or texts.")
     generator = torch.Generator().manual_seed(seed)
@@ -378,7 +454,7 @@ def train_eagle_drafter(
     eval_ids, train_ids = order[:num_eval], order[num_eval:]
 
     # 2. the draft vocabulary: the most frequent tokens the head is trained to predict
-    counts = Counter(token for i in train_ids for token in sequences[i][0][max(sequences[i][1], 1):])
+    counts = Counter(token for i in train_ids for token in sequences[i][0][max(sequences[i][1], 1) :])
     vocab = logits_width(target)
     size = min(draft_vocab_size or 32000, vocab)
     eos = target.generation_config.eos_token_id
@@ -421,8 +497,14 @@ def train_eagle_drafter(
         embeddings = target.get_input_embeddings()
 
         # 4. training-time test
-        loader = torch.utils.data.DataLoader(train_ids, batch_size=batch_size, shuffle=True, generator=generator,
-                                             collate_fn=collate, drop_last=len(train_ids) >= batch_size)
+        loader = torch.utils.data.DataLoader(
+            train_ids,
+            batch_size=batch_size,
+            shuffle=True,
+            generator=generator,
+            collate_fn=collate,
+            drop_last=len(train_ids) >= batch_size,
+        )
         model.to(accelerator.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
         budget_s = None if max_minutes is None else max_minutes * 60.0
@@ -439,16 +521,24 @@ def train_eagle_drafter(
             return min(1.0, max(fractions))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda _: min(1.0, (state["step"] + 1) / max(1, warmup_steps))
-            * 0.5 * (1 + math.cos(math.pi * progress_fraction())))
+            optimizer,
+            lambda _: (
+                min(1.0, (state["step"] + 1) / max(1, warmup_steps))
+                * 0.5
+                * (1 + math.cos(math.pi * progress_fraction()))
+            ),
+        )
         model.train()
         # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
         optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
         if checkpoint is not None:
             saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
             optimizer.load_state_dict(saved_state["optimizer"])
-            state.update(step=int(saved_state["step"]), train_seconds=float(saved_state["train_seconds"]),
-                         loss_tokens=int(saved_state.get("loss_tokens", 0)))
+            state.update(
+                step=int(saved_state["step"]),
+                train_seconds=float(saved_state["train_seconds"]),
+                loss_tokens=int(saved_state.get("loss_tokens", 0)),
+            )
         embeddings_device = next(embeddings.parameters()).device
 
         def embed(tokens):
@@ -496,26 +586,30 @@ def train_eagle_drafter(
     drafter.model = model.to(dtype=target.dtype, device=target.device)
     answered = [start for _, start in sequences if start > 1]  # texts start at 1, answers after their prompt
     drafter.training_info = {
-        "training data": (f"{len(answered)} prompts answered by the target ({len(prompts or [])} given"
-                          + (f", {written} it wrote itself of {num_synthetic_prompts} asked" if num_synthetic_prompts
-                             else "")
-                          + f"; sampling at T = {answer_temperature}, at most {max_answer_tokens} tokens"
-                          + (f", answered in {answer_dtype}" if answer_dtype is not None else "") + ")"
-                          if answered else "")
+        "training data": (
+            f"{len(answered)} prompts answered by the target ({len(prompts or [])} given"
+            + (f", {written} it wrote itself of {num_synthetic_prompts} asked" if num_synthetic_prompts else "")
+            + f"; sampling at T = {answer_temperature}, at most {max_answer_tokens} tokens"
+            + (f", answered in {answer_dtype}" if answer_dtype is not None else "")
+            + ")"
+            if answered
+            else ""
+        )
         + (f"{' and ' if answered else ''}{len(texts or [])} texts" if texts else ""),
         "training tokens": sum(len(sequences[i][0]) for i in train_ids),
         "positions trained on (with repeats)": state["loss_tokens"] * accelerator.num_processes,
         "draft vocabulary": len(hot_ids),
         "steps": state["step"],
         "wall time": f"{(time.perf_counter() - started) / 60:.1f} min in all (answering {answer_seconds / 60:.1f}, "
-                     f"features {feature_seconds / 60:.1f}, training {state['train_seconds'] / 60:.1f})",
+        f"features {feature_seconds / 60:.1f}, training {state['train_seconds'] / 60:.1f})",
         "held-out top-1 agreement per draft step": [round(a, 3) for a in agreement],
         "device": f"{accelerator.device} x{accelerator.num_processes}",
     }
     if output_dir is not None and accelerator.is_main_process:
         drafter.save_pretrained(output_dir)
-        (output_dir / "training_log.json").write_text(json.dumps({"info": drafter.training_info, "log": log},
-                                                                 indent=1) + "\n")
+        (output_dir / "training_log.json").write_text(
+            json.dumps({"info": drafter.training_info, "log": log}, indent=1) + "\n"
+        )
     return drafter
 
 
@@ -540,9 +634,15 @@ def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: 
     folder = output_dir / f"checkpoint-{state['step']}"
     snapshot = EagleDrafter(model, target_name=drafter.target_name)
     snapshot.save_pretrained(folder)
-    torch.save({"optimizer": optimizer.state_dict(), "step": state["step"], "train_seconds": state["train_seconds"],
-                "loss_tokens": state["loss_tokens"]},
-               folder / STATE_NAME)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "step": state["step"],
+            "train_seconds": state["train_seconds"],
+            "loss_tokens": state["loss_tokens"],
+        },
+        folder / STATE_NAME,
+    )
 
 
 def _find_checkpoint(resume, output_dir: Path | None) -> Path | None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import copy
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,15 +61,17 @@ class SpeculativeGenerationMixin:
     """
 
     @torch.no_grad()
-    def generate(self, *args, assistant_model=None, drafter=None, drafter_kwargs: dict[str, Any] | None = None,
-                 **kwargs):
+    def generate(
+        self, *args, assistant_model=None, drafter=None, drafter_kwargs: dict[str, Any] | None = None, **kwargs
+    ):
         # every other argument goes to the class's own `generate` exactly as given, by position or by name: classes
         # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
         parent_generate = super().generate
         call = _BoundCall(parent_generate, args, kwargs)
         # the call's `speculative_*` arguments (not a config's, which may hold defaults for later calls)
-        called_with = [(name, value) for name, value in call.extra.items()
-                       if name.startswith("speculative_") and value is not None]
+        called_with = [
+            (name, value) for name, value in call.extra.items() if name.startswith("speculative_") and value is not None
+        ]
         options = resolve_speculative_options(call.extra, call.get("generation_config"), self.generation_config)
         if assistant_model is None and drafter is None:
             if drafter_kwargs is not None:
@@ -84,7 +85,7 @@ class SpeculativeGenerationMixin:
                 raise ValueError(
                     f"`{name}={value!r}` was given without a drafter, so nothing would use it and "
                     "`generate` would decode plainly. Pass `assistant_model=...` or `drafter=...` (e.g. "
-                    "`drafter=\"prompt_lookup\"`), or drop it."
+                    '`drafter="prompt_lookup"`), or drop it.'
                 )
             return parent_generate(*call.args, **call.kwargs)
 
@@ -94,18 +95,30 @@ class SpeculativeGenerationMixin:
         assistant_tokenizer = call.pop("assistant_tokenizer")
         if assistant_tokenizer is not None and tokenizer is None:
             tokenizer = _calling_pipeline_tokenizer(self)
-        drafter = resolve_drafter(drafter, assistant_model, drafter_kwargs, tokenizer=tokenizer,
-                                  assistant_tokenizer=assistant_tokenizer, target=self)
-        options = options.with_default_gamma(getattr(drafter, "default_gamma", None),
-                                             f"{type(drafter).__name__}.default_gamma")
+        drafter = resolve_drafter(
+            drafter,
+            assistant_model,
+            drafter_kwargs,
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+            target=self,
+        )
+        options = options.with_default_gamma(
+            getattr(drafter, "default_gamma", None), f"{type(drafter).__name__}.default_gamma"
+        )
         generation_config = call.get("generation_config")
-        _reject_conflicting_arguments(call.get("custom_generate"), call.get("synced_gpus"), generation_config,
-                                      self.generation_config, call.extra)
+        _reject_conflicting_arguments(
+            call.get("custom_generate"), call.get("synced_gpus"), generation_config, self.generation_config, call.extra
+        )
         _check_model_supported(self, call.get("inputs_embeds"))
         # stop strings need the tokenizer: build the criterion here and clear the field on a copy (the user's config
         # is never modified)
-        stop_strings = call.get("stop_strings", getattr(
-            generation_config if generation_config is not None else self.generation_config, "stop_strings", None))
+        stop_strings = call.get(
+            "stop_strings",
+            getattr(
+                generation_config if generation_config is not None else self.generation_config, "stop_strings", None
+            ),
+        )
         if stop_strings is not None:
             if tokenizer is None:
                 raise ValueError(
@@ -132,8 +145,14 @@ class SpeculativeGenerationMixin:
         overridden = _overrides_generate(type(self))
         if type(self) in _IGNORES_CUSTOM_GENERATE:
             raise _own_loop_error(self, _IGNORED_DRAFTER)
-        decoding_loop = functools.partial(_decoding_method, drafter=drafter, options=options,
-                                          streamer=call.get("streamer"), stats=stats, attach_stats=not overridden)
+        decoding_loop = functools.partial(
+            _decoding_method,
+            drafter=drafter,
+            options=options,
+            streamer=call.get("streamer"),
+            stats=stats,
+            attach_stats=not overridden,
+        )
         call.set("custom_generate", decoding_loop)
         try:
             output = parent_generate(*call.args, **call.kwargs)
@@ -141,9 +160,12 @@ class SpeculativeGenerationMixin:
             # transformers' check of unused arguments, in a class whose `generate` never hands decoding over
             if not (overridden and "not used by the model" in str(error) and "'custom_generate'" in str(error)):
                 raise
-            raise _own_loop_error(self, "its own `generate` decodes with a loop of its own instead of "
-                                        "transformers' (it does not take `custom_generate`), so a drafter has "
-                                        "nowhere to run") from error
+            raise _own_loop_error(
+                self,
+                "its own `generate` decodes with a loop of its own instead of "
+                "transformers' (it does not take `custom_generate`), so a drafter has "
+                "nowhere to run",
+            ) from error
         if overridden and not stats.target_calls:
             # its own `generate` took `custom_generate` and decoded with a loop of its own anyway (Dia): the output is
             # plain decoding's, but the drafter was ignored; refused, from the start for the next calls
@@ -158,14 +180,17 @@ class SpeculativeGenerationMixin:
 _IGNORES_CUSTOM_GENERATE: set[type] = set()
 
 
-_IGNORED_DRAFTER = ("its own `generate` takes `custom_generate` but decodes with a loop of its own, so the drafter "
-                    "would be ignored")
+_IGNORED_DRAFTER = (
+    "its own `generate` takes `custom_generate` but decodes with a loop of its own, so the drafter would be ignored"
+)
 
 
 def _own_loop_error(model, reason: str) -> ValueError:
     """The refusal of a class that decodes with a loop of its own, which speculative decoding cannot run in."""
-    return ValueError(f"{type(model).__name__} cannot run speculative decoding: {reason}. Drop `assistant_model`/"
-                      "`drafter` for this model.")
+    return ValueError(
+        f"{type(model).__name__} cannot run speculative decoding: {reason}. Drop `assistant_model`/"
+        "`drafter` for this model."
+    )
 
 
 def _overrides_generate(cls: type) -> bool:
@@ -190,11 +215,15 @@ class _BoundCall:
     def __init__(self, function, args: tuple, kwargs: dict):
         signature = inspect.signature(function)
         self.bound = signature.bind(*args, **kwargs)
-        self.declared = {name for name, parameter in signature.parameters.items()
-                         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+        self.declared = {
+            name
+            for name, parameter in signature.parameters.items()
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        }
         self.function = function
-        var_keyword = [name for name, parameter in signature.parameters.items()
-                       if parameter.kind == parameter.VAR_KEYWORD]
+        var_keyword = [
+            name for name, parameter in signature.parameters.items() if parameter.kind == parameter.VAR_KEYWORD
+        ]
         # the **kwargs, changed in place (a `generate` without them takes no undeclared argument)
         self.extra = self.bound.arguments.setdefault(var_keyword[0], {}) if var_keyword else {}
         self.takes_extra = bool(var_keyword)
@@ -230,8 +259,17 @@ class _BoundCall:
 
 
 def _decoding_method(
-    model, input_ids, logits_processor, stopping_criteria, generation_config, inputs_tensor=None, *, drafter,
-    options, streamer, **model_kwargs
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    inputs_tensor=None,
+    *,
+    drafter,
+    options,
+    streamer,
+    **model_kwargs,
 ):
     # transformers calls this after preparing the inputs; its signature declares `inputs_tensor` to receive it
     return speculative_decode(
@@ -253,9 +291,12 @@ def _check_model_supported(model, inputs_embeds) -> None:
     own_sample = _overriding_class(type(model), "_sample")
     if own_sample is not None:
         # transformers' assisted generation replaces it too
-        raise _own_loop_error(model, f"it decodes with its own `_sample` (defined by {own_sample.__name__}: work "
-                                     "done between tokens, such as generating audio), which hf_specdec's loop would "
-                                     "replace, so the output would differ from plain `generate`")
+        raise _own_loop_error(
+            model,
+            f"it decodes with its own `_sample` (defined by {own_sample.__name__}: work "
+            "done between tokens, such as generating audio), which hf_specdec's loop would "
+            "replace, so the output would differ from plain `generate`",
+        )
     if getattr(model, "_is_stateful", False):
         # transformers' assisted generation refuses these too
         raise ValueError(
@@ -272,16 +313,23 @@ def _check_model_supported(model, inputs_embeds) -> None:
         )
 
 
-def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | None = None, *, tokenizer=None,
-                    assistant_tokenizer=None, target: PreTrainedModel | None = None) -> Drafter:
+def resolve_drafter(
+    drafter,
+    assistant_model,
+    drafter_kwargs: dict[str, Any] | None = None,
+    *,
+    tokenizer=None,
+    assistant_tokenizer=None,
+    target: PreTrainedModel | None = None,
+) -> Drafter:
     """Turns the `drafter` / `assistant_model` arguments of one `generate` call into a `Drafter`: with
     `assistant_tokenizer` (and the target's `tokenizer`), a model with another vocabulary becomes a
     `CrossTokenizerDrafter`; `target` lets a vocabulary mismatch without `assistant_tokenizer` fail naming the fix."""
     if assistant_tokenizer is not None:
-        return _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer,
-                                        target)
-    if target is not None and isinstance(assistant_model if assistant_model is not None else drafter,
-                                         PreTrainedModel):
+        return _cross_tokenizer_drafter(
+            drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer, target
+        )
+    if target is not None and isinstance(assistant_model if assistant_model is not None else drafter, PreTrainedModel):
         model = assistant_model if assistant_model is not None else drafter
         width, target_width = logits_width(model), logits_width(target)
         if width != target_width:
@@ -321,8 +369,9 @@ def resolve_drafter(drafter, assistant_model, drafter_kwargs: dict[str, Any] | N
     )
 
 
-def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer,
-                             target) -> Drafter:
+def _cross_tokenizer_drafter(
+    drafter, assistant_model, drafter_kwargs, tokenizer, assistant_tokenizer, target
+) -> Drafter:
     """`assistant_tokenizer`: a `CrossTokenizerDrafter`, or a `ModelDrafter` when the two tokenizers are the same."""
     model = assistant_model if assistant_model is not None else drafter
     if not isinstance(model, PreTrainedModel) or (assistant_model is not None and drafter is not None):
@@ -344,7 +393,9 @@ def _cross_tokenizer_drafter(drafter, assistant_model, drafter_kwargs, tokenizer
             "universal assisted generation)."
         )
     same = (
-        target is not None and hasattr(tokenizer, "get_vocab") and hasattr(assistant_tokenizer, "get_vocab")
+        target is not None
+        and hasattr(tokenizer, "get_vocab")
+        and hasattr(assistant_tokenizer, "get_vocab")
         and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
     )
     if same:  # one vocabulary: token ids need no translation (the models' logits may be padded to other widths)
@@ -366,8 +417,11 @@ def _built_with(pipe, name: str) -> bool:
     if pipe is None:
         return False
     forward_params = getattr(pipe, "_forward_params", None) or {}
-    return (name in forward_params or name in (forward_params.get("generate_kwargs") or {})
-            or name in (getattr(pipe, "_speculative_kwargs", None) or {}))
+    return (
+        name in forward_params
+        or name in (forward_params.get("generate_kwargs") or {})
+        or name in (getattr(pipe, "_speculative_kwargs", None) or {})
+    )
 
 
 def _calling_pipeline(model):
@@ -422,20 +476,26 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
 _TRANSFORMERS_ASSISTED_SETTINGS = {
     "num_assistant_tokens": "Set the number of drafted tokens with `speculative_gamma={value!r}` instead.",
     "max_matching_ngram_size": (
-        "With `drafter=\"prompt_lookup\"`, set the longest n-gram it matches with "
-        "`drafter_kwargs={{\"max_ngram_size\": {value!r}}}` instead."),
+        'With `drafter="prompt_lookup"`, set the longest n-gram it matches with '
+        '`drafter_kwargs={{"max_ngram_size": {value!r}}}` instead.'
+    ),
     "num_assistant_tokens_schedule": (
-        "Choose how γ changes with `speculative_gamma_policy=...` instead (\"constant\", \"heuristic\": "
-        "transformers' schedule, per call; \"auto\", the default; \"optimal\")."),
+        'Choose how γ changes with `speculative_gamma_policy=...` instead ("constant", "heuristic": '
+        'transformers\' schedule, per call; "auto", the default; "optimal").'
+    ),
     "assistant_confidence_threshold": (
-        "Drop it: the γ policy (`speculative_gamma_policy`, \"auto\" by default) decides how much to draft."),
+        'Drop it: the γ policy (`speculative_gamma_policy`, "auto" by default) decides how much to draft.'
+    ),
     "assistant_lookbehind": (
-        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."),
+        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."
+    ),
     "target_lookbehind": (
-        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."),
+        "Drop it: with `assistant_tokenizer`, hf_specdec's `CrossTokenizerDrafter` realigns the texts itself."
+    ),
     "assistant_ensemble_weight": (
         "Drop it (it verifies against a mixture of the target and the drafter, so the output is no longer the "
-        "target's); `speculative_lenience` is hf_specdec's documented trade of exactness for acceptance."),
+        "target's); `speculative_lenience` is hf_specdec's documented trade of exactness for acceptance."
+    ),
     "use_mtp": "Drop it, or drop `assistant_model`/`drafter` to decode with the model's multi-token prediction.",
     "speculation_type": "Drop it, or drop `assistant_model`/`drafter` to use transformers' speculation of that type.",
 }
@@ -444,8 +504,11 @@ _TRANSFORMERS_ASSISTED_SETTINGS = {
 @functools.cache
 def _speculative_class(cls: type) -> type:
     # keeps the original name so `save_pretrained` writes the real architecture into config.json
-    return type(cls.__name__, (SpeculativeGenerationMixin, cls), {"__module__": cls.__module__,
-                                                                   "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (SpeculativeGenerationMixin, cls),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
 
 
 def enable(model: PreTrainedModel) -> PreTrainedModel:
@@ -491,8 +554,11 @@ def _hint_enable_on_unused_arguments() -> None:
         try:
             return validate(self, model_kwargs)
         except ValueError as error:
-            ours = sorted(name for name in model_kwargs
-                          if name in ("drafter", "drafter_kwargs") or name.startswith("speculative_"))
+            ours = sorted(
+                name
+                for name in model_kwargs
+                if name in ("drafter", "drafter_kwargs") or name.startswith("speculative_")
+            )
             if not ours or isinstance(self, SpeculativeGenerationMixin):
                 raise
             raise ValueError(

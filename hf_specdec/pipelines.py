@@ -84,8 +84,9 @@ class _PathAssistants:
             _check_safetensors_checkpoint(assistant_model)
             config = AutoConfig.from_pretrained(assistant_model)
             # safetensors only: a path never reaches the unpickler, whatever transformers' loading defaults are
-            model = load_model(assistant_model, config=config, model_classes=self._assistant_classes,
-                               use_safetensors=True)
+            model = load_model(
+                assistant_model, config=config, model_classes=self._assistant_classes, use_safetensors=True
+            )
             loaded[assistant_model] = model.to(device=self.model.device, dtype=self.model.dtype)
         return loaded[assistant_model]
 
@@ -390,8 +391,9 @@ class _PipelineWithPathAssistants(_PathAssistants):
         _check_generating(self, model, {"assistant_model": assistant_model, **self._speculative_kwargs})
         # `model` by name: some of transformers' pipelines take another first argument (table QA's `args_parser`)
         if not isinstance(assistant_model, str):
-            super().__init__(*args, model=model, assistant_model=assistant_model,
-                             assistant_tokenizer=assistant_tokenizer, **kwargs)
+            super().__init__(
+                *args, model=model, assistant_model=assistant_model, assistant_tokenizer=assistant_tokenizer, **kwargs
+            )
             return
         super().__init__(*args, model=model, **kwargs)
         # loaded after transformers placed the model, onto its device and dtype (as `load_assistant_model` does)
@@ -542,8 +544,9 @@ class TextToAudioPipeline(_PipelineWithPathAssistants, transformers_pipelines.Te
     _nested_generate_kwargs = True
 
 
-class TableQuestionAnsweringPipeline(_PipelineWithPathAssistants,
-                                     transformers_pipelines.TableQuestionAnsweringPipeline):
+class TableQuestionAnsweringPipeline(
+    _PipelineWithPathAssistants, transformers_pipelines.TableQuestionAnsweringPipeline
+):
     r"""
     transformers' `table-question-answering` pipeline, changed as [`SpeechRecognitionPipeline`] is. Also: the
     speculative arguments of a call reach `generate` (transformers' own drops every keyword argument it does not
@@ -563,8 +566,9 @@ class TableQuestionAnsweringPipeline(_PipelineWithPathAssistants,
     """
 
 
-class DocumentQuestionAnsweringPipeline(_PipelineWithPathAssistants,
-                                        transformers_pipelines.DocumentQuestionAnsweringPipeline):
+class DocumentQuestionAnsweringPipeline(
+    _PipelineWithPathAssistants, transformers_pipelines.DocumentQuestionAnsweringPipeline
+):
     r"""
     transformers' `document-question-answering` pipeline, changed as [`TableQuestionAnsweringPipeline`] is. The
     speculative arguments need a generating model (Donut); with an extractive one (LayoutLM) they are refused.
@@ -781,8 +785,10 @@ def _load_path_assistants_safely(registry=None) -> list[str]:
     for task, ours in _TRANSFORMERS_GENERATING_PIPELINES.items():
         transformers_own = next(base for base in ours.__mro__ if base.__module__.startswith("transformers."))
         entry = registry.supported_tasks.get(task)
-        if entry is None or entry.get("impl") not in (transformers_own,
-                                                      f"{transformers_own.__module__}.{transformers_own.__name__}"):
+        if entry is None or entry.get("impl") not in (
+            transformers_own,
+            f"{transformers_own.__module__}.{transformers_own.__name__}",
+        ):
             continue
         entry["impl"] = ours
         pointed.append(task)

@@ -59,8 +59,9 @@ def expected_tokens(rates: list[float]) -> list[float]:
     return tokens
 
 
-def count_positions(reached: list[float], accepted: list[float], drafted: int, accepted_per_row: list[int],
-                    decay: float) -> tuple[list[float], list[float]]:
+def count_positions(
+    reached: list[float], accepted: list[float], drafted: int, accepted_per_row: list[int], decay: float
+) -> tuple[list[float], list[float]]:
     """Decayed counts, per draft position, of the rounds that reached it and that accepted its draft, after one more
     round of `drafted` drafts; a round of a batch counts as one round, its rows as fractions. Returns the new
     (reached, accepted)."""
@@ -107,17 +108,24 @@ class GammaPolicy:
     def observe_shadow(self, acceptance: float | None) -> None:
         """Called after a shadow draft (see the class docstring), before `observe` for the same plain step."""
 
-    def observe(self, *, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float,
-                first_round: bool) -> None:
+    def observe(
+        self, *, drafted: int, accepted: int, draft_time_s: float, verify_time_s: float, first_round: bool
+    ) -> None:
         """Called after each round with what it drafted, accepted, and cost (seconds, host wall clock)."""
 
-    def observe_rows(self, *, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float,
-                     first_round: bool) -> None:
+    def observe_rows(
+        self, *, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float, first_round: bool
+    ) -> None:
         """Called instead of `observe` after a round of a padded batch, with each row's accepted drafts (the rows
         share the round's γ and its cost). By default: `observe` with the rows' mean, rounded; the built-in `auto`
         and `optimal` policies use every row."""
-        self.observe(drafted=drafted, accepted=round(sum(accepted_per_row) / len(accepted_per_row)),
-                     draft_time_s=draft_time_s, verify_time_s=verify_time_s, first_round=first_round)
+        self.observe(
+            drafted=drafted,
+            accepted=round(sum(accepted_per_row) / len(accepted_per_row)),
+            draft_time_s=draft_time_s,
+            verify_time_s=verify_time_s,
+            first_round=first_round,
+        )
 
 
 class HeuristicGammaPolicy(GammaPolicy):
@@ -251,30 +259,42 @@ class AutoGammaPolicy(GammaPolicy):
             self.shadow_outcome = bool(torch.rand((), generator=self.generator) < acceptance)
         # a guess is a first draft position's draft: what the γ chooser knows of acceptance there
         chooser = self.chooser
-        chooser.reached, chooser.accepted = count_positions(chooser.reached, chooser.accepted, 1,
-                                                            [int(self.shadow_outcome)], chooser.decay)
+        chooser.reached, chooser.accepted = count_positions(
+            chooser.reached, chooser.accepted, 1, [int(self.shadow_outcome)], chooser.decay
+        )
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round) -> None:
-        self.observe_rows(drafted=drafted, accepted_per_row=[accepted], draft_time_s=draft_time_s,
-                          verify_time_s=verify_time_s, first_round=first_round)
+        self.observe_rows(
+            drafted=drafted,
+            accepted_per_row=[accepted],
+            draft_time_s=draft_time_s,
+            verify_time_s=verify_time_s,
+            first_round=first_round,
+        )
 
     def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
         self._count_positions(drafted, accepted_per_row)
         if not self.trees:  # a shadow step reaches it as a plain step (drafted 0): a plain step's cost
-            self.chooser.observe_rows(drafted=drafted, accepted_per_row=accepted_per_row, draft_time_s=draft_time_s,
-                                      verify_time_s=verify_time_s, first_round=first_round)
+            self.chooser.observe_rows(
+                drafted=drafted,
+                accepted_per_row=accepted_per_row,
+                draft_time_s=draft_time_s,
+                verify_time_s=verify_time_s,
+                first_round=first_round,
+            )
         # a batch's tokens per second is the number of rows times a row's mean: the mean, unrounded, decides
-        self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s,
-                      first_round)
+        self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s, first_round)
 
     def _count_positions(self, drafted: int, accepted_per_row: list[int]) -> None:
         """What a chain's drafts were worth, per position, whatever the round's kind; plain steps say nothing of it."""
         if drafted and not self.trees:
             self.position_reached, self.position_accepted = count_positions(
-                self.position_reached, self.position_accepted, drafted, accepted_per_row, self.decay)
+                self.position_reached, self.position_accepted, drafted, accepted_per_row, self.decay
+            )
 
-    def _observe(self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float,
-                 first_round: bool) -> None:
+    def _observe(
+        self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float, first_round: bool
+    ) -> None:
         draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
         self.observed = True
         if not drafted:
@@ -333,7 +353,8 @@ class AutoGammaPolicy(GammaPolicy):
         # what the last drafting stretch measured still counts, at less weight: a guess that hit says the drafter may
         # pay again, not that it does (one that needs several rounds to lose again would cost them on every resume)
         self.weight, self.tokens, self.squares, self.seconds = (
-            value * self.resume_weight for value in (self.weight, self.tokens, self.squares, self.seconds))
+            value * self.resume_weight for value in (self.weight, self.tokens, self.squares, self.seconds)
+        )
 
     def _decide(self, optimism: float | None = None) -> None:
         # the measured rate, half a standard error (of the mean tokens per round) more optimistic: rounds that emit
@@ -366,8 +387,12 @@ class AutoGammaPolicy(GammaPolicy):
         if self.trees or self.gamma <= 1:
             return
         # E[tokens per round] for γ = 0, 1, ..., γ - 1
-        tokens = expected_tokens([accepted / reached if reached else 0.0 for reached, accepted
-                                  in zip(self.position_reached[: self.gamma - 1], self.position_accepted)])
+        tokens = expected_tokens(
+            [
+                accepted / reached if reached else 0.0
+                for reached, accepted in zip(self.position_reached[: self.gamma - 1], self.position_accepted)
+            ]
+        )
         if tokens[-1] < self.step_down_gain:
             return  # too few drafts accepted for any smaller γ to pay, even with free drafts
         if not self.plain_s:
@@ -454,8 +479,9 @@ class OptimalGammaPolicy(GammaPolicy):
         plain = max(min([self.verify_seconds(0, line), self.verify_seconds(1, line), *measured]), 1e-9)
         # until a drafting round is measured, the first round's cost ratio stands in for the drafter's cost
         draft = statistics.median(self.draft_s) if self.draft_s else (self.prior_c or 0.0) * plain
-        return [plain] + [gamma * draft + max(self.verify_seconds(gamma, line), 1e-9)
-                          for gamma in range(1, self.max_gamma + 1)]
+        return [plain] + [
+            gamma * draft + max(self.verify_seconds(gamma, line), 1e-9) for gamma in range(1, self.max_gamma + 1)
+        ]
 
     def tokens_per_second(self, rates: list[float]) -> list[float]:
         """Expected tokens per second for γ = 0 ... max_gamma."""
@@ -516,8 +542,10 @@ class OptimalGammaPolicy(GammaPolicy):
     def _theorem_gamma(self, low: int, cap: int) -> int:
         """The γ in low ... cap of Theorem 3.8's best speedup at the first round's cost ratio (the smaller of
         equals)."""
-        speedups = [tokens / (gamma * self.prior_c + 1.0)
-                    for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))]
+        speedups = [
+            tokens / (gamma * self.prior_c + 1.0)
+            for gamma, tokens in enumerate(expected_tokens(self.acceptance_rates()))
+        ]
         return max(range(low, cap + 1), key=lambda g: (speedups[g], -g))
 
     @staticmethod
@@ -539,13 +567,15 @@ class OptimalGammaPolicy(GammaPolicy):
     def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
         self._observe(drafted, accepted_per_row, draft_time_s, verify_time_s, first_round)
 
-    def _observe(self, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float,
-                 first_round: bool) -> None:
+    def _observe(
+        self, drafted: int, accepted_per_row: list[int], draft_time_s: float, verify_time_s: float, first_round: bool
+    ) -> None:
         draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
         self.rounds += 1
         if drafted:  # plain steps say nothing about acceptance, so they do not age what is known about it
-            self.reached, self.accepted = count_positions(self.reached, self.accepted, drafted, accepted_per_row,
-                                                          self.decay)
+            self.reached, self.accepted = count_positions(
+                self.reached, self.accepted, drafted, accepted_per_row, self.decay
+            )
         if first_round:  # its times include the prompt's prefill, in both models: only their ratio is usable
             self.prior_c = draft_time_s / verify_time_s / max(drafted, 1) if verify_time_s > 0 else 0.0
             return

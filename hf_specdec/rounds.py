@@ -24,18 +24,32 @@ import torch
 from .caches import CACHE_KWARG, cached_length, compact_cache, is_static, rewind_cache, static_capacity
 from .configuration import SpeculativeOptions
 from .devices import decode_step
-from .drafters.base import DraftContext, DraftProposal, Drafter
+from .drafters.base import DraftContext, Drafter, DraftProposal
 from .drafters.model import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 from .trees import ancestor_mask, check_parents, tree_attention_bias
 
-__all__ = ["ChainLayout", "HiddenStateCapture", "TargetForward", "TreeLayout", "Verdict", "capture_for",
-           "checked_proposal", "compiled_graphs", "draft_context", "layout_for", "per_token_prefix", "standardize",
-           "target_logits", "verify_round"]
+__all__ = [
+    "ChainLayout",
+    "HiddenStateCapture",
+    "TargetForward",
+    "TreeLayout",
+    "Verdict",
+    "capture_for",
+    "checked_proposal",
+    "compiled_graphs",
+    "draft_context",
+    "layout_for",
+    "per_token_prefix",
+    "standardize",
+    "target_logits",
+    "verify_round",
+]
 
 
-def draft_context(model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor,
-                  tree_budget: int | None = None) -> DraftContext:
+def draft_context(
+    model, input_ids, logits_processor, generation_config, model_kwargs, inputs_tensor, tree_budget: int | None = None
+) -> DraftContext:
     return DraftContext(
         target=model,
         input_ids=input_ids,
@@ -49,7 +63,11 @@ def draft_context(model, input_ids, logits_processor, generation_config, model_k
 
 
 def checked_proposal(
-    proposal: DraftProposal, drafter: Drafter, input_ids: torch.LongTensor, gamma: int, vocab_size: int,
+    proposal: DraftProposal,
+    drafter: Drafter,
+    input_ids: torch.LongTensor,
+    gamma: int,
+    vocab_size: int,
     tree_budget: int | None = None,
 ) -> DraftProposal:
     """Validates a proposal at the boundary, so a faulty drafter fails here rather than deep inside torch; returns
@@ -117,8 +135,10 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
             f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
             f"{tokens.tolist()}. Build the drafter for the target's tokenizer."
         )
-    promise = ("`probs[b, i]` must be the standardized distribution q that token i was sampled from (see "
-               "`hf_specdec.Drafter`); return `probs=None` for tokens chosen deterministically")
+    promise = (
+        "`probs[b, i]` must be the standardized distribution q that token i was sampled from (see "
+        "`hf_specdec.Drafter`); return `probs=None` for tokens chosen deterministically"
+    )
     total = probs.sum(dim=-1, dtype=torch.float64)
     if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
         raise ValueError(f"{name}.propose returned probs with negative, NaN or infinite entries: {promise}.")
@@ -137,13 +157,24 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
 def per_token_prefix(model_kwargs: dict, length: int, keep: int) -> dict:
     """`model_kwargs` for the first `keep` of `length` tokens: per-token inputs (the attention mask, position ids:
     tensors whose last dimension is `length`) cut to their first `keep` columns, everything else as is."""
-    return {key: value[..., :keep] if isinstance(value, torch.Tensor) and value.dim() >= 2
-            and value.shape[-1] == length else value for key, value in model_kwargs.items()}
+    return {
+        key: value[..., :keep]
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == length
+        else value
+        for key, value in model_kwargs.items()
+    }
 
 
-def target_logits(model, candidate_ids, num_drafted: int, model_kwargs, first_round: bool,
-                  overrides: dict | None = None, forward: "TargetForward | None" = None,
-                  decode_kernels: bool = True) -> torch.FloatTensor:
+def target_logits(
+    model,
+    candidate_ids,
+    num_drafted: int,
+    model_kwargs,
+    first_round: bool,
+    overrides: dict | None = None,
+    forward: TargetForward | None = None,
+    decode_kernels: bool = True,
+) -> torch.FloatTensor:
     """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
     `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
     target (eagerly when None). Every forward but the first round's runs in plain decoding's context (`decode_step`)
@@ -201,18 +232,20 @@ class TargetForward:
         self.compilations = 0
 
     @classmethod
-    def for_call(cls, model, generation_config, model_kwargs, max_new_tokens: int, reads_hidden_states: bool = False
-                 ) -> "TargetForward":
+    def for_call(
+        cls, model, generation_config, model_kwargs, max_new_tokens: int, reads_hidden_states: bool = False
+    ) -> TargetForward:
         """`max_new_tokens`: the most tokens one round's forward carries after the first (1 + γ_max, or a tree's
         1 + budget)."""
         cache = model_kwargs.get(CACHE_KWARG)
         # hooks reading hidden states (`HiddenStateCapture`) would record the filler positions and break graphs
-        if reads_hidden_states or not is_static(cache) or not model._valid_auto_compile_criteria(
-            model_kwargs, generation_config
+        if (
+            reads_hidden_states
+            or not is_static(cache)
+            or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
             return cls()
-        sizes = sorted({2 ** i for i in range(max_new_tokens.bit_length()) if 2 ** i < max_new_tokens}
-                       | {max_new_tokens})
+        sizes = sorted({2**i for i in range(max_new_tokens.bit_length()) if 2**i < max_new_tokens} | {max_new_tokens})
         return cls(model.get_compiled_call(generation_config.compile_config), tuple(sizes), static_capacity(cache))
 
     def call_for(self, new_tokens: int, cached: int, pad: bool = True):
@@ -264,8 +297,9 @@ class HiddenStateCapture:
                 "hidden states (an assistant model, prompt lookup) with this model."
             )
         layers = list(layers)
-        if not layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= len(blocks)
-                             for i in layers):
+        if not layers or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= len(blocks) for i in layers
+        ):
             raise ValueError(
                 f"{owner} asked for the target's hidden states at layers {layers}, but {type(model).__name__} has "
                 f"{len(blocks)} decoder layers: use indices in [0, {len(blocks)}] (0: the embeddings' output, i: "
@@ -282,6 +316,7 @@ class HiddenStateCapture:
         def record(module, args, output):
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             self.records[slot].append(hidden.detach())
+
         return record
 
     def take(self) -> torch.Tensor | None:
@@ -298,7 +333,7 @@ class HiddenStateCapture:
             handle.remove()
         self.handles = []
 
-    def __enter__(self) -> "HiddenStateCapture":
+    def __enter__(self) -> HiddenStateCapture:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -347,8 +382,9 @@ class Verdict:
     betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
 
 
-def verify_round(do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor,
-                 options: SpeculativeOptions) -> Verdict:
+def verify_round(
+    do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor, options: SpeculativeOptions
+) -> Verdict:
     """Algorithm 1 on a chain of drafts, on standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
     tokens, probs = proposal.tokens, proposal.probs
     num_drafted = tokens.shape[1]
@@ -376,8 +412,14 @@ class ChainLayout:
     def verify(self, do_sample: bool, target_scores: torch.FloatTensor, options: SpeculativeOptions) -> Verdict:
         return verify_round(do_sample, self.proposal, target_scores, options)
 
-    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
-                          context_mask: torch.LongTensor | None = None, key_length: int | None = None) -> dict:
+    def forward_overrides(
+        self,
+        cache_length: int,
+        context_length: int,
+        dtype: torch.dtype,
+        context_mask: torch.LongTensor | None = None,
+        key_length: int | None = None,
+    ) -> dict:
         """Inputs that replace the prepared ones; `key_length`: the columns a static cache attends over."""
         return {}
 
@@ -408,8 +450,7 @@ class ChainLayout:
         num_drafted = self.proposal.tokens.shape[1]
         if not num_drafted:
             return states
-        return torch.cat([states[:, :-num_drafted], states[:, -num_drafted:][:, self.kept_nodes(verdict, kept)]],
-                         dim=1)
+        return torch.cat([states[:, :-num_drafted], states[:, -num_drafted:][:, self.kept_nodes(verdict, kept)]], dim=1)
 
     def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict, **extra) -> None:
         drafter.on_verified(input_ids, verdict.accepted, **extra)
@@ -431,16 +472,23 @@ class TreeLayout(ChainLayout):
         """Multi-candidate rejection along the tree (lenience is refused for trees when options are built)."""
         tokens, parents = self.proposal.tokens, self.proposal.parents
         if do_sample:
-            accepted, nodes, next_tokens = verify_tree_sampling(tokens, parents, self.proposal.probs,
-                                                                target_scores.softmax(dim=-1))
+            accepted, nodes, next_tokens = verify_tree_sampling(
+                tokens, parents, self.proposal.probs, target_scores.softmax(dim=-1)
+            )
         else:
             accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, self.depths)
         depths = torch.arange(self.depth, device=tokens.device)[None, :]
         betas = (depths < accepted[:, None]).float()  # [batch, depth]: 1 for each accepted depth
         return Verdict(accepted, next_tokens, nodes, betas)
 
-    def forward_overrides(self, cache_length: int, context_length: int, dtype: torch.dtype,
-                          context_mask: torch.LongTensor | None = None, key_length: int | None = None) -> dict:
+    def forward_overrides(
+        self,
+        cache_length: int,
+        context_length: int,
+        dtype: torch.dtype,
+        context_mask: torch.LongTensor | None = None,
+        key_length: int | None = None,
+    ) -> dict:
         """The 4D mask and positions of a forward over the uncached context tail and the nodes; `context_mask`
         (`[1, context_length]`, 0 on left padding) as plain `generate` has it: padding is neither seen nor counted.
         `key_length`: a static cache's size, whose columns past the nodes (stale or empty) nobody sees."""
@@ -448,8 +496,14 @@ class TreeLayout(ChainLayout):
             context_mask = torch.ones(1, context_length, dtype=torch.long, device=self.depths.device)
         context_positions = (context_mask.long().cumsum(-1) - 1).clamp(min=0)  # [1, context_length]
         positions = torch.cat([context_positions[:, cache_length:], context_positions[:, -1:] + self.depths], dim=-1)
-        bias = tree_attention_bias(self.proposal.parents, cache_length, context_length - cache_length, dtype,
-                                   sees=self.sees, context_mask=context_mask)
+        bias = tree_attention_bias(
+            self.proposal.parents,
+            cache_length,
+            context_length - cache_length,
+            dtype,
+            sees=self.sees,
+            context_mask=context_mask,
+        )
         if key_length is not None:
             bias = torch.nn.functional.pad(bias, (0, key_length - bias.shape[-1]), value=torch.finfo(dtype).min)
         return {"attention_mask": bias, "position_ids": positions}  # [1, 1, tail + k, context + k], [1, tail + k]
@@ -494,8 +548,9 @@ def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLa
     return layout
 
 
-def first_draft_acceptance(guess: DraftProposal, target_scores: torch.FloatTensor, token: int, do_sample: bool,
-                           lenience: float = 1.0) -> float | None:
+def first_draft_acceptance(
+    guess: DraftProposal, target_scores: torch.FloatTensor, token: int, do_sample: bool, lenience: float = 1.0
+) -> float | None:
     """How likely verification would have accepted the first drafted token of `guess` (one sequence) at a position
     where the target's standardized scores are `target_scores` (`[vocab]`) and it emitted `token`; None when the
     guess drafted nothing. Greedy: 1.0 when a first-level draft is `token` (or, with `lenience` < 1, has

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .configuration import SpeculativeOptions
-from .drafters.base import DraftProposal, Drafter
-from .drafters.model import logits_width
 from .caches import CACHE_KWARG, cached_length, static_capacity
+from .configuration import SpeculativeOptions
 from .devices import seconds_agreement
+from .drafters.base import Drafter, DraftProposal
+from .drafters.model import logits_width
 from .rounds import (
     TargetForward,
     capture_for,
@@ -49,7 +49,7 @@ __all__ = ["decode_sequence"]
 
 
 def decode_sequence(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     input_ids: torch.LongTensor,  # [1, prompt_len]
     *,
     logits_processor: LogitsProcessorList,
@@ -59,7 +59,7 @@ def decode_sequence(
     options: SpeculativeOptions,
     policy,
     stats: SpeculativeStats,
-    streamer: "BaseStreamer | None" = None,
+    streamer: BaseStreamer | None = None,
     continuing: bool = False,
     **model_kwargs,
 ):
@@ -87,9 +87,13 @@ def decode_sequence(
     capacity = static_capacity(cache)  # None: the cache grows
     capture = capture_for(model, drafter)
     # compiled where plain generate compiles (a static cache), in a few padded shapes
-    forward = TargetForward.for_call(model, generation_config, model_kwargs,
-                                     1 + (tree_budget if tree_budget is not None else policy.max_gamma),
-                                     reads_hidden_states=capture is not None)
+    forward = TargetForward.for_call(
+        model,
+        generation_config,
+        model_kwargs,
+        1 + (tree_budget if tree_budget is not None else policy.max_gamma),
+        reads_hidden_states=capture is not None,
+    )
     policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
     policy.trees = tree_budget is not None
     agree = seconds_agreement(model)  # a tensor-parallel target's processes decide from the same seconds
@@ -108,18 +112,22 @@ def decode_sequence(
                 # a shadow draft: a plain step with a one-token guess beside it, never verified or emitted; the
                 # policy learns whether the drafter would have been right at the cost of the guess alone (the
                 # drafter sees a round whose draft was rejected)
-                guess = checked_proposal(drafter.propose(input_ids, 1), drafter, input_ids, 1, vocab_size,
-                                         tree_budget)
+                guess = checked_proposal(drafter.propose(input_ids, 1), drafter, input_ids, 1, vocab_size, tree_budget)
                 proposal = DraftProposal.empty(1, input_ids.device)
             else:
-                proposal = checked_proposal(drafter.propose(input_ids, gamma), drafter, input_ids, gamma,
-                                            vocab_size, tree_budget)
+                proposal = checked_proposal(
+                    drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size, tree_budget
+                )
             room = capacity - cur_len if capacity is not None else None
             if room is not None and proposal.tokens.shape[1] > room:
                 # a static cache holds max_length - 1 positions: a tree's last nodes may not fit. Its first `room`
                 # nodes are a tree of their own (parents come first), drafted as before: still exact
-                proposal = DraftProposal(*(None if part is None else part[:, :room] for part in
-                                           (proposal.tokens, proposal.probs, proposal.parents)))
+                proposal = DraftProposal(
+                    *(
+                        None if part is None else part[:, :room]
+                        for part in (proposal.tokens, proposal.probs, proposal.parents)
+                    )
+                )
             layout = layout_for(proposal, drafter, gamma)
             num_drafted = proposal.tokens.shape[1]
             stats.drafter_compilations += compiled_graphs() - graphs
@@ -149,19 +157,28 @@ def decode_sequence(
                     {}, dict(model_kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=num_drafted
                 )
             overrides = layout.forward_overrides(cached, cur_len, model.dtype, context_mask, capacity)
-            new_logits = target_logits(model, candidate_ids, num_drafted, forward_kwargs,
-                                       first_round and not prefilled, overrides, forward)  # [1, k + 1, V]
+            new_logits = target_logits(
+                model, candidate_ids, num_drafted, forward_kwargs, first_round and not prefilled, overrides, forward
+            )  # [1, k + 1, V]
             new_scores = new_logits
             if len(logits_processor):
-                new_scores = standardize(new_logits, lambda row: logits_processor,
-                                         lambda row, j: layout.prefix(candidate_ids, cur_len, j),
-                                         check_stateless=first_round)
+                new_scores = standardize(
+                    new_logits,
+                    lambda row: logits_processor,
+                    lambda row, j: layout.prefix(candidate_ids, cur_len, j),
+                    check_stateless=first_round,
+                )
 
             # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
             verdict = layout.verify(do_sample, new_scores, options)
             num_accepted = int(verdict.accepted[0])
-            stats.record_round(chosen_gamma, num_drafted, num_accepted,
-                               verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(), depth=layout.depth)
+            stats.record_round(
+                chosen_gamma,
+                num_drafted,
+                num_accepted,
+                verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(),
+                depth=layout.depth,
+            )
 
             # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
             # middle of an accepted block, and plain generate checks after every token
@@ -195,13 +212,21 @@ def decode_sequence(
             layout.tell_drafter(drafter, input_ids, verdict, **extra)
             stats.drafter_compilations += compiled_graphs() - graphs
             if guess is not None:
-                policy.observe_shadow(first_draft_acceptance(guess, new_scores[0, 0], int(new_tokens[0, 0]),
-                                                             do_sample, options.speculative_lenience))
+                policy.observe_shadow(
+                    first_draft_acceptance(
+                        guess, new_scores[0, 0], int(new_tokens[0, 0]), do_sample, options.speculative_lenience
+                    )
+                )
             draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
             stats.draft_time_s += draft_s
             stats.verify_time_s += verify_s
-            policy.observe(drafted=layout.depth, accepted=num_accepted, draft_time_s=draft_s, verify_time_s=verify_s,
-                           first_round=first_round)
+            policy.observe(
+                drafted=layout.depth,
+                accepted=num_accepted,
+                draft_time_s=draft_s,
+                verify_time_s=verify_s,
+                first_round=first_round,
+            )
             first_round = False
     finally:
         if capture is not None:

@@ -55,7 +55,7 @@ class SpeculativeStats:
     """Host wall-clock seconds spent in the drafter."""
     verify_time_s: float = 0.0
     """Host wall-clock seconds spent in target forwards and verification."""
-    rows: list["SpeculativeStats"] = dataclasses.field(default_factory=list)
+    rows: list[SpeculativeStats] = dataclasses.field(default_factory=list)
     """For a batch of several sequences: each sequence's own statistics, in the order of the output rows (its rounds,
     drafts, accepted and emitted tokens; a padded batch's round, shared by its rows, counts as one round and one
     target call for each). Empty for one sequence, whose statistics are the call's. A class whose `generate` decodes
@@ -91,7 +91,12 @@ class SpeculativeStats:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     def record_round(
-        self, gamma: int, drafted: int, accepted: int, betas: list[float], new_forward: bool = True,
+        self,
+        gamma: int,
+        drafted: int,
+        accepted: int,
+        betas: list[float],
+        new_forward: bool = True,
         depth: int | None = None,
     ) -> None:
         """Books one sequence's verified round (`betas`: β of the positions up to and including the first
@@ -116,7 +121,7 @@ class SpeculativeStats:
         for i in range(accepted):
             self.position_accepted[i] += 1
 
-    def merge(self, other: "SpeculativeStats") -> None:
+    def merge(self, other: SpeculativeStats) -> None:
         """Adds the rounds of `other` (another sequence decoded in the same call, with forwards of its own)."""
         for field in dataclasses.fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)

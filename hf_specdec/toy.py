@@ -68,8 +68,11 @@ def build_early_exit_pair(
     drafter_config.num_hidden_layers = 1
     drafter_config.layer_types = None
     drafter = AutoModelForCausalLM.from_config(drafter_config, dtype=dtype).eval()
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.") or
-             k.startswith("model.layers.0.")}
+    state = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith("model.layers.") or k.startswith("model.layers.0.")
+    }
     drafter.load_state_dict(state)
     for model in (target, drafter):
         model.generation_config.eos_token_id = None

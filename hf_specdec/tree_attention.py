@@ -23,7 +23,7 @@ __all__ = ["check_tree_attention", "supports_tree_attention"]
 
 # model -> (dtype, attention implementation, verdict): a model object changes neither often, and nothing is
 # written onto the user's model
-_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def supports_tree_attention(model) -> bool:
@@ -64,11 +64,12 @@ def _probe(model) -> bool:
         path = model(input_ids=torch.cat([x, a, b, c], -1)).logits[0, -2:].float()
         want = torch.stack([path[0], path[1], model(input_ids=torch.cat([x, a, d], -1)).logits[0, -1].float()])
         # what a model that ignored the positions or the mask would compute for c: the scale errors are judged by
-        shifted = model(input_ids=torch.cat([x, a, b, c], -1), position_ids=torch.tensor([[0, 1, 2, 4]],
-                                                                                         device=device))
+        shifted = model(input_ids=torch.cat([x, a, b, c], -1), position_ids=torch.tensor([[0, 1, 2, 4]], device=device))
         unmasked = model(input_ids=torch.cat([x, a, b, d, c], -1))
-        sensitivity = min(float((shifted.logits[0, -1].float() - want[1]).abs().max()),
-                          float((unmasked.logits[0, -1].float() - want[1]).abs().max()))
+        sensitivity = min(
+            float((shifted.logits[0, -1].float() - want[1]).abs().max()),
+            float((unmasked.logits[0, -1].float() - want[1]).abs().max()),
+        )
         errors = []
         name = cache_argument(model)
         for cached in (0, 1):  # the first round (nothing cached, the context in the tail) and a later round
@@ -78,8 +79,11 @@ def _probe(model) -> bool:
             ids = tree_ids if cached else torch.cat([x, tree_ids], -1)
             positions = tree_positions if cached else torch.cat([tree_positions.new_zeros(1, 1), tree_positions], -1)
             bias = tree_attention_bias(parents, past_length=cached, tail_length=2 - cached, dtype=model.dtype)
-            logits = model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True,
-                           **{name: cache}).logits[0, -4:].float()  # [a, b, d, c]
+            logits = (
+                model(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True, **{name: cache})
+                .logits[0, -4:]
+                .float()
+            )  # [a, b, d, c]
             got = torch.stack([logits[1], logits[3], logits[2]])  # after b, after c, after d
             errors.append(float((got - want).abs().max()))
     except Exception:  # any failure means "cannot": the caller raises a clear error naming the model

@@ -27,8 +27,10 @@ def check_parents(parents: torch.LongTensor) -> str | None:
     bad = (parents < -1) | (parents >= index)
     if bool(bad.any()):
         row, node = (int(i) for i in bad.nonzero()[0])
-        return (f"node {node} of row {row} has parent {int(parents[row, node])}, but each node's parent must be -1 "
-                "(the last context token) or an earlier node (parents[b, i] < i)")
+        return (
+            f"node {node} of row {row} has parent {int(parents[row, node])}, but each node's parent must be -1 "
+            "(the last context token) or an earlier node (parents[b, i] < i)"
+        )
     return None
 
 

@@ -3,30 +3,119 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers.generation import GenerationMixin
 
 import hf_specdec
+from hf_specdec.drafters.base import _REGISTRY as _DRAFTERS
+from hf_specdec.policies import _POLICIES
 
 # tiny models gain nothing from intra-op threads, and on a loaded 2-core machine threads oversubscribe badly
 torch.set_num_threads(1)
+
+
+def _config_module_state(name: str):
+    """Every entry of a torch config module: its value and whether it is hidden (a `delattr` hides an entry)."""
+    module = sys.modules.get(name)
+    if module is None:  # not imported yet (inductor loads with the first compile): nothing a test could have changed
+        return None
+    return {key: entry.hide for key, entry in module._config.items()}, module.get_config_copy()
+
+
+# set by pytest itself, and by `tokenizers` when a process that used its thread pool forks (pipelines' data loaders)
+_ENVIRONMENT_SET_BY_LIBRARIES = ("PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM")
+
+
+def _global_state() -> dict:
+    """The process-wide state a test could leave changed behind it, by name."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+    )
+
+    registry = transformers.pipelines.PIPELINE_REGISTRY
+    return {
+        "torch._dynamo.config": _config_module_state("torch._dynamo.config"),
+        "torch._inductor.config": _config_module_state("torch._inductor.config"),
+        "torch default dtype": torch.get_default_dtype(),
+        "torch threads": torch.get_num_threads(),
+        "torch grad mode": torch.is_grad_enabled(),
+        "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "environment variables": {k: v for k, v in os.environ.items() if k not in _ENVIRONMENT_SET_BY_LIBRARIES},
+        "hf_specdec drafter registry": dict(_DRAFTERS._classes),
+        "hf_specdec policy registry": dict(_POLICIES._classes),
+        "transformers pipeline registry": {task: dict(spec) for task, spec in registry.supported_tasks.items()},
+        "transformers pipeline aliases": dict(registry.task_aliases),
+        "transformers AutoConfig registry": dict(CONFIG_MAPPING._extra_content),
+        "transformers causal LM registry": dict(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content),
+        "transformers seq2seq registry": dict(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING._extra_content),
+        "GenerationMixin._validate_model_kwargs": GenerationMixin.__dict__["_validate_model_kwargs"],
+    }
+
+
+@pytest.fixture(autouse=True)
+def leaves_global_state_as_found(request):
+    """Fails a test that leaves torch's or transformers' global state (or our registries) changed: a later test, in
+    this process or on a fresh machine with another test order, would otherwise run under it."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    # a config module first imported during the test (None before) was not changed by it
+    changed = sorted(name for name in before if before[name] is not None and before[name] != after[name])
+    if changed:
+        details = []
+        for name in changed:
+            if isinstance(before[name], dict) and isinstance(after[name], dict):
+                keys = {
+                    k for k in before[name].keys() | after[name].keys() if before[name].get(k) != after[name].get(k)
+                }
+                details.append(f"{name} (keys: {sorted(map(str, keys))[:10]})")
+            else:
+                details.append(f"{name} ({before[name]!r} -> {after[name]!r})"[:300])
+        pytest.fail(
+            f"{request.node.nodeid} left global state changed: {'; '.join(details)}. Restore it in the test "
+            f"(a context manager, or a `finally`).",
+            pytrace=False,
+        )
+
 
 VOCAB = 96
 
 # kwargs that make each architecture tiny; names follow each config class
 TINY = {
-    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, sliding_window=None),
-    "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "mistral": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+    ),
+    "qwen2": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
     "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
     "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
     "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
-    "gemma": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8),
+    "gemma": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
 }
 ARCHITECTURES = sorted(TINY)
 
@@ -42,17 +131,40 @@ def tiny_config(arch: str, **overrides):
 SEQ2SEQ_TINY = {
     # larger initializations than the defaults: outputs that depend on the source and have sharp argmaxes
     "t5": dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, initializer_factor=3.0),
-    "bart": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                 encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3),
-    "marian": dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, init_std=0.3),
+    "bart": dict(
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        init_std=0.3,
+    ),
+    "marian": dict(
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        init_std=0.3,
+    ),
 }
 SEQ2SEQ_ARCHITECTURES = sorted(SEQ2SEQ_TINY)
 
 
 def tiny_seq2seq_config(arch: str, **overrides):
-    kwargs = dict(SEQ2SEQ_TINY[arch], vocab_size=VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-                  decoder_start_token_id=0, forced_eos_token_id=None)
+    kwargs = dict(
+        SEQ2SEQ_TINY[arch],
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        decoder_start_token_id=0,
+        forced_eos_token_id=None,
+    )
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
 
@@ -131,7 +243,7 @@ class ScriptedDrafter(hf_specdec.Drafter):
 @pytest.fixture(scope="session")
 def local_tokenizer():
     """A real BPE tokenizer trained here with `tokenizers`, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     corpus = [
@@ -143,7 +255,8 @@ def local_tokenizer():
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")

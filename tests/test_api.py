@@ -5,12 +5,13 @@ import re
 
 import pytest
 import torch
+from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
 from hf_specdec.configuration import resolve_speculative_options
-from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_config, tiny_model
+from hf_specdec.drafters.base import _REGISTRY as _DRAFTERS
 
 
 def test_enable_is_per_instance_and_idempotent():
@@ -52,8 +53,11 @@ def test_without_drafter_is_plain_generate():
     assert not hasattr(out, "speculative_stats")
     # a `speculative_*` argument without a drafter would be unused (plain decoding): refused, as transformers refuses
     # unused arguments; None sets nothing, and a config may hold them for the calls that pass a drafter
-    for name, value in (("speculative_gamma", 7), ("speculative_tree_budget", 8),
-                        ("speculative_gamma_policy", "optimal")):
+    for name, value in (
+        ("speculative_gamma", 7),
+        ("speculative_tree_budget", 8),
+        ("speculative_gamma_policy", "optimal"),
+    ):
         with pytest.raises(ValueError, match=rf"`{name}={value!r}` was given without a drafter.*`drafter=\.\.\.`"):
             enabled.generate(ids, max_new_tokens=12, **{name: value})
     assert torch.equal(enabled.generate(ids, max_new_tokens=12, repetition_penalty=1.3, speculative_gamma=None), plain)
@@ -75,8 +79,9 @@ def test_config_round_trip(tmp_path):
 
 def gammas_used(model, ids, **kwargs):
     # under the default "auto" policy a self-drafting tiny model (slower than plain steps on a CPU) stops drafting
-    out = model.generate(ids, assistant_model=model, return_dict_in_generate=True, speculative_gamma_policy="constant",
-                         **kwargs)
+    out = model.generate(
+        ids, assistant_model=model, return_dict_in_generate=True, speculative_gamma_policy="constant", **kwargs
+    )
     return set(out.speculative_stats.gamma_history[:-1])
 
 
@@ -137,8 +142,13 @@ def test_stats_are_consistent():
     target = hf_specdec.enable(tiny_model("llama", seed=0))
     ids = prompt()
     plain = target.generate(ids, max_new_tokens=30)
-    out = target.generate(ids, drafter=ScriptedDrafter(plain, period=4), speculative_gamma=5, max_new_tokens=30,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids,
+        drafter=ScriptedDrafter(plain, period=4),
+        speculative_gamma=5,
+        max_new_tokens=30,
+        return_dict_in_generate=True,
+    )
     stats = out.speculative_stats
     assert stats.emitted_tokens == 30 == stats.accepted_tokens + stats.target_calls
     assert sum(stats.accepted_length_histogram) == stats.target_calls
@@ -153,8 +163,9 @@ def test_stats_are_consistent():
 def test_scores_and_logits_match_plain_generate():
     target = hf_specdec.enable(tiny_model("llama", seed=0))
     ids = prompt()
-    kwargs = dict(max_new_tokens=15, repetition_penalty=1.4, return_dict_in_generate=True, output_scores=True,
-                  output_logits=True)
+    kwargs = dict(
+        max_new_tokens=15, repetition_penalty=1.4, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
     plain = target.generate(ids, **kwargs)
     spec = target.generate(ids, assistant_model=noisy_copy(target, 0.5), speculative_gamma=4, **kwargs)
     assert torch.equal(spec.sequences, plain.sequences)
@@ -181,7 +192,7 @@ def test_streamer_gets_every_token_in_order_and_one_end():
     plain = target.generate(ids, max_new_tokens=17, streamer=plain_streamer)
     target.generate(ids, assistant_model=target, speculative_gamma=4, max_new_tokens=17, streamer=spec_streamer)
     assert spec_streamer.puts == plain_streamer.puts and spec_streamer.ends == plain_streamer.ends == 1
-    assert sum(spec_streamer.puts[1:], []) == plain[0, ids.shape[1]:].tolist()
+    assert sum(spec_streamer.puts[1:], []) == plain[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "5"])
@@ -263,17 +274,20 @@ def test_drafter_argument_errors():
         model.generate(prompt(), drafter="prompt_lookup", cache_implementation="paged", max_new_tokens=3)
 
 
-@pytest.mark.parametrize("name, value, fix", [
-    ("num_assistant_tokens", 3, "`speculative_gamma=3` instead"),
-    ("max_matching_ngram_size", 4, 'drafter_kwargs={"max_ngram_size": 4}'),
-    ("num_assistant_tokens_schedule", "heuristic", "`speculative_gamma_policy=...` instead"),
-    ("assistant_confidence_threshold", 0.4, "Drop it: the γ policy"),
-    ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
-    ("target_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
-    ("assistant_ensemble_weight", 0.5, "`speculative_lenience`"),
-    ("use_mtp", True, "multi-token prediction"),
-    ("speculation_type", "dflash", "speculation of that type"),
-])
+@pytest.mark.parametrize(
+    "name, value, fix",
+    [
+        ("num_assistant_tokens", 3, "`speculative_gamma=3` instead"),
+        ("max_matching_ngram_size", 4, 'drafter_kwargs={"max_ngram_size": 4}'),
+        ("num_assistant_tokens_schedule", "heuristic", "`speculative_gamma_policy=...` instead"),
+        ("assistant_confidence_threshold", 0.4, "Drop it: the γ policy"),
+        ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
+        ("target_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
+        ("assistant_ensemble_weight", 0.5, "`speculative_lenience`"),
+        ("use_mtp", True, "multi-token prediction"),
+        ("speculation_type", "dflash", "speculation of that type"),
+    ],
+)
 def test_transformers_assisted_generation_settings_are_refused_not_ignored(name, value, fix):
     """transformers' own assisted-generation settings used to be silently unused next to an hf_specdec drafter
     (`num_assistant_tokens=3` drafted 5): refused in the call and in a passed config, naming the replacement."""
@@ -290,13 +304,16 @@ def test_transformers_assisted_generation_settings_are_refused_not_ignored(name,
     model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: False if name == "use_mtp" else None})
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(penalty_alpha=0.6, top_k=4), "`penalty_alpha` / `top_k` selects contrastive search"),
-    (dict(force_words_ids=[[5]]), "`force_words_ids` / `constraints` selects constrained beam search"),
-    (dict(dola_layers="high"), "`dola_layers` selects DoLa decoding"),
-    (dict(dola_layers=[2], do_sample=True), "`dola_layers` selects DoLa decoding"),
-    (dict(guidance_scale=1.5), "`guidance_scale` cannot be combined with a drafter"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(penalty_alpha=0.6, top_k=4), "`penalty_alpha` / `top_k` selects contrastive search"),
+        (dict(force_words_ids=[[5]]), "`force_words_ids` / `constraints` selects constrained beam search"),
+        (dict(dola_layers="high"), "`dola_layers` selects DoLa decoding"),
+        (dict(dola_layers=[2], do_sample=True), "`dola_layers` selects DoLa decoding"),
+        (dict(guidance_scale=1.5), "`guidance_scale` cannot be combined with a drafter"),
+    ],
+)
 def test_decoding_methods_a_drafter_cannot_serve_are_refused_not_ignored(settings, message):
     """Contrastive search and DoLa are decoding methods of their own (plain `generate` fetches them from the Hub) and
     classifier-free guidance runs a second context per step: the loop used to decode greedily without the first two,
@@ -309,8 +326,9 @@ def test_decoding_methods_a_drafter_cannot_serve_are_refused_not_ignored(setting
     with pytest.raises(ValueError, match=re.escape(message)):
         model.generate(prompt(), drafter="prompt_lookup", generation_config=config)
     assert all(getattr(config, name) == value for name, value in settings.items())
-    off = dict(penalty_alpha=0.6, top_k=1) if "penalty_alpha" in settings else dict(dola_layers=None,
-                                                                                     guidance_scale=None)
+    off = (
+        dict(penalty_alpha=0.6, top_k=1) if "penalty_alpha" in settings else dict(dola_layers=None, guidance_scale=None)
+    )
     out = model.generate(prompt(), drafter="prompt_lookup", max_new_tokens=6, **off)
     assert torch.equal(out, model.generate(prompt(), max_new_tokens=6, **off))
 
@@ -321,12 +339,16 @@ def test_registry():
             return hf_specdec.DraftProposal(tokens=input_ids[:, -1:].repeat(1, num_tokens))
 
     hf_specdec.register_drafter("echo-test", Echo)
-    assert "echo-test" in hf_specdec.list_drafters() and "model" in hf_specdec.list_drafters()
-    with pytest.raises(ValueError, match="'echo-test' is already registered .*Echo"):
-        hf_specdec.register_drafter("echo-test", Echo)
-    with pytest.raises(TypeError, match="subclass of `hf_specdec.drafters.base.Drafter`"):
-        hf_specdec.register_drafter("bad", dict)
-    model = hf_specdec.enable(tiny_model("llama"))
-    ids = prompt()
-    assert torch.equal(model.generate(ids, drafter="echo-test", max_new_tokens=10),
-                       model.generate(ids, max_new_tokens=10))
+    try:
+        assert "echo-test" in hf_specdec.list_drafters() and "model" in hf_specdec.list_drafters()
+        with pytest.raises(ValueError, match="'echo-test' is already registered .*Echo"):
+            hf_specdec.register_drafter("echo-test", Echo)
+        with pytest.raises(TypeError, match="subclass of `hf_specdec.drafters.base.Drafter`"):
+            hf_specdec.register_drafter("bad", dict)
+        model = hf_specdec.enable(tiny_model("llama"))
+        ids = prompt()
+        assert torch.equal(
+            model.generate(ids, drafter="echo-test", max_new_tokens=10), model.generate(ids, max_new_tokens=10)
+        )
+    finally:
+        _DRAFTERS._classes.pop("echo-test")  # the registry has no public unregister; leave it as found

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model, tiny_seq2seq
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicIndexedLayer
 
 import hf_specdec
-from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model, tiny_seq2seq
 from hf_specdec.caches import CACHE_KWARG, realign_cache, slice_cache
 
 sys.path.insert(0, str(Path(__file__).parent / "sweep"))
-from tiny import VOCAB as SWEEP_VOCAB, tiny_model as sweep_model  # noqa: E402
+from tiny import VOCAB as SWEEP_VOCAB
+from tiny import tiny_model as sweep_model
 
 NEW_TOKENS = 20
 
@@ -29,11 +30,26 @@ def test_enabling_keeps_plain_generate_of_classes_that_override_it():
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(1)
-    config = WhisperConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
-                           max_source_positions=16, max_target_positions=64, pad_token_id=0, bos_token_id=0,
-                           eos_token_id=None, decoder_start_token_id=1, begin_suppress_tokens=None,
-                           suppress_tokens=None, init_std=1.0)
+    config = WhisperConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=None,
+        decoder_start_token_id=1,
+        begin_suppress_tokens=None,
+        suppress_tokens=None,
+        init_std=1.0,
+    )
     model = WhisperForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = None
     features = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
@@ -43,8 +59,9 @@ def test_enabling_keeps_plain_generate_of_classes_that_override_it():
     hf_specdec.enable(model)
     assert torch.equal(model.generate(features, max_new_tokens=6), plain)
     assert torch.equal(model.generate(input_features=features, max_new_tokens=6), plain)
-    spec = model.generate(features, assistant_model=model, speculative_gamma=3, max_new_tokens=6,
-                          return_dict_in_generate=True)
+    spec = model.generate(
+        features, assistant_model=model, speculative_gamma=3, max_new_tokens=6, return_dict_in_generate=True
+    )
     assert torch.equal(spec.sequences, plain_dict) and spec.speculative_stats.acceptance_rate == 1.0
 
 
@@ -85,8 +102,11 @@ def test_a_class_with_its_own_sample_is_refused_before_any_forward():
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
     for drafter in (dict(drafter="prompt_lookup"), dict(assistant_model=base)):
-        with pytest.raises(ValueError, match=r"^OwnSampleLlama cannot run speculative decoding: it decodes with its own "
-                                             r"`_sample` \(defined by OwnSampleLlama: .*Drop `assistant_model`/`drafter`"):
+        with pytest.raises(
+            ValueError,
+            match=r"^OwnSampleLlama cannot run speculative decoding: it decodes with its own "
+            r"`_sample` \(defined by OwnSampleLlama: .*Drop `assistant_model`/`drafter`",
+        ):
             model.generate(prompt(), max_new_tokens=4, do_sample=False, **drafter)
     assert not calls
     assert torch.equal(model.generate(prompt(), max_new_tokens=4, do_sample=False), plain)
@@ -97,8 +117,11 @@ def test_model_that_never_fills_its_cache_is_refused_before_any_forward():
     model = hf_specdec.enable(sweep_model("openai-gpt"))
     calls = []
     model.register_forward_hook(lambda *args: calls.append(1))
-    with pytest.raises(ValueError, match=r"OpenAIGPTLMHeadModel generates without a `Cache` object .* drop "
-                                         r"`assistant_model`/`drafter`"):
+    with pytest.raises(
+        ValueError,
+        match=r"OpenAIGPTLMHeadModel generates without a `Cache` object .* drop "
+        r"`assistant_model`/`drafter`",
+    ):
         model.generate(sweep_prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
     assert not calls
 
@@ -110,15 +133,24 @@ def test_stateful_model_is_refused_like_transformers_does():
         model.generate(sweep_prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
 
 
-@pytest.mark.parametrize("model_type, reason", [
-    # cpmant prepends prompt positions to its cache: multi-token forwards and rollbacks misalign it (it used to
-    # return silently wrong output with prompt lookup)
-    ("cpmant", r"CpmAntForCausalLM cannot be verified exactly by speculative decoding: its cache holds 40 positions "
-               r"after a forward over 8 tokens"),
-    # prophetnet asserts that cached decoder inputs are one token long
-    ("prophetnet", r"ProphetNetForConditionalGeneration cannot be verified exactly by speculative decoding: a cached "
-                   r"forward over several new tokens fails \(AssertionError"),
-])
+@pytest.mark.parametrize(
+    "model_type, reason",
+    [
+        # cpmant prepends prompt positions to its cache: multi-token forwards and rollbacks misalign it (it used to
+        # return silently wrong output with prompt lookup)
+        (
+            "cpmant",
+            r"CpmAntForCausalLM cannot be verified exactly by speculative decoding: its cache holds 40 positions "
+            r"after a forward over 8 tokens",
+        ),
+        # prophetnet asserts that cached decoder inputs are one token long
+        (
+            "prophetnet",
+            r"ProphetNetForConditionalGeneration cannot be verified exactly by speculative decoding: a cached "
+            r"forward over several new tokens fails \(AssertionError",
+        ),
+    ],
+)
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "self"])
 def test_broken_multi_token_forward_is_refused(model_type, reason, drafter):
     model = hf_specdec.enable(sweep_model(model_type))
@@ -136,8 +168,12 @@ def test_capability_check_catches_a_silently_wrong_multi_token_forward_and_runs_
         def forward(self, input_ids=None, cache=None, past_key_values=None, **kwargs):
             cache = past_key_values if cache is None else cache
             output = super().forward(input_ids=input_ids, **{CACHE_KWARG: cache}, **kwargs)
-            if input_ids is not None and input_ids.shape[1] > 1 and cache is not None and \
-                    cache.get_seq_length() > input_ids.shape[1]:
+            if (
+                input_ids is not None
+                and input_ids.shape[1] > 1
+                and cache is not None
+                and cache.get_seq_length() > input_ids.shape[1]
+            ):
                 output.logits = output.logits + torch.arange(output.logits.shape[1])[None, :, None] * 0.5
             return output
 
@@ -145,8 +181,11 @@ def test_capability_check_catches_a_silently_wrong_multi_token_forward_and_runs_
     hf_specdec.enable(model)
     ids = prompt(8)
     plain = model.generate(ids, max_new_tokens=NEW_TOKENS)
-    with pytest.raises(ValueError, match=r"ChunkBroken cannot be verified exactly by speculative decoding: a cached "
-                                         r"forward over several new tokens disagrees with step-by-step decoding"):
+    with pytest.raises(
+        ValueError,
+        match=r"ChunkBroken cannot be verified exactly by speculative decoding: a cached "
+        r"forward over several new tokens disagrees with step-by-step decoding",
+    ):
         model.generate(ids, drafter=ScriptedDrafter(plain), max_new_tokens=NEW_TOKENS)
     # the verdict is kept per model object: a second call refuses without probing again
     calls = []
@@ -171,11 +210,13 @@ def test_a_drafter_model_gets_its_cache_under_the_name_its_forward_takes(old_nam
 
     class OneName(type(draft)):
         if old_name == "past_key_values":
+
             def forward(self, input_ids=None, past_key_values=None, **kwargs):
                 assert "cache" not in kwargs
                 received.append(past_key_values is not None)
                 return super().forward(input_ids=input_ids, **{CACHE_KWARG: past_key_values}, **kwargs)
         else:
+
             def forward(self, input_ids=None, cache=None, **kwargs):
                 assert "past_key_values" not in kwargs
                 received.append(cache is not None)
@@ -183,8 +224,9 @@ def test_a_drafter_model_gets_its_cache_under_the_name_its_forward_takes(old_nam
 
     draft.__class__ = OneName
     assert cache_argument(draft) == old_name
-    out = target.generate(ids, assistant_model=draft, speculative_gamma=4, max_new_tokens=NEW_TOKENS,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids, assistant_model=draft, speculative_gamma=4, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences, plain)
     assert received and all(received)
     assert out.speculative_stats.accepted_tokens > 0
@@ -214,6 +256,7 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
                     yield
                 finally:
                     self.set_experts_implementation("grouped_mm")
+
             return switch()
 
     model = SwitchesLikeAnAccelerator(base.config).eval()
@@ -228,18 +271,21 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
     plain = model.generate(ids, max_new_tokens=NEW_TOKENS)
     assert seen[0] == (10, "grouped_mm") and {kind for _, kind in seen[1:]} == {"batched_mm"}  # the switch is real
     hf_specdec.enable(model)
-    drafters = {"always right": ScriptedDrafter(plain, vocab=SWEEP_VOCAB),
-                "never right": ScriptedDrafter(plain, period=1, vocab=SWEEP_VOCAB),
-                "partly right": ScriptedDrafter(plain, period=3, vocab=SWEEP_VOCAB),
-                "prompt lookup": "prompt_lookup"}
+    drafters = {
+        "always right": ScriptedDrafter(plain, vocab=SWEEP_VOCAB),
+        "never right": ScriptedDrafter(plain, period=1, vocab=SWEEP_VOCAB),
+        "partly right": ScriptedDrafter(plain, period=3, vocab=SWEEP_VOCAB),
+        "prompt lookup": "prompt_lookup",
+    }
     for name, drafter in drafters.items():
         seen.clear()
-        out = model.generate(ids, drafter=drafter, speculative_gamma=3, max_new_tokens=NEW_TOKENS,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            ids, drafter=drafter, speculative_gamma=3, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, plain), name
         assert seen[0][1] == "grouped_mm", name  # the probe's and the first round's forwards carry the prompt
         assert out.speculative_stats.target_calls > 3, name
-        later = seen[-(out.speculative_stats.target_calls - 1):]
+        later = seen[-(out.speculative_stats.target_calls - 1) :]
         assert {kind for _, kind in later} == {"batched_mm"}, (name, seen)
         assert model.get_experts_implementation() == {"": "grouped_mm"}, name  # switched back
     # a batch decoded row by row (`prefill_chunk_size` asks for it) without an EOS criterion: a row that a criterion
@@ -252,8 +298,9 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
 
     batch = torch.cat([ids, sweep_prompt(10, seed=1)])
     stop_token = int(plain[0, 14])  # row 0 stops early, row 1 (most likely) later
-    kwargs = dict(max_new_tokens=NEW_TOKENS, prefill_chunk_size=64, stopping_criteria=StoppingCriteriaList([
-        StopsAtToken()]))
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS, prefill_chunk_size=64, stopping_criteria=StoppingCriteriaList([StopsAtToken()])
+    )
     plain_batch = model.generate(batch, **kwargs)
     seen.clear()
     out = model.generate(batch, drafter="prompt_lookup", return_dict_in_generate=True, **kwargs)
@@ -265,8 +312,9 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
     beam = model.generate(ids, num_beams=2, max_new_tokens=8)
     assert {kind for _, kind in seen} == {"grouped_mm"}  # transformers' beam search decodes without the switch
     seen.clear()
-    assert torch.equal(model.generate(ids, num_beams=2, max_new_tokens=8, assistant_model=model,
-                                      speculative_gamma=3), beam)
+    assert torch.equal(
+        model.generate(ids, num_beams=2, max_new_tokens=8, assistant_model=model, speculative_gamma=3), beam
+    )
     assert {kind for _, kind in seen} == {"grouped_mm"}
 
 
@@ -277,8 +325,13 @@ def test_capability_check_passes_exact_models_once():
     assert torch.equal(model.generate(ids, drafter=ScriptedDrafter(plain, period=3), max_new_tokens=NEW_TOKENS), plain)
     calls = []
     model.register_forward_hook(lambda *args: calls.append(1))
-    spec = model.generate(ids, drafter=ScriptedDrafter(plain), speculative_gamma=4, max_new_tokens=NEW_TOKENS,
-                          return_dict_in_generate=True)
+    spec = model.generate(
+        ids,
+        drafter=ScriptedDrafter(plain),
+        speculative_gamma=4,
+        max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(spec.sequences, plain)
     assert len(calls) == spec.speculative_stats.target_calls  # no probe forwards on the second call
 
@@ -286,8 +339,11 @@ def test_capability_check_passes_exact_models_once():
 def test_sparse_attention_top_k_smaller_than_the_generation_is_refused():
     model = hf_specdec.enable(sweep_model("hy_v4"))
     limit = model.config.get_text_config(decoder=True).index_topk
-    with pytest.raises(ValueError, match=rf"HYV4ForCausalLM cannot be verified exactly by speculative decoding: its "
-                                         rf"attention selects at most index_topk={limit} keys per query"):
+    with pytest.raises(
+        ValueError,
+        match=rf"HYV4ForCausalLM cannot be verified exactly by speculative decoding: its "
+        rf"attention selects at most index_topk={limit} keys per query",
+    ):
         model.generate(sweep_prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
 
 
@@ -299,8 +355,9 @@ def test_convolution_caches_roll_back_exactly(model_type):
     ids = sweep_prompt()
     plain = model.generate(ids, max_new_tokens=NEW_TOKENS)
     for drafter in (ScriptedDrafter(plain, period=3, vocab=SWEEP_VOCAB), "prompt_lookup"):
-        out = model.generate(ids, drafter=drafter, speculative_gamma=4, max_new_tokens=NEW_TOKENS,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            ids, drafter=drafter, speculative_gamma=4, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.target_calls < NEW_TOKENS or drafter == "prompt_lookup"
 
@@ -318,9 +375,12 @@ def test_inputs_embeds_of_a_decoder_only_target_are_refused_up_front():
     embeds = model.get_input_embeddings()(ids)
     for arguments in (dict(drafter="prompt_lookup"), dict(assistant_model=tiny_model("llama", seed=1))):
         for inputs in (dict(inputs_embeds=embeds), dict(input_ids=ids, inputs_embeds=embeds)):
-            with pytest.raises(ValueError, match=r"`inputs_embeds` \(a tensor of shape \(1, 8, 32\)\) cannot be "
-                                                 r"combined with a drafter for the decoder-only LlamaForCausalLM.*"
-                                                 r"Pass the prompt as `input_ids` instead"):
+            with pytest.raises(
+                ValueError,
+                match=r"`inputs_embeds` \(a tensor of shape \(1, 8, 32\)\) cannot be "
+                r"combined with a drafter for the decoder-only LlamaForCausalLM.*"
+                r"Pass the prompt as `input_ids` instead",
+            ):
                 model.generate(**inputs, max_new_tokens=NEW_TOKENS, **arguments)
 
 

@@ -2,9 +2,6 @@
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-
-import hf_specdec
 from conftest import (
     VOCAB,
     ScriptedDrafter,
@@ -15,6 +12,9 @@ from conftest import (
     tiny_seq2seq,
 )
 from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import hf_specdec
 
 PAD = 0
 PROCESSING = dict(repetition_penalty=1.2, no_repeat_ngram_size=3)
@@ -72,8 +72,16 @@ def run(target, ids, mask, gamma=4, **kwargs):
     # constant γ: these tests count drafts and calls; tiny drafters on a CPU are often measured not to pay, which
     # the default "auto" policy would act on
     kwargs.setdefault("speculative_gamma_policy", "constant")
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD,
-                          speculative_gamma=gamma, return_dict_in_generate=True, **PROCESSING, **kwargs)
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        pad_token_id=PAD,
+        speculative_gamma=gamma,
+        return_dict_in_generate=True,
+        **PROCESSING,
+        **kwargs,
+    )
     return out.sequences, out.speculative_stats
 
 
@@ -125,12 +133,13 @@ def test_each_row_equals_its_own_single_run():
     ids, mask = padded_batch()
     drafter = noisy_copy(target, scale=0.5)
     sequences, _ = run(target, ids, mask, assistant_model=drafter)
-    for row, prompt in enumerate(unpadded_rows(ids, mask)):
-        single = target.generate(prompt[None], assistant_model=drafter, speculative_gamma=4,
-                                 max_new_tokens=NEW_TOKENS, **PROCESSING)
-        plain_single = target.generate(prompt[None], max_new_tokens=NEW_TOKENS, **PROCESSING)
+    for row, row_prompt in enumerate(unpadded_rows(ids, mask)):
+        single = target.generate(
+            row_prompt[None], assistant_model=drafter, speculative_gamma=4, max_new_tokens=NEW_TOKENS, **PROCESSING
+        )
+        plain_single = target.generate(row_prompt[None], max_new_tokens=NEW_TOKENS, **PROCESSING)
         assert torch.equal(single, plain_single)
-        assert torch.equal(sequences[row, ids.shape[1] - len(prompt) :], single[0])
+        assert torch.equal(sequences[row, ids.shape[1] - len(row_prompt) :], single[0])
 
 
 def test_rows_that_end_early_are_padded_like_plain():
@@ -139,11 +148,15 @@ def test_rows_that_end_early_are_padded_like_plain():
     free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
     # an EOS token that one row emits early and the others later or never
     eos = int(free[1, ids.shape[1] + 3])
-    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, eos_token_id=eos,
-                            **PROCESSING)
-    assert (plain[:, ids.shape[1]:] == PAD).any()  # at least one row finished early and was padded
-    for drafter_args in ({"assistant_model": target}, {"assistant_model": noisy_copy(target, scale=0.5)},
-                         {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), period=3)}):
+    plain = target.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, eos_token_id=eos, **PROCESSING
+    )
+    assert (plain[:, ids.shape[1] :] == PAD).any()  # at least one row finished early and was padded
+    for drafter_args in (
+        {"assistant_model": target},
+        {"assistant_model": noisy_copy(target, scale=0.5)},
+        {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), period=3)},
+    ):
         sequences, _ = run(target, ids, mask, eos_token_id=eos, **drafter_args)
         assert torch.equal(sequences, plain)
 
@@ -155,7 +168,7 @@ class StopAfterToken(StoppingCriteria):
         self.token = token
 
     def __call__(self, input_ids, scores, **kwargs):
-        return (input_ids[:, -1] == self.token)
+        return input_ids[:, -1] == self.token
 
 
 def test_rows_without_pad_token_run_until_all_are_done():
@@ -164,11 +177,22 @@ def test_rows_without_pad_token_run_until_all_are_done():
     free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
     token = int(free[0, ids.shape[1] + 2])
     criteria = StoppingCriteriaList([StopAfterToken(token)])
-    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria,
-                            **PROCESSING)
-    for drafter_args in ({"assistant_model": target}, {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), 2)}):
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria,
-                              speculative_gamma=4, **PROCESSING, **drafter_args)
+    plain = target.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria, **PROCESSING
+    )
+    for drafter_args in (
+        {"assistant_model": target},
+        {"drafter": RowScriptedDrafter(unpadded_rows(ids, mask), unpadded_rows(free, mask), 2)},
+    ):
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            stopping_criteria=criteria,
+            speculative_gamma=4,
+            **PROCESSING,
+            **drafter_args,
+        )
         assert torch.equal(out, plain)
 
 
@@ -181,10 +205,14 @@ def test_encoder_decoder_batch_matches_plain(arch):
     sources[1, 7:] = PAD
     processing = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)
     plain = target.generate(sources, attention_mask=mask, max_new_tokens=NEW_TOKENS, **processing)
-    for drafter_args in ({"assistant_model": target}, {"assistant_model": noisy_copy(target, scale=0.05)},
-                         {"drafter": "prompt_lookup"}):
-        out = target.generate(sources, attention_mask=mask, max_new_tokens=NEW_TOKENS, speculative_gamma=4,
-                              **processing, **drafter_args)
+    for drafter_args in (
+        {"assistant_model": target},
+        {"assistant_model": noisy_copy(target, scale=0.05)},
+        {"drafter": "prompt_lookup"},
+    ):
+        out = target.generate(
+            sources, attention_mask=mask, max_new_tokens=NEW_TOKENS, speculative_gamma=4, **processing, **drafter_args
+        )
         assert torch.equal(out, plain)
 
 
@@ -199,7 +227,7 @@ def test_sampling_with_thousands_of_return_sequences():
     def samples(model, **kwargs):
         torch.manual_seed(1234)
         out = model.generate(ids, do_sample=True, max_new_tokens=2, num_return_sequences=3000, **config, **kwargs)
-        return [tuple(row) for row in out[:, ids.shape[1]:].tolist()]
+        return [tuple(row) for row in out[:, ids.shape[1] :].tolist()]
 
     for drafter_args in ({"assistant_model": drafter}, {"drafter": "prompt_lookup"}):
         assert goodness_of_fit(table, samples(target, speculative_gamma=2, **drafter_args)) > P_THRESHOLD
@@ -230,8 +258,14 @@ def test_batch_with_streamer_or_scores_is_refused():
     with pytest.raises(ValueError, match="`streamer` needs a batch of one sequence, got 4"):
         target.generate(ids, attention_mask=mask, assistant_model=target, streamer=Silent(), max_new_tokens=3)
     with pytest.raises(ValueError, match="`output_scores` / `output_logits` are supported with a drafter for one"):
-        target.generate(ids, attention_mask=mask, assistant_model=target, max_new_tokens=3,
-                        return_dict_in_generate=True, output_scores=True)
+        target.generate(
+            ids,
+            attention_mask=mask,
+            assistant_model=target,
+            max_new_tokens=3,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
 
 
 def test_encoder_decoder_rows_without_eos_run_until_all_are_done():
@@ -241,8 +275,9 @@ def test_encoder_decoder_rows_without_eos_run_until_all_are_done():
     criteria = StoppingCriteriaList([StopAfterToken(int(free[0, 4]))])  # row 0 fires early, row 1 later or never
     plain = target.generate(sources, max_new_tokens=12, stopping_criteria=criteria)
     for drafter_args in ({"drafter": "prompt_lookup"}, {"assistant_model": target}):
-        out = target.generate(sources, max_new_tokens=12, stopping_criteria=criteria, speculative_gamma=4,
-                              **drafter_args)
+        out = target.generate(
+            sources, max_new_tokens=12, stopping_criteria=criteria, speculative_gamma=4, **drafter_args
+        )
         assert torch.equal(out, plain)
 
 
@@ -263,8 +298,9 @@ def test_gamma_policies_in_a_batch(policy):
     target = hf_specdec.enable(tiny_model("llama", seed=0))
     ids, mask = padded_batch()
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
-    sequences, stats = run(target, ids, mask, assistant_model=noisy_copy(target, scale=0.5),
-                           speculative_gamma_policy=policy)
+    sequences, stats = run(
+        target, ids, mask, assistant_model=noisy_copy(target, scale=0.5), speculative_gamma_policy=policy
+    )
     assert torch.equal(sequences, plain)
     assert len(stats.gamma_history) == stats.target_calls  # one decision per batch round
 
@@ -282,8 +318,12 @@ def test_realign_cache_moves_each_row_and_slice_cache_matches_it_when_rows_move_
         return cache
 
     def expected(cache, columns):  # the definition: column j of row r holds what column columns[r, j] held
-        return [torch.stack([layer.keys[r][:, columns[r].clamp(0, layer.keys.shape[-2] - 1)]
-                             for r in range(columns.shape[0])]) for layer in cache.layers]
+        return [
+            torch.stack(
+                [layer.keys[r][:, columns[r].clamp(0, layer.keys.shape[-2] - 1)] for r in range(columns.shape[0])]
+            )
+            for layer in cache.layers
+        ]
 
     uneven = torch.tensor([[0, 1, 2, 3, 4], [-1, 0, 1, 2, 3], [-2, -1, 0, 1, 2]])  # rows shifted by 0, 1, 2
     alike = torch.arange(1, 5).expand(3, -1)  # every row: drop column 0 and column 5
@@ -312,8 +352,14 @@ def test_each_row_of_a_batch_has_its_own_stats():
     ids = torch.cat([prompt(seed=1), prompt(seed=2), prompt(seed=3)])
     reference = target.generate(ids, max_new_tokens=12)
     drafter = ScriptedDrafter(reference[1:2], period=3)  # right for row 1 (often), wrong for the others
-    out = target.generate(ids, max_new_tokens=12, drafter=drafter, speculative_gamma=3, return_dict_in_generate=True,
-                          speculative_gamma_policy="constant")
+    out = target.generate(
+        ids,
+        max_new_tokens=12,
+        drafter=drafter,
+        speculative_gamma=3,
+        return_dict_in_generate=True,
+        speculative_gamma_policy="constant",
+    )
     stats = out.speculative_stats
     assert torch.equal(out.sequences, reference) and len(stats.rows) == 3
     assert [row.emitted_tokens for row in stats.rows] == [12, 12, 12]
@@ -355,11 +401,12 @@ def test_plain_steps_before_and_between_drafting_rounds_in_a_batch(drafter_kind)
     target = hf_specdec.enable(tiny_model("llama", seed=0))
     ids, mask = padded_batch()
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, pad_token_id=PAD, **PROCESSING)
-    drafters = {"always_right": dict(assistant_model=target),
-                "partly_right": dict(assistant_model=noisy_copy(target, scale=0.5)),
-                "never_right": dict(assistant_model=tiny_model("llama", seed=7))}
-    sequences, stats = run(target, ids, mask, speculative_gamma_policy="scheduled_batch_test",
-                           **drafters[drafter_kind])
+    drafters = {
+        "always_right": dict(assistant_model=target),
+        "partly_right": dict(assistant_model=noisy_copy(target, scale=0.5)),
+        "never_right": dict(assistant_model=tiny_model("llama", seed=7)),
+    }
+    sequences, stats = run(target, ids, mask, speculative_gamma_policy="scheduled_batch_test", **drafters[drafter_kind])
     assert torch.equal(sequences, plain)
     assert stats.gamma_history[:6] == [0, 0, 3, 0, 2, 4]
     assert stats.drafted_tokens > 0

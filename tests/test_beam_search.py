@@ -11,14 +11,14 @@ import copy
 
 import pytest
 import torch
+from conftest import noisy_copy, prompt, source, tiny_model, tiny_seq2seq
+from test_pipelines import TEXTS, tokenizer  # noqa: F401 - `tokenizer` is a fixture
+from test_pipelines import tiny_seq2seq as pipeline_seq2seq
 from transformers import pipeline
 
 import hf_specdec
 from hf_specdec.beam import DEFAULT_BEAM_GAMMA
 from hf_specdec.caches import cache_of
-from conftest import noisy_copy, prompt, source, tiny_model, tiny_seq2seq
-from test_pipelines import TEXTS, tokenizer  # noqa: F401 - `tokenizer` is a fixture
-from test_pipelines import tiny_seq2seq as pipeline_seq2seq
 
 DECODER_ONLY = ["gpt2", "llama"]
 ENCODER_DECODER = ["bart", "t5"]
@@ -65,11 +65,13 @@ def assert_same_beams(plain, spec):
 def test_identical_to_plain_beam_search(arch, kind):
     target = _target(arch)
     ids = _inputs(arch)
-    kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=14, return_dict_in_generate=True,
-                  output_scores=True)
+    kwargs = dict(
+        num_beams=3, num_return_sequences=2, max_new_tokens=14, return_dict_in_generate=True, output_scores=True
+    )
     plain = target.generate(ids, **kwargs)
-    spec = target.generate(ids, assistant_model=_drafter(target, arch, kind), speculative_gamma=3,
-                           speculative_draft_beams=6, **kwargs)
+    spec = target.generate(
+        ids, assistant_model=_drafter(target, arch, kind), speculative_gamma=3, speculative_draft_beams=6, **kwargs
+    )
     assert_same_beams(plain, spec)
     stats = spec.speculative_stats
     steps = plain.sequences.shape[1] - ids.shape[1] if arch in DECODER_ONLY else plain.sequences.shape[1] - 1
@@ -82,8 +84,9 @@ def test_identical_to_plain_beam_search(arch, kind):
 
 
 @pytest.mark.parametrize("arch", ["llama", "t5"])
-@pytest.mark.parametrize("early_stopping, length_penalty", [(True, 1.0), (False, 0.8), ("never", 2.0),
-                                                           ("never", -0.5), (False, 0.0)])
+@pytest.mark.parametrize(
+    "early_stopping, length_penalty", [(True, 1.0), (False, 0.8), ("never", 2.0), ("never", -0.5), (False, 0.0)]
+)
 def test_eos_inside_drafted_blocks_and_beam_options(arch, early_stopping, length_penalty):
     target = _target(arch)
     ids = _inputs(arch)
@@ -92,15 +95,21 @@ def test_eos_inside_drafted_blocks_and_beam_options(arch, early_stopping, length
     free = target.generate(ids, **base)
     start = ids.shape[1] if arch in DECODER_ONLY else 1
     eos = int(free[0, start + 4])
-    kwargs = dict(base, eos_token_id=eos, pad_token_id=eos if arch in DECODER_ONLY else 0,
-                  early_stopping=early_stopping, length_penalty=length_penalty, num_return_sequences=4,
-                  return_dict_in_generate=True, output_scores=True)
+    kwargs = dict(
+        base,
+        eos_token_id=eos,
+        pad_token_id=eos if arch in DECODER_ONLY else 0,
+        early_stopping=early_stopping,
+        length_penalty=length_penalty,
+        num_return_sequences=4,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     plain = target.generate(ids, **kwargs)
     if length_penalty <= 1.0:  # a strong length penalty may prefer the beams that ran to max length
         assert (plain.sequences == eos).any()
     for drafter in (target, noisy_copy(target, 0.05)):
-        spec = target.generate(ids, assistant_model=drafter, speculative_gamma=4, speculative_draft_beams=8,
-                               **kwargs)
+        spec = target.generate(ids, assistant_model=drafter, speculative_gamma=4, speculative_draft_beams=8, **kwargs)
         assert_same_beams(plain, spec)
 
 
@@ -108,8 +117,10 @@ def test_eos_inside_drafted_blocks_and_beam_options(arch, early_stopping, length
 def test_max_length_and_no_repeat_ngram_size(arch):
     target = _target(arch)
     ids = _inputs(arch)
-    for kwargs in (dict(max_length=ids.shape[1] + 7 if arch in DECODER_ONLY else 8),  # γ = 5 capped near the end
-                   dict(max_new_tokens=15, no_repeat_ngram_size=2, repetition_penalty=1.3)):
+    for kwargs in (
+        dict(max_length=ids.shape[1] + 7 if arch in DECODER_ONLY else 8),  # γ = 5 capped near the end
+        dict(max_new_tokens=15, no_repeat_ngram_size=2, repetition_penalty=1.3),
+    ):
         kwargs.update(num_beams=2, return_dict_in_generate=True, output_scores=True)
         plain = target.generate(ids, **kwargs)
         for drafter in (target, _drafter(target, arch, "partly")):
@@ -162,15 +173,20 @@ def test_beam_sampling_draws_what_plain_beam_sampling_draws(arch):
     assert not torch.equal(target.generate(ids, **kwargs), other_seed)  # the comparison above can fail
 
 
-def test_translation_pipeline_with_beams(tokenizer):  # noqa: F811 - the fixture
+def test_translation_pipeline_with_beams(tokenizer):
     target = hf_specdec.enable(pipeline_seq2seq("t5", len(tokenizer)))
     assistant = noisy_copy(target, 0.01)
     translator = pipeline("translation_en_to_de", model=target, tokenizer=tokenizer)
     plain = translator(TEXTS, num_beams=4, max_new_tokens=12)
     assert translator(TEXTS, assistant_model=assistant, num_beams=4, max_new_tokens=12) == plain
-    assert translator(TEXTS, assistant_model=assistant, num_beams=4, max_new_tokens=12, num_return_sequences=2,
-                      speculative_draft_beams=8) == translator(TEXTS, num_beams=4, max_new_tokens=12,
-                                                               num_return_sequences=2)
+    assert translator(
+        TEXTS,
+        assistant_model=assistant,
+        num_beams=4,
+        max_new_tokens=12,
+        num_return_sequences=2,
+        speculative_draft_beams=8,
+    ) == translator(TEXTS, num_beams=4, max_new_tokens=12, num_return_sequences=2)
     # the pipeline reaches speculative beam search (which checks u against w)
     with pytest.raises(ValueError, match=r"`speculative_draft_beams` \(u\) must be at least `num_beams`"):
         translator(TEXTS, assistant_model=assistant, num_beams=4, speculative_draft_beams=2)
@@ -178,8 +194,14 @@ def test_translation_pipeline_with_beams(tokenizer):  # noqa: F811 - the fixture
 
 def test_stats_count_accepted_beam_steps():
     target = _target("llama")
-    out = target.generate(prompt(8), assistant_model=target, num_beams=2, speculative_gamma=4, max_new_tokens=11,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        prompt(8),
+        assistant_model=target,
+        num_beams=2,
+        speculative_gamma=4,
+        max_new_tokens=11,
+        return_dict_in_generate=True,
+    )
     stats = out.speculative_stats
     # the prefill's plain step, then rounds of 1 + 4 steps: 1 + 5 + 5
     assert stats.beam_steps_history == [1, 5, 5]
@@ -188,30 +210,49 @@ def test_stats_count_accepted_beam_steps():
     assert all(tokens >= 2 * 5 for tokens in stats.target_forward_tokens[1:])
     assert stats.gamma_history == [0, 4, 4]
     # `speculative_gamma` left at its default: beam search drafts DEFAULT_BEAM_GAMMA steps
-    out = target.generate(prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11, return_dict_in_generate=True
+    )
     assert out.speculative_stats.gamma_history[1] == DEFAULT_BEAM_GAMMA != 5
-    explicit = target.generate(prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11, speculative_gamma=5,
-                               return_dict_in_generate=True)
+    explicit = target.generate(
+        prompt(8),
+        assistant_model=target,
+        num_beams=2,
+        max_new_tokens=11,
+        speculative_gamma=5,
+        return_dict_in_generate=True,
+    )
     assert explicit.speculative_stats.gamma_history[1] == 5
     # and so does a `SpeculativeGenerationConfig` that leaves it unset
     config = hf_specdec.SpeculativeGenerationConfig(num_beams=2, max_new_tokens=11, return_dict_in_generate=True)
     out = target.generate(prompt(8), assistant_model=target, generation_config=config)
     assert out.speculative_stats.gamma_history[1] == DEFAULT_BEAM_GAMMA
-    capped = target.generate(prompt(8), assistant_model=target, num_beams=2, max_new_tokens=11,
-                             speculative_max_gamma=1, return_dict_in_generate=True)
+    capped = target.generate(
+        prompt(8),
+        assistant_model=target,
+        num_beams=2,
+        max_new_tokens=11,
+        speculative_max_gamma=1,
+        return_dict_in_generate=True,
+    )
     assert capped.speculative_stats.gamma_history[1] == 1  # an explicit speculative_max_gamma caps the default
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_beam_groups=2, diversity_penalty=1.0), r"Group beam search \(`num_beam_groups=2`\) cannot be"),
-    (dict(force_words_ids=[[5]]), r"Constrained beam search \(`force_words_ids`\) cannot be combined"),
-    (dict(speculative_draft_beams=2), r"`speculative_draft_beams` \(u\) must be at least `num_beams` \(w\), got "
-                                      r"speculative_draft_beams=2 and num_beams=4"),
-    (dict(speculative_tree_budget=8), r"`speculative_tree_budget=8` cannot be combined with `num_beams` > 1"),
-    (dict(speculative_lenience=0.5), r"`speculative_lenience=0.5` cannot be combined with `num_beams` > 1"),
-    (dict(speculative_gamma_policy="optimal"), r"`speculative_gamma_policy='optimal'` is not supported with"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_beam_groups=2, diversity_penalty=1.0), r"Group beam search \(`num_beam_groups=2`\) cannot be"),
+        (dict(force_words_ids=[[5]]), r"Constrained beam search \(`force_words_ids`\) cannot be combined"),
+        (
+            dict(speculative_draft_beams=2),
+            r"`speculative_draft_beams` \(u\) must be at least `num_beams` \(w\), got "
+            r"speculative_draft_beams=2 and num_beams=4",
+        ),
+        (dict(speculative_tree_budget=8), r"`speculative_tree_budget=8` cannot be combined with `num_beams` > 1"),
+        (dict(speculative_lenience=0.5), r"`speculative_lenience=0.5` cannot be combined with `num_beams` > 1"),
+        (dict(speculative_gamma_policy="optimal"), r"`speculative_gamma_policy='optimal'` is not supported with"),
+    ],
+)
 def test_what_cannot_be_served_exactly_is_refused(kwargs, match):
     target = _target("llama")
     with pytest.raises(ValueError, match=match):
@@ -220,8 +261,11 @@ def test_what_cannot_be_served_exactly_is_refused(kwargs, match):
 
 def test_drafters_without_a_model_are_refused():
     target = _target("llama")
-    with pytest.raises(ValueError, match=r"needs a draft model that can run beam search of its own .*got "
-                                         r"PromptLookupDrafter"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a draft model that can run beam search of its own .*got "
+        r"PromptLookupDrafter",
+    ):
         target.generate(prompt(8), drafter="prompt_lookup", num_beams=2, max_new_tokens=5)
 
 
@@ -250,8 +294,14 @@ def test_sliding_window_cache_and_an_eos_outside_the_vocabulary(arch, overrides)
     ids = _inputs(arch)
     for max_new_tokens in (1, 16):
         plain = target.generate(ids, num_beams=3, max_new_tokens=max_new_tokens)
-        spec = target.generate(ids, assistant_model=noisy_copy(target, 0.05), num_beams=3, speculative_gamma=3,
-                               speculative_draft_beams=6, max_new_tokens=max_new_tokens)
+        spec = target.generate(
+            ids,
+            assistant_model=noisy_copy(target, 0.05),
+            num_beams=3,
+            speculative_gamma=3,
+            speculative_draft_beams=6,
+            max_new_tokens=max_new_tokens,
+        )
         assert torch.equal(spec, plain)
 
 
@@ -263,8 +313,15 @@ def test_repetition_penalty_on_a_left_padded_batch(kind):
     ids = torch.cat([prompt(8, seed=0), prompt(8, seed=1)])
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    kwargs = dict(attention_mask=mask, num_beams=2, max_new_tokens=12, pad_token_id=0, repetition_penalty=1.5,
-                  return_dict_in_generate=True, output_scores=True)
+    kwargs = dict(
+        attention_mask=mask,
+        num_beams=2,
+        max_new_tokens=12,
+        pad_token_id=0,
+        repetition_penalty=1.5,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     plain = target.generate(ids, **kwargs)
     spec = target.generate(ids, assistant_model=_drafter(target, "llama", kind), speculative_gamma=3, **kwargs)
     assert_same_beams(plain, spec)
@@ -275,7 +332,11 @@ def test_a_static_cache_is_refused_clearly(arch):
     """An encoder-decoder's static cache (static caches inside an `EncoderDecoderCache`) reached the loop and failed
     there with `TypeError: crop is only defined for dynamic cache`; it is refused up front, as a decoder-only one."""
     target = _target(arch)
-    with pytest.raises(ValueError, match=r"Speculative beam search needs the target's cache to be a croppable dynamic "
-                                         r"cache, got StaticCache \(cache_implementation='static'\)"):
-        target.generate(_inputs(arch)[:1], assistant_model=target, num_beams=3, max_new_tokens=6,
-                        cache_implementation="static")
+    with pytest.raises(
+        ValueError,
+        match=r"Speculative beam search needs the target's cache to be a croppable dynamic "
+        r"cache, got StaticCache \(cache_implementation='static'\)",
+    ):
+        target.generate(
+            _inputs(arch)[:1], assistant_model=target, num_beams=3, max_new_tokens=6, cache_implementation="static"
+        )

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from hf_specdec import NGramDrafter, zoo
 from hf_specdec.cli import main
 
-CODE = "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n    return a + b\n\n\nclass Point:\n    pass\n"
+CODE = 'def add(a, b):\n    """Add two numbers."""\n    return a + b\n\n\nclass Point:\n    pass\n'
 
 
 def run(capsys, *argv):
@@ -50,15 +50,43 @@ def test_generate_from_a_prompt_file_with_sampling_and_local_paths(capsys, tmp_p
     prompt = tmp_path / "prompt.py"
     prompt.write_text(CODE)
     target = str(zoo.ZOO_DIR / "target")
-    status, out, _ = run(capsys, "generate", "--target", target, "--drafter", "model", str(zoo.ZOO_DIR / "drafter"),
-                         "--prompt-file", str(prompt), "--max-new-tokens", "8", "--do-sample", "--temperature",
-                         "0.8", "--seed", "0", "--gamma", "3")
+    status, out, _ = run(
+        capsys,
+        "generate",
+        "--target",
+        target,
+        "--drafter",
+        "model",
+        str(zoo.ZOO_DIR / "drafter"),
+        "--prompt-file",
+        str(prompt),
+        "--max-new-tokens",
+        "8",
+        "--do-sample",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "0",
+        "--gamma",
+        "3",
+    )
     assert status == 0 and out.startswith(CODE)
 
 
 def test_bench_table(capsys, tmp_path):
-    status, out, _ = run(capsys, "bench", "--prompts", "1", "--max-new-tokens", "12", "--gamma", "2", "3",
-                         "--output", str(tmp_path / "bench.json"))
+    status, out, _ = run(
+        capsys,
+        "bench",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "--gamma",
+        "2",
+        "3",
+        "--output",
+        str(tmp_path / "bench.json"),
+    )
     assert status == 0
     assert "x plain" in out and "Thm 3.8" in out
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
@@ -67,8 +95,17 @@ def test_bench_table(capsys, tmp_path):
 
 
 def test_bench_plot_needs_matplotlib(capsys, tmp_path):
-    argv = ["bench", "--prompts", "1", "--max-new-tokens", "8", "--drafter", "prompt_lookup", "--plot",
-            str(tmp_path / "plot.png")]
+    argv = [
+        "bench",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--drafter",
+        "prompt_lookup",
+        "--plot",
+        str(tmp_path / "plot.png"),
+    ]
     if importlib.util.find_spec("matplotlib") is None:
         assert_error(capsys, argv, "--plot needs matplotlib, which is not installed")
     else:
@@ -79,8 +116,16 @@ def test_build_ngram(capsys, tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.py").write_text(CODE)
     (tmp_path / "b.txt").write_text(CODE * 2)
-    status, out, _ = run(capsys, "build-ngram", str(tmp_path / "src"), str(tmp_path / "b.txt"), "--n", "2",
-                         "--output", str(tmp_path / "table"))
+    status, out, _ = run(
+        capsys,
+        "build-ngram",
+        str(tmp_path / "src"),
+        str(tmp_path / "b.txt"),
+        "--n",
+        "2",
+        "--output",
+        str(tmp_path / "table"),
+    )
     assert status == 0 and "n=2, 2 files" in out
     table = NGramDrafter.from_pretrained(tmp_path / "table")
     assert table.n == 2 and table.vocab_size == 8192
@@ -88,8 +133,22 @@ def test_build_ngram(capsys, tmp_path):
 
 def test_distill(capsys, tmp_path):
     (tmp_path / "a.py").write_text(CODE * 20)
-    status, out, _ = run(capsys, "distill", str(tmp_path / "a.py"), "--output", str(tmp_path / "drafter"),
-                         "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--objective", "tv", "--cpu")
+    status, out, _ = run(
+        capsys,
+        "distill",
+        str(tmp_path / "a.py"),
+        "--output",
+        str(tmp_path / "drafter"),
+        "--steps",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--objective",
+        "tv",
+        "--cpu",
+    )
     assert status == 0 and "1-layer drafter" in out
     drafter = AutoModelForCausalLM.from_pretrained(tmp_path / "drafter")
     assert drafter.config.num_hidden_layers == 1
@@ -119,8 +178,11 @@ def test_errors_are_one_line(capsys, tmp_path, wrong_vocab_model, corrupt_checkp
     assert_error(capsys, ["generate", "--prompt-file", missing], "cannot read --prompt-file")
     assert_error(capsys, ["generate", "--prompt-file", str(empty)], "is empty")
     assert_error(capsys, ["generate", "--target", str(tmp_path / "no_model")], "no such model directory")
-    assert_error(capsys, ["generate", "--drafter", "model", wrong_vocab_model, "--max-new-tokens", "2"],
-                 "the drafter has a vocabulary of 96 tokens but the target has 8192")
+    assert_error(
+        capsys,
+        ["generate", "--drafter", "model", wrong_vocab_model, "--max-new-tokens", "2"],
+        "the drafter has a vocabulary of 96 tokens but the target has 8192",
+    )
     assert_error(capsys, ["generate", "--drafter", "model", corrupt_checkpoint], "could not load a model from")
     assert_error(capsys, ["generate", "--drafter", "ngram", str(tmp_path / "nope")], "no such n-gram drafter")
     assert_error(capsys, ["generate", "--drafter", "eagle"], "--drafter must be 'prompt_lookup'")
@@ -129,11 +191,17 @@ def test_errors_are_one_line(capsys, tmp_path, wrong_vocab_model, corrupt_checkp
     assert_error(capsys, ["build-ngram", str(empty), "--output", str(tmp_path / "t")], "the corpus is empty")
     assert_error(capsys, ["distill", str(empty), "--output", str(tmp_path / "d")], "the corpus is empty")
     assert_error(capsys, ["distill", missing, "--output", str(tmp_path / "d")], "cannot read")
-    assert_error(capsys, ["bench", "--drafter", "model", wrong_vocab_model, "--prompts", "1"],
-                 "the drafter has a vocabulary of 96 tokens")
+    assert_error(
+        capsys,
+        ["bench", "--drafter", "model", wrong_vocab_model, "--prompts", "1"],
+        "the drafter has a vocabulary of 96 tokens",
+    )
 
 
 def test_ngram_with_another_vocabulary_is_rejected(capsys, tmp_path):
     NGramDrafter.from_corpus([[1, 2, 3, 1, 2]], n=2, vocab_size=50).save_pretrained(tmp_path / "small")
-    assert_error(capsys, ["generate", "--drafter", "ngram", str(tmp_path / "small"), "--max-new-tokens", "2"],
-                 "built for a vocabulary of 50 tokens but the target has 8192")
+    assert_error(
+        capsys,
+        ["generate", "--drafter", "ngram", str(tmp_path / "small"), "--max-new-tokens", "2"],
+        "built for a vocabulary of 50 tokens but the target has 8192",
+    )

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from hf_specdec import NGramDrafter, zoo
 from hf_specdec.cli import _parser, main
 
-CODE = "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n    return a + b\n"
+CODE = 'def add(a, b):\n    """Add two numbers."""\n    return a + b\n'
 
 
 def run(capsys, *argv):
@@ -40,28 +40,34 @@ def assert_usage_error(capsys, argv, message):
     assert "Traceback" not in err and message in err, err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "--threads", "-1"], "argument --threads: must be a positive int, got -1 (for example 1)"),
-    (["generate", "--threads", "0"], "argument --threads: must be a positive int, got 0"),
-    (["demo", "--threads", "0"], "argument --threads: must be a positive int, got 0"),
-    (["bench", "--repeats", "0"], "argument --repeats: must be a positive int, got 0"),
-    (["bench", "--prompts", "0"], "argument --prompts: must be a positive int, got 0"),
-    (["bench", "--gamma", "2", "0"], "argument --gamma: must be a positive int, got 0"),
-    (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive int, got 0"),
-    (["generate", "--temperature", "0", "--do-sample"], "argument --temperature: must be a positive number, got 0"),
-    (["demo", "--index", "-1"], "argument --index: invalid choice: -1 (choose from 0, 1,"),
-    (["demo", "--index", "16"], "argument --index: invalid choice: 16"),
-    (["distill", "x.py", "--output", "d", "--layers", "0"], "argument --layers: must be a positive int, got 0"),
-    (["build-ngram", "x.py", "--output", "t", "--n", "0"], "argument --n: must be a positive int, got 0"),
-    (["distill", "x.py", "--output", "d", "--lr", "-1"], "argument --lr: must be a positive number, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--threads", "-1"], "argument --threads: must be a positive int, got -1 (for example 1)"),
+        (["generate", "--threads", "0"], "argument --threads: must be a positive int, got 0"),
+        (["demo", "--threads", "0"], "argument --threads: must be a positive int, got 0"),
+        (["bench", "--repeats", "0"], "argument --repeats: must be a positive int, got 0"),
+        (["bench", "--prompts", "0"], "argument --prompts: must be a positive int, got 0"),
+        (["bench", "--gamma", "2", "0"], "argument --gamma: must be a positive int, got 0"),
+        (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive int, got 0"),
+        (["generate", "--temperature", "0", "--do-sample"], "argument --temperature: must be a positive number, got 0"),
+        (["demo", "--index", "-1"], "argument --index: invalid choice: -1 (choose from 0, 1,"),
+        (["demo", "--index", "16"], "argument --index: invalid choice: 16"),
+        (["distill", "x.py", "--output", "d", "--layers", "0"], "argument --layers: must be a positive int, got 0"),
+        (["build-ngram", "x.py", "--output", "t", "--n", "0"], "argument --n: must be a positive int, got 0"),
+        (["distill", "x.py", "--output", "d", "--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    ],
+)
 def test_numbers_out_of_range_are_usage_errors(capsys, argv, message):
     assert_usage_error(capsys, argv, message)
 
 
 def test_more_prompts_than_the_task_has(capsys):
-    assert_error(capsys, ["bench", "--prompts", "17"], "--prompts 17: the completion task has 16 held-out prompts; "
-                                                       "pass --prompts 16 or fewer")
+    assert_error(
+        capsys,
+        ["bench", "--prompts", "17"],
+        "--prompts 17: the completion task has 16 held-out prompts; pass --prompts 16 or fewer",
+    )
 
 
 def test_output_paths_are_checked_before_any_work(capsys, tmp_path, monkeypatch):
@@ -69,20 +75,29 @@ def test_output_paths_are_checked_before_any_work(capsys, tmp_path, monkeypatch)
 
     monkeypatch.setattr(cli, "_load_target", lambda *a, **k: pytest.fail("loaded a model before checking --output"))
     missing = str(tmp_path / "no" / "such" / "rows.json")
-    assert_error(capsys, ["bench", "--output", missing],
-                 f"--output {missing!r}: the folder {str(tmp_path / 'no' / 'such')!r} does not exist; create it")
+    assert_error(
+        capsys,
+        ["bench", "--output", missing],
+        f"--output {missing!r}: the folder {str(tmp_path / 'no' / 'such')!r} does not exist; create it",
+    )
     assert_error(capsys, ["bench", "--plot", str(tmp_path / "none" / "p.png")], "--plot")
     assert_error(capsys, ["bench", "--output", str(tmp_path)], "is a directory; pass a file name")
     (tmp_path / "file").write_text("x")
-    assert_error(capsys, ["build-ngram", str(tmp_path / "file"), "--output", str(tmp_path / "file")],
-                 "--output " + repr(str(tmp_path / "file")) + " is a file; pass a directory")
+    assert_error(
+        capsys,
+        ["build-ngram", str(tmp_path / "file"), "--output", str(tmp_path / "file")],
+        "--output " + repr(str(tmp_path / "file")) + " is a file; pass a directory",
+    )
 
 
 def test_binary_prompt_file_is_named(capsys, tmp_path):
     binary = tmp_path / "weights.bin"
     binary.write_bytes(b"\x00\x01\x02\xff" * 10)
-    assert_error(capsys, ["generate", "--prompt-file", str(binary)],
-                 f"--prompt-file {str(binary)!r} is not a UTF-8 text file (binary data); pass a text file")
+    assert_error(
+        capsys,
+        ["generate", "--prompt-file", str(binary)],
+        f"--prompt-file {str(binary)!r} is not a UTF-8 text file (binary data); pass a text file",
+    )
 
 
 def test_binary_files_are_refused_or_skipped_by_build_ngram(capsys, tmp_path):
@@ -91,10 +106,14 @@ def test_binary_files_are_refused_or_skipped_by_build_ngram(capsys, tmp_path):
     (tmp_path / "src" / "b.py").write_bytes(b"\x00\x00binary\xff")
     binary = tmp_path / "blob.txt"
     binary.write_bytes(b"\x89PNG\x00\x00")
-    assert_error(capsys, ["build-ngram", str(binary), "--output", str(tmp_path / "t")],
-                 f"{str(binary)!r} is not a UTF-8 text file (binary data); drop it from the corpus")
-    status, out, err = run(capsys, "build-ngram", str(tmp_path / "src"), "--output", str(tmp_path / "table"), "--n",
-                           "2")
+    assert_error(
+        capsys,
+        ["build-ngram", str(binary), "--output", str(tmp_path / "t")],
+        f"{str(binary)!r} is not a UTF-8 text file (binary data); drop it from the corpus",
+    )
+    status, out, err = run(
+        capsys, "build-ngram", str(tmp_path / "src"), "--output", str(tmp_path / "table"), "--n", "2"
+    )
     assert status == 0 and "n=2, 1 files" in out
     assert f"hf-specdec: warning: skipped 1 binary or non-UTF-8 file(s): {tmp_path / 'src' / 'b.py'}" in err
 
@@ -107,8 +126,18 @@ def test_build_ngram_card_records_no_local_paths(capsys, tmp_path, local_tokeniz
     assert str(tmp_path) not in card and str(zoo.ZOO_DIR) not in card, card
     assert config["tokenizer_name"].startswith("hf-specdec/stdlib-llama-5m")
     local_tokenizer.save_pretrained(tmp_path / "my-tokenizer")
-    assert run(capsys, "build-ngram", str(tmp_path / "a.py"), "--output", str(tmp_path / "own-tok"), "--tokenizer",
-               str(tmp_path / "my-tokenizer"))[0] == 0
+    assert (
+        run(
+            capsys,
+            "build-ngram",
+            str(tmp_path / "a.py"),
+            "--output",
+            str(tmp_path / "own-tok"),
+            "--tokenizer",
+            str(tmp_path / "my-tokenizer"),
+        )[0]
+        == 0
+    )
     config = json.loads((tmp_path / "own-tok" / "config.json").read_text())
     assert config["tokenizer_name"] == "my-tokenizer (a local tokenizer)"
     assert str(tmp_path) not in (tmp_path / "own-tok" / "README.md").read_text()
@@ -140,12 +169,21 @@ def test_pickle_only_checkpoints_are_refused(capsys, tmp_path):
     (path / "model.safetensors").unlink()
     torch.save(model.state_dict(), path / "pytorch_model.bin")
     assert (path / "pytorch_model.bin").is_file() and not (path / "model.safetensors").exists()
-    assert_error(capsys, ["generate", "--drafter", "model", str(path), "--max-new-tokens", "2"],
-                 f"could not load a model from {str(path)!r}")
-    assert_error(capsys, ["generate", "--drafter", "model", str(path), "--max-new-tokens", "2"],
-                 "hf-specdec loads safetensors only and never unpickles")
-    assert_error(capsys, ["generate", "--target", str(path), "--max-new-tokens", "2"],
-                 f"could not load a model from {str(path)!r}")
+    assert_error(
+        capsys,
+        ["generate", "--drafter", "model", str(path), "--max-new-tokens", "2"],
+        f"could not load a model from {str(path)!r}",
+    )
+    assert_error(
+        capsys,
+        ["generate", "--drafter", "model", str(path), "--max-new-tokens", "2"],
+        "hf-specdec loads safetensors only and never unpickles",
+    )
+    assert_error(
+        capsys,
+        ["generate", "--target", str(path), "--max-new-tokens", "2"],
+        f"could not load a model from {str(path)!r}",
+    )
 
 
 def test_version(capsys):
@@ -180,8 +218,22 @@ def test_drafter_usage_is_one_kind_and_an_optional_path():
 
 
 def test_bench_reports_medians_spread_and_threads(capsys, tmp_path):
-    status, out, _ = run(capsys, "bench", "--prompts", "1", "--max-new-tokens", "6", "--gamma", "2", "--repeats",
-                         "2", "--drafter", "prompt_lookup", "--output", str(tmp_path / "rows.json"))
+    status, out, _ = run(
+        capsys,
+        "bench",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--gamma",
+        "2",
+        "--repeats",
+        "2",
+        "--drafter",
+        "prompt_lookup",
+        "--output",
+        str(tmp_path / "rows.json"),
+    )
     assert status == 0
     assert "2 interleaved repeat(s) after a warm-up" in out and "thread(s)" in out and "spread" in out
     result = json.loads((tmp_path / "rows.json").read_text())

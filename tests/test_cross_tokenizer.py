@@ -20,11 +20,13 @@ import json
 
 import pytest
 import torch
+from conftest import noisy_copy, tiny_model, tiny_seq2seq
+from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, pipeline
 
 import hf_specdec
-import hf_specdec.pipelines  # noqa: F401 - registers text2text-generation
+import hf_specdec.pipelines
 from hf_specdec.drafters.cross_tokenizer import (
     CrossTokenizerDrafter,
     IncrementalDetokenizer,
@@ -34,8 +36,6 @@ from hf_specdec.drafters.cross_tokenizer import (
 )
 from hf_specdec.drafters.model import logits_width
 from hf_specdec.mixin import resolve_drafter
-from conftest import noisy_copy, tiny_model, tiny_seq2seq
-from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
 
 SENTENCES = [
     "the cat sat on the mat and the dog sat on the log",
@@ -45,16 +45,21 @@ SENTENCES = [
     "café naïve résumé, the cat's hat",
 ]
 UNSEEN = "東京 😀 ü"  # characters only the byte-level tokenizer and byte fallback can spell
-PROMPTS = ["the cat sat on the", "def add(a, b):\n    ret", "a quick brown fox jumps over the la",
-           "café naïve " + UNSEEN]
+PROMPTS = [
+    "the cat sat on the",
+    "def add(a, b):\n    ret",
+    "a quick brown fox jumps over the la",
+    "café naïve " + UNSEEN,
+]
 
 
 def byte_level_bpe(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(SENTENCES * 10 + [UNSEEN], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
 
@@ -63,8 +68,9 @@ def metaspace_byte_fallback(vocab_size: int = 160) -> PreTrainedTokenizerFast:
     """Llama-style: Metaspace pre-tokenizer ("▁", prepended at the start), BPE with the 256 byte tokens."""
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    trained.train_from_iterator(SENTENCES * 10, trainers.BpeTrainer(vocab_size=vocab_size,
-                                                                     special_tokens=["<unk>", "<s>", "</s>"]))
+    trained.train_from_iterator(
+        SENTENCES * 10, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    )
     model = json.loads(trained.to_str())["model"]
     vocab = dict(model["vocab"])
     for byte in range(256):
@@ -72,8 +78,9 @@ def metaspace_byte_fallback(vocab_size: int = 160) -> PreTrainedTokenizerFast:
     merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in model["merges"]]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
@@ -82,8 +89,9 @@ def word_piece(vocab_size: int = 200) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(cleanup=False)
-    tokenizer.train_from_iterator(SENTENCES * 10, trainers.WordPieceTrainer(vocab_size=vocab_size,
-                                                                           special_tokens=["[UNK]", "[SEP]"]))
+    tokenizer.train_from_iterator(
+        SENTENCES * 10, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "[SEP]"])
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]")
 
 
@@ -98,8 +106,9 @@ def permuted(tokenizer: PreTrainedTokenizerFast, seed: int = 0):
     new_id_of[torch.tensor(movable)] = shuffled
     state["model"]["vocab"] = {string: int(new_id_of[i]) for string, i in vocab.items()}
     backend = Tokenizer.from_str(json.dumps(state))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=tokenizer.unk_token,
-                                   eos_token=tokenizer.eos_token), new_id_of
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token=tokenizer.unk_token, eos_token=tokenizer.eos_token
+    ), new_id_of
 
 
 def permuted_copy(model, new_id_of: torch.LongTensor):
@@ -171,11 +180,16 @@ def followers(tokenizers, targets):
 # --- greedy: identical to plain generate -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pair, kind", [
-    (("byte_level", "metaspace"), "random"), (("byte_level", "metaspace"), "follower"),
-    (("metaspace", "byte_level"), "random"), (("metaspace", "byte_level"), "follower"),
-    (("byte_level", "word_piece"), "random"),  # WordPiece drops whitespace: its text is only close to the target's
-])
+@pytest.mark.parametrize(
+    "pair, kind",
+    [
+        (("byte_level", "metaspace"), "random"),
+        (("byte_level", "metaspace"), "follower"),
+        (("metaspace", "byte_level"), "random"),
+        (("metaspace", "byte_level"), "follower"),
+        (("byte_level", "word_piece"), "random"),  # WordPiece drops whitespace: its text is only close to the target's
+    ],
+)
 def test_greedy_is_plain_generate(tokenizers, targets, followers, pair, kind):
     target, tokenizer, assistant_tokenizer = targets[pair[0]], tokenizers[pair[0]], tokenizers[pair[1]]
     if kind == "follower":
@@ -187,10 +201,17 @@ def test_greedy_is_plain_generate(tokenizers, targets, followers, pair, kind):
         ids = encode(tokenizer, text)
         plain = target.generate(ids, max_new_tokens=24, do_sample=False)
         for gamma in (1, 4):
-            out = target.generate(ids, assistant_model=drafter, tokenizer=tokenizer,
-                                  assistant_tokenizer=assistant_tokenizer, max_new_tokens=24, do_sample=False,
-                                  speculative_gamma=gamma, speculative_gamma_policy="constant",
-                                  return_dict_in_generate=True)
+            out = target.generate(
+                ids,
+                assistant_model=drafter,
+                tokenizer=tokenizer,
+                assistant_tokenizer=assistant_tokenizer,
+                max_new_tokens=24,
+                do_sample=False,
+                speculative_gamma=gamma,
+                speculative_gamma_policy="constant",
+                return_dict_in_generate=True,
+            )
             assert torch.equal(out.sequences, plain), (text, gamma)
             accepted += out.speculative_stats.accepted_tokens
     if kind == "follower":
@@ -207,10 +228,17 @@ def test_always_right_drafter_with_renumbered_vocabulary(tokenizers, targets, na
     for text in PROMPTS:
         ids = encode(tokenizer, text)
         plain = target.generate(ids, max_new_tokens=30, do_sample=False)
-        out = target.generate(ids, assistant_model=drafter, tokenizer=tokenizer,
-                              assistant_tokenizer=assistant_tokenizer,
-                              max_new_tokens=30, do_sample=False, speculative_gamma=4, return_dict_in_generate=True,
-                              speculative_gamma_policy="constant")  # the counts below must not depend on timing
+        out = target.generate(
+            ids,
+            assistant_model=drafter,
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+            max_new_tokens=30,
+            do_sample=False,
+            speculative_gamma=4,
+            return_dict_in_generate=True,
+            speculative_gamma_policy="constant",
+        )  # the counts below must not depend on timing
         assert torch.equal(out.sequences, plain)
         accepted += out.speculative_stats.accepted_tokens
         drafted += out.speculative_stats.drafted_tokens
@@ -239,8 +267,14 @@ def test_prompt_whose_last_token_merges_with_the_draft(tokenizers, targets):
     ids = encode(tokenizer, "the cat sat on the ma")
     assistant_tokenizer, new_id_of = permuted(tokenizer)
     plain = target.generate(ids, max_new_tokens=20, do_sample=False)
-    out = target.generate(ids, assistant_model=permuted_copy(target, new_id_of), tokenizer=tokenizer,
-                          assistant_tokenizer=assistant_tokenizer, max_new_tokens=20, do_sample=False)
+    out = target.generate(
+        ids,
+        assistant_model=permuted_copy(target, new_id_of),
+        tokenizer=tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+        max_new_tokens=20,
+        do_sample=False,
+    )
     assert torch.equal(out, plain)
 
 
@@ -250,14 +284,28 @@ def test_batches_and_stop_strings(tokenizers, targets, followers):
     tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     plain = target.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    out = target.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                          assistant_model=drafter, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+    out = target.generate(
+        **batch,
+        max_new_tokens=16,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        assistant_model=drafter,
+        tokenizer=tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+    )
     assert torch.equal(out, plain)
     ids = encode(tokenizer, PROMPTS[0])
     stop = tokenizer.decode(target.generate(ids, max_new_tokens=6, do_sample=False)[0, -3:])
     plain = target.generate(ids, max_new_tokens=30, do_sample=False, stop_strings=stop, tokenizer=tokenizer)
-    out = target.generate(ids, max_new_tokens=30, do_sample=False, stop_strings=stop, tokenizer=tokenizer,
-                          assistant_model=drafter, assistant_tokenizer=assistant_tokenizer)
+    out = target.generate(
+        ids,
+        max_new_tokens=30,
+        do_sample=False,
+        stop_strings=stop,
+        tokenizer=tokenizer,
+        assistant_model=drafter,
+        assistant_tokenizer=assistant_tokenizer,
+    )
     assert torch.equal(out, plain) and out.shape[1] < ids.shape[1] + 30
 
 
@@ -265,19 +313,33 @@ def test_prompt_lookup_and_same_tokenizer_are_unaffected(tokenizers, targets):
     tokenizer, target = tokenizers["byte_level"], targets["byte_level"]
     ids = encode(tokenizer, PROMPTS[1])
     plain = target.generate(ids, max_new_tokens=12, do_sample=False)
-    out = target.generate(ids, drafter="prompt_lookup", drafter_kwargs={"max_ngram_size": 2}, tokenizer=tokenizer,
-                          max_new_tokens=12, do_sample=False)
+    out = target.generate(
+        ids,
+        drafter="prompt_lookup",
+        drafter_kwargs={"max_ngram_size": 2},
+        tokenizer=tokenizer,
+        max_new_tokens=12,
+        do_sample=False,
+    )
     assert torch.equal(out, plain)
     # the same vocabulary on both sides needs no translation: the plain model drafter
-    assert type(resolve_drafter(None, target, tokenizer=tokenizer, assistant_tokenizer=tokenizer,
-                                target=target)) is hf_specdec.ModelDrafter
+    assert (
+        type(resolve_drafter(None, target, tokenizer=tokenizer, assistant_tokenizer=tokenizer, target=target))
+        is hf_specdec.ModelDrafter
+    )
     other = tiny_model("llama", vocab_size=len(tokenizers["metaspace"]))
-    drafter = resolve_drafter(None, other, tokenizer=tokenizer, assistant_tokenizer=tokenizers["metaspace"],
-                              target=target)
+    drafter = resolve_drafter(
+        None, other, tokenizer=tokenizer, assistant_tokenizer=tokenizers["metaspace"], target=target
+    )
     assert isinstance(drafter, CrossTokenizerDrafter)
     # by registered name
-    out = target.generate(ids, drafter="cross_tokenizer", max_new_tokens=12, do_sample=False, drafter_kwargs={
-        "model": other, "tokenizer": tokenizer, "assistant_tokenizer": tokenizers["metaspace"]})
+    out = target.generate(
+        ids,
+        drafter="cross_tokenizer",
+        max_new_tokens=12,
+        do_sample=False,
+        drafter_kwargs={"model": other, "tokenizer": tokenizer, "assistant_tokenizer": tokenizers["metaspace"]},
+    )
     assert torch.equal(out, plain)
 
 
@@ -310,30 +372,45 @@ def test_sampling_follows_the_target(tokenizers, targets, followers, kind):
     exact = CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
     samples = sample_pairs(target, ids, config, 1500, drafter=exact, **constant)
     assert goodness_of_fit(table, samples) > P_THRESHOLD
-    out = target.generate(ids, drafter=exact, do_sample=True, max_new_tokens=30, return_dict_in_generate=True,
-                          **constant, **config)
+    out = target.generate(
+        ids, drafter=exact, do_sample=True, max_new_tokens=30, return_dict_in_generate=True, **constant, **config
+    )
     assert out.speculative_stats.drafted_tokens >= 20
     if kind == "noisy_renumbered":
         assert out.speculative_stats.accepted_tokens >= 5  # the drafts matter to the outcome
         # power: the same test rejects a drafter that returns a q it did not sample from
         wrong = GreedyButReportsQ(model, tokenizer, assistant_tokenizer)
-        assert goodness_of_fit(table, sample_pairs(target, ids, config, 600, drafter=wrong, **constant)) \
-            < P_THRESHOLD
+        assert goodness_of_fit(table, sample_pairs(target, ids, config, 600, drafter=wrong, **constant)) < P_THRESHOLD
 
 
 def test_proposal_q_is_the_shared_vocabulary(tokenizers, targets):
     tokenizer, assistant_tokenizer = tokenizers["byte_level"], tokenizers["metaspace"]
     target = targets["byte_level"]
-    drafter = CrossTokenizerDrafter(tiny_model("llama", seed=5, vocab_size=len(assistant_tokenizer)), tokenizer,
-                                    assistant_tokenizer)
+    drafter = CrossTokenizerDrafter(
+        tiny_model("llama", seed=5, vocab_size=len(assistant_tokenizer)), tokenizer, assistant_tokenizer
+    )
     ids = encode(tokenizer, PROMPTS[0])
     from hf_specdec.rounds import draft_context
 
     generation_config, _ = target._prepare_generation_config(None, do_sample=True, temperature=1.0, top_k=0)
-    call = drafter.for_call(draft_context(target, ids, target._get_logits_processor(
-        generation_config=generation_config, input_ids_seq_length=ids.shape[1], encoder_input_ids=ids,
-        prefix_allowed_tokens_fn=None, logits_processor=None, device="cpu", model_kwargs={}), generation_config, {},
-        None))
+    call = drafter.for_call(
+        draft_context(
+            target,
+            ids,
+            target._get_logits_processor(
+                generation_config=generation_config,
+                input_ids_seq_length=ids.shape[1],
+                encoder_input_ids=ids,
+                prefix_allowed_tokens_fn=None,
+                logits_processor=None,
+                device="cpu",
+                model_kwargs={},
+            ),
+            generation_config,
+            {},
+            None,
+        )
+    )
     proposal = call.propose(ids, 3)
     target_ids, _ = shared_vocabulary(tokenizer, assistant_tokenizer)
     support = torch.zeros(len(tokenizer), dtype=torch.bool)
@@ -393,7 +470,8 @@ def test_incremental_retokenizer(tokenizers, name, step):
         ids = retokenizer.ids()
         # always a tokenization of the text so far, and frozen ids are never re-encoded
         assert tokenizer.decode(ids, clean_up_tokenization_spaces=False) == tokenizer.decode(
-            tokenizer(text[: start + step], add_special_tokens=False).input_ids, clean_up_tokenization_spaces=False)
+            tokenizer(text[: start + step], add_special_tokens=False).input_ids, clean_up_tokenization_spaces=False
+        )
     assert len(retokenizer.frozen) > len(ids) - 4 * 4
     if name != "word_piece":  # WordPiece splits on punctuation only at the pre-tokenizer: same ids too
         assert ids == tokenizer(text, add_special_tokens=False).input_ids
@@ -407,16 +485,25 @@ def test_errors_name_the_argument_and_the_fix(tokenizers, targets):
     target = targets["byte_level"]
     drafter = tiny_model("llama", vocab_size=len(assistant_tokenizer))
     ids = encode(tokenizer, PROMPTS[0])
-    with pytest.raises(ValueError, match=r"`assistant_tokenizer` \(\w+\) needs the target's tokenizer.*"
-                                         r"`tokenizer=tokenizer`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_tokenizer` \(\w+\) needs the target's tokenizer.*"
+        r"`tokenizer=tokenizer`",
+    ):
         target.generate(ids, assistant_model=drafter, assistant_tokenizer=assistant_tokenizer, max_new_tokens=3)
     with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens but the target has \d+.*assistant_tokenizer="):
         target.generate(ids, assistant_model=drafter, tokenizer=tokenizer, max_new_tokens=3)
-    with pytest.raises(ValueError, match=r"`assistant_tokenizer` .* needs an `assistant_model`.*"
-                                         r"drafter='prompt_lookup'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_tokenizer` .* needs an `assistant_model`.*"
+        r"drafter='prompt_lookup'",
+    ):
         target.generate(ids, drafter="prompt_lookup", tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
-    with pytest.raises(TypeError, match=r"`assistant_tokenizer` must be a transformers tokenizer, got str.*"
-                                        r"AutoTokenizer.from_pretrained"):
+    with pytest.raises(
+        TypeError,
+        match=r"`assistant_tokenizer` must be a transformers tokenizer, got str.*"
+        r"AutoTokenizer.from_pretrained",
+    ):
         target.generate(ids, assistant_model=drafter, tokenizer=tokenizer, assistant_tokenizer="org/tokenizer")
     # a tokenizer without a decoder cannot move text
     mute = copy.deepcopy(assistant_tokenizer)
@@ -427,19 +514,23 @@ def test_errors_name_the_argument_and_the_fix(tokenizers, targets):
     greek = Tokenizer(models.BPE(unk_token="<unk>"))
     greek.pre_tokenizer = pre_tokenizers.Metaspace()
     greek.decoder = decoders.Metaspace()
-    greek.train_from_iterator(["αβγ δεζ ηθι"] * 5,
-                              trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
+    greek.train_from_iterator(["αβγ δεζ ηθι"] * 5, trainers.BpeTrainer(vocab_size=40, special_tokens=["<unk>"]))
     greek = PreTrainedTokenizerFast(tokenizer_object=greek, unk_token="<unk>")
     greek_drafter = tiny_model("llama", vocab_size=len(greek))
     with pytest.raises(ValueError, match=r"`tokenizer` .* and `assistant_tokenizer` .* share no token string"):
-        target.generate(ids, assistant_model=greek_drafter, tokenizer=tokenizer, assistant_tokenizer=greek,
-                        max_new_tokens=3)
+        target.generate(
+            ids, assistant_model=greek_drafter, tokenizer=tokenizer, assistant_tokenizer=greek, max_new_tokens=3
+        )
     with pytest.raises(ValueError, match=r"`assistant_tokenizer` has \d+ tokens but `assistant_model`.*scores only"):
         CrossTokenizerDrafter(greek_drafter, tokenizer, assistant_tokenizer)
     with pytest.raises(ValueError, match=r"`tokenizer` has \d+ tokens but the target .* scores only"):
-        target.generate(ids, assistant_model=tiny_model("llama", vocab_size=len(tokenizer)),
-                        tokenizer=assistant_tokenizer,
-                        assistant_tokenizer=tokenizer, max_new_tokens=3)
+        target.generate(
+            ids,
+            assistant_model=tiny_model("llama", vocab_size=len(tokenizer)),
+            tokenizer=assistant_tokenizer,
+            assistant_tokenizer=tokenizer,
+            max_new_tokens=3,
+        )
 
 
 # --- pipelines -----------------------------------------------------------------------------------------------------
@@ -451,40 +542,79 @@ def test_text_generation_pipeline(tokenizers, targets, followers):
     pipe = pipeline("text-generation", model=target, tokenizer=tokenizer)
     expected = pipe(PROMPTS[0], max_new_tokens=12, do_sample=False)
     # per call (the pipeline's tokenizer is found for `generate`), and at construction
-    assert pipe(PROMPTS[0], max_new_tokens=12, do_sample=False, assistant_model=drafter,
-                assistant_tokenizer=assistant_tokenizer) == expected
-    built = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter,
-                     assistant_tokenizer=assistant_tokenizer)
+    assert (
+        pipe(
+            PROMPTS[0],
+            max_new_tokens=12,
+            do_sample=False,
+            assistant_model=drafter,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+        == expected
+    )
+    built = pipeline(
+        "text-generation",
+        model=target,
+        tokenizer=tokenizer,
+        assistant_model=drafter,
+        assistant_tokenizer=assistant_tokenizer,
+    )
     assert built(PROMPTS[0], max_new_tokens=12, do_sample=False) == expected
 
 
 def test_text2text_pipeline_with_an_encoder_decoder_assistant(tokenizers):
     tokenizer, assistant_tokenizer = tokenizers["metaspace"], tokenizers["byte_level"]
-    target = hf_specdec.enable(tiny_seq2seq("t5", vocab_size=len(tokenizer), pad_token_id=tokenizer.unk_token_id,
-                                            decoder_start_token_id=tokenizer.unk_token_id))
+    target = hf_specdec.enable(
+        tiny_seq2seq(
+            "t5",
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.unk_token_id,
+            decoder_start_token_id=tokenizer.unk_token_id,
+        )
+    )
     assistant = tiny_seq2seq("bart", seed=2, vocab_size=len(assistant_tokenizer), decoder_start_token_id=1)
     texts = ["the cat sat on the mat", "speculative decoding drafts tokens"]
     for text in texts:
         ids = encode(tokenizer, text)
         plain = target.generate(ids, max_new_tokens=10, do_sample=False)
-        out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=assistant,
-                              tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+        out = target.generate(
+            ids,
+            max_new_tokens=10,
+            do_sample=False,
+            assistant_model=assistant,
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
         assert torch.equal(out, plain)
     pipe = pipeline("text2text-generation", model=target, tokenizer=tokenizer)
     expected = pipe(texts[0], max_new_tokens=10)
-    assert pipe(texts[0], max_new_tokens=10, assistant_model=assistant,
-                assistant_tokenizer=assistant_tokenizer) == expected
-    built = pipeline("text2text-generation", model=target, tokenizer=tokenizer, assistant_model=assistant,
-                     assistant_tokenizer=assistant_tokenizer)
+    assert (
+        pipe(texts[0], max_new_tokens=10, assistant_model=assistant, assistant_tokenizer=assistant_tokenizer)
+        == expected
+    )
+    built = pipeline(
+        "text2text-generation",
+        model=target,
+        tokenizer=tokenizer,
+        assistant_model=assistant,
+        assistant_tokenizer=assistant_tokenizer,
+    )
     assert built(texts[0], max_new_tokens=10) == expected
-    with pytest.raises(ValueError, match=r"`assistant_tokenizer` .* needs an `assistant_model`|"
-                                         r"is the tokenizer of an `assistant_model`"):
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_tokenizer` .* needs an `assistant_model`|"
+        r"is the tokenizer of an `assistant_model`",
+    ):
         pipeline("text2text-generation", model=target, tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
     # a decoder-only assistant for an encoder-decoder target is refused clearly
     with pytest.raises(ValueError, match=r"`assistant_model` .* must be of the target's kind"):
-        target.generate(encode(tokenizer, texts[0]), assistant_model=tiny_model("llama",
-                        vocab_size=len(assistant_tokenizer)), tokenizer=tokenizer,
-                        assistant_tokenizer=assistant_tokenizer, max_new_tokens=3)
+        target.generate(
+            encode(tokenizer, texts[0]),
+            assistant_model=tiny_model("llama", vocab_size=len(assistant_tokenizer)),
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+            max_new_tokens=3,
+        )
 
 
 def test_retokenizer_pending_text_stays_short_without_safe_points(tokenizers):
@@ -535,19 +665,32 @@ def padded_pair(tokenizers):
 def test_a_vocabulary_padded_to_another_width_drafts_exactly(padded_pair, extra, kind, layout):
     tokenizer, target = padded_pair
     width = logits_width(target) + extra
-    drafter = {"always_right": lambda: padded_copy(target, width),
-               "partly_right": lambda: noisy_copy(padded_copy(target, width), 0.5),
-               "never_right": lambda: tiny_model("llama", seed=5, vocab_size=width)}[kind]()
+    drafter = {
+        "always_right": lambda: padded_copy(target, width),
+        "partly_right": lambda: noisy_copy(padded_copy(target, width), 0.5),
+        "never_right": lambda: tiny_model("llama", seed=5, vocab_size=width),
+    }[kind]()
     # the prompt ends in one of the target's padding ids: past a narrower drafter's vocabulary
     ids = torch.cat([encode(tokenizer, PROMPTS[0]), torch.tensor([[logits_width(target) - 1]])], dim=-1)
-    options = {"chain": dict(speculative_gamma=3), "tree": dict(speculative_gamma=3, speculative_tree_budget=6),
-               "beam": dict(num_beams=2, speculative_gamma=2)}[layout]
+    options = {
+        "chain": dict(speculative_gamma=3),
+        "tree": dict(speculative_gamma=3, speculative_tree_budget=6),
+        "beam": dict(num_beams=2, speculative_gamma=2),
+    }[layout]
     plain = target.generate(ids, max_new_tokens=16, do_sample=False, num_beams=options.get("num_beams", 1))
     resolved = resolve_drafter(None, drafter, tokenizer=tokenizer, assistant_tokenizer=tokenizer, target=target)
     assert type(resolved) is hf_specdec.ModelDrafter and resolved.same_tokenizer  # ids need no translation
-    out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter, tokenizer=tokenizer,
-                          assistant_tokenizer=tokenizer, return_dict_in_generate=True,
-                          speculative_gamma_policy="constant", **options)
+    out = target.generate(
+        ids,
+        max_new_tokens=16,
+        do_sample=False,
+        assistant_model=drafter,
+        tokenizer=tokenizer,
+        assistant_tokenizer=tokenizer,
+        return_dict_in_generate=True,
+        speculative_gamma_policy="constant",
+        **options,
+    )
     assert torch.equal(out.sequences, plain)
     stats = out.speculative_stats
     if kind == "always_right":
@@ -565,8 +708,17 @@ def test_a_vocabulary_padded_to_another_width_samples_the_target(padded_pair, ex
     table = exact_two_token_distribution(target, ids, config)
     # the target's padding ids (past the tokenizer, and past the narrower drafter) take part: 13% of the mass
     assert sum(p for pair, p in table.items() if max(pair) >= len(tokenizer)) > 0.1
-    samples = sample_pairs(target, ids, config, 2000, assistant_model=drafter, tokenizer=tokenizer,
-                           assistant_tokenizer=tokenizer, speculative_gamma=2, speculative_gamma_policy="constant")
+    samples = sample_pairs(
+        target,
+        ids,
+        config,
+        2000,
+        assistant_model=drafter,
+        tokenizer=tokenizer,
+        assistant_tokenizer=tokenizer,
+        speculative_gamma=2,
+        speculative_gamma_policy="constant",
+    )
     assert goodness_of_fit(table, samples) > P_THRESHOLD
     # power: the same test rejects the drafter's own samples (on the prompt as it reaches the drafter)
     drafter_samples = sample_pairs(hf_specdec.enable(drafter), ids.clamp(max=logits_width(drafter) - 1), config, 2000)

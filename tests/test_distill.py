@@ -39,8 +39,16 @@ def test_distillation_reduces_its_objective(target, corpus, objective):
     torch.manual_seed(1)
     drafter = AutoModelForCausalLM.from_config(one_layer_config()).eval()
     before = drafter_agreement(target, drafter, corpus)
-    distilled = distill_drafter(target, corpus, drafter, objective=objective, num_steps=40, batch_size=8,
-                                learning_rate=1e-2, show_progress=False)
+    distilled = distill_drafter(
+        target,
+        corpus,
+        drafter,
+        objective=objective,
+        num_steps=40,
+        batch_size=8,
+        learning_rate=1e-2,
+        show_progress=False,
+    )
     after = drafter_agreement(target, distilled, corpus)
     assert after[objective] < 0.7 * before[objective]
     assert after["top1"] > before["top1"]
@@ -48,8 +56,9 @@ def test_distillation_reduces_its_objective(target, corpus, objective):
 
 
 def test_config_builds_an_early_exit_drafter_and_saves(target, corpus, tmp_path):
-    drafter = distill_drafter(target, corpus, one_layer_config(), num_steps=3, show_progress=False,
-                              output_dir=tmp_path / "drafter")
+    drafter = distill_drafter(
+        target, corpus, one_layer_config(), num_steps=3, show_progress=False, output_dir=tmp_path / "drafter"
+    )
     # initialised from the target: embeddings and first layer copied before training started
     assert drafter.config.num_hidden_layers == 1
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "drafter")
@@ -68,8 +77,9 @@ def test_texts_are_tokenized_with_the_tokenizer():
     texts = ["def add(a, b):\n    return a + b\n" * 8, "class A:\n    pass\n" * 8]
     drafter_config = copy.deepcopy(config)
     drafter_config.num_hidden_layers, drafter_config.layer_types = 1, None
-    drafter = distill_drafter(target, texts, drafter_config, tokenizer=tokenizer, seq_len=16, num_steps=2,
-                              show_progress=False)
+    drafter = distill_drafter(
+        target, texts, drafter_config, tokenizer=tokenizer, seq_len=16, num_steps=2, show_progress=False
+    )
     assert drafter.get_output_embeddings().weight.shape[0] == len(tokenizer)
 
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import VOCAB, noisy_copy, prompt, tiny_model
 from safetensors.torch import load_file, save_file
+from test_sampling_distribution import P_THRESHOLD, SAMPLES, exact_two_token_distribution, goodness_of_fit, sample_pairs
 
 import hf_specdec
 from hf_specdec.toy import copying_target
-from conftest import VOCAB, noisy_copy, prompt, tiny_model
-from test_sampling_distribution import SAMPLES, P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
 
 
 def lookup(context, num_tokens=3, max_ngram_size=3, min_ngram_size=1):
@@ -41,8 +41,15 @@ def test_prompt_lookup_index_is_incremental():
     drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1, follow_copies=False)
     context = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]])
     model = tiny_model("llama")
-    drafter.reset(hf_specdec.DraftContext(target=model, input_ids=context[:, :3], logits_processor=None,
-                                          generation_config=model.generation_config, vocab_size=VOCAB))
+    drafter.reset(
+        hf_specdec.DraftContext(
+            target=model,
+            input_ids=context[:, :3],
+            logits_processor=None,
+            generation_config=model.generation_config,
+            vocab_size=VOCAB,
+        )
+    )
     for length in range(3, context.shape[1] + 1):
         grown = drafter.propose(context[:, :length], 4).tokens
         fresh = drafter.propose_for(context[:, :length], 4).tokens
@@ -50,7 +57,9 @@ def test_prompt_lookup_index_is_incremental():
     assert drafter.rows[0].indexed == context.shape[1] - 1  # every token indexed once
 
 
-@pytest.mark.parametrize("bad", [dict(max_ngram_size=0), dict(min_ngram_size=0), dict(max_ngram_size=2, min_ngram_size=3)])
+@pytest.mark.parametrize(
+    "bad", [dict(max_ngram_size=0), dict(min_ngram_size=0), dict(max_ngram_size=2, min_ngram_size=3)]
+)
 def test_prompt_lookup_bad_sizes(bad):
     with pytest.raises(ValueError, match="ngram_size"):
         hf_specdec.PromptLookupDrafter(**bad)
@@ -64,12 +73,18 @@ def copy_rounds(prompt_tokens, answer, num_tokens=64, **kwargs):
     drafter = hf_specdec.PromptLookupDrafter(**kwargs)
     model = tiny_model("llama")
     context = torch.tensor([prompt_tokens + answer])
-    drafter.reset(hf_specdec.DraftContext(target=model, input_ids=context[:, :len(prompt_tokens)],
-                                          logits_processor=None, generation_config=model.generation_config,
-                                          vocab_size=VOCAB))
+    drafter.reset(
+        hf_specdec.DraftContext(
+            target=model,
+            input_ids=context[:, : len(prompt_tokens)],
+            logits_processor=None,
+            generation_config=model.generation_config,
+            vocab_size=VOCAB,
+        )
+    )
     proposals, written = [], 0
     while written < len(answer):
-        draft = drafter.propose(context[:, :len(prompt_tokens) + written], num_tokens).tokens[0].tolist()
+        draft = drafter.propose(context[:, : len(prompt_tokens) + written], num_tokens).tokens[0].tolist()
         proposals.append(draft)
         right = 0
         while right < len(draft) and written + right < len(answer) and draft[right] == answer[written + right]:
@@ -90,7 +105,7 @@ def test_prompt_lookup_follows_a_copy_through_a_rename():
     assert followed[0][:4] == [11, 12, 13, 40]
     assert followed[1][:4] == [14, 15, 16, 17]
     assert followed[1][4] == 40  # the substitution is learned only once the copy resumed after it
-    assert followed[2][:len(BLOCK) - 9] == renamed[9:]
+    assert followed[2][: len(BLOCK) - 9] == renamed[9:]
     assert len(followed) == 3
     fresh = copy_rounds(prompt_tokens, renamed, follow_copies=False)
     assert len(fresh) > len(followed)  # looked up afresh, each rename costs extra rounds
@@ -148,16 +163,22 @@ def markov_target():
 def test_prompt_lookup_renamed_copy_greedy_identity(gamma):
     target = markov_target()
     seed = prompt(6, seed=3)
-    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1]:]
+    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1] :]
     identifier = int(block.flatten().mode().values)
     renamed = block.masked_fill(block == identifier, (identifier + 1) % VOCAB)
     ids = torch.cat([seed, renamed, seed], dim=-1)
     plain = target.generate(ids, max_new_tokens=40)
-    assert torch.equal(plain[:, ids.shape[1]:], block)  # the target writes the original block back
+    assert torch.equal(plain[:, ids.shape[1] :], block)  # the target writes the original block back
     calls = {}
     for follow in (True, False):
-        out = target.generate(ids, drafter="prompt_lookup", speculative_gamma=gamma, max_new_tokens=40,
-                              drafter_kwargs={"follow_copies": follow}, return_dict_in_generate=True)
+        out = target.generate(
+            ids,
+            drafter="prompt_lookup",
+            speculative_gamma=gamma,
+            max_new_tokens=40,
+            drafter_kwargs={"follow_copies": follow},
+            return_dict_in_generate=True,
+        )
         assert torch.equal(out.sequences, plain)
         calls[follow] = out.speculative_stats.target_calls
     assert calls[True] < calls[False]
@@ -177,16 +198,23 @@ def test_prompt_lookup_greedy_identity(arch, gamma):
     target = hf_specdec.enable(tiny_model(arch, seed=0))
     for ids in (prompt(8, seed=9), target.generate(prompt(8, seed=9), max_new_tokens=40)[:, -16:]):
         plain = target.generate(ids, max_new_tokens=24, repetition_penalty=1.1)
-        out = target.generate(ids, drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1},
-                              speculative_gamma=gamma, max_new_tokens=24, repetition_penalty=1.1)
+        out = target.generate(
+            ids,
+            drafter="prompt_lookup",
+            drafter_kwargs={"min_ngram_size": 1},
+            speculative_gamma=gamma,
+            max_new_tokens=24,
+            repetition_penalty=1.1,
+        )
         assert torch.equal(out, plain)
 
 
 def test_prompt_lookup_accepts_on_repetitive_text(looping_target):
     target, ids = looping_target
     plain = target.generate(ids, max_new_tokens=30)
-    out = target.generate(ids, drafter="prompt_lookup", speculative_gamma=6, max_new_tokens=30,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids, drafter="prompt_lookup", speculative_gamma=6, max_new_tokens=30, return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.acceptance_rate > 0.5  # a repeating continuation is copied
 
@@ -197,11 +225,12 @@ def test_prompt_lookup_drafts_ten_when_gamma_is_left_unset():
     Exact at that γ with a copy that is right (the block), then wrong (the text after it)."""
     target = markov_target()
     seed = prompt(6, seed=3)
-    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1]:]
+    block = target.generate(seed, max_new_tokens=40)[:, seed.shape[1] :]
     ids = torch.cat([seed, block, seed], dim=-1)
     plain = target.generate(ids, max_new_tokens=60)
-    common = dict(drafter="prompt_lookup", speculative_gamma_policy="constant", max_new_tokens=60,
-                  return_dict_in_generate=True)
+    common = dict(
+        drafter="prompt_lookup", speculative_gamma_policy="constant", max_new_tokens=60, return_dict_in_generate=True
+    )
 
     def gammas(**kwargs):
         out = target.generate(ids, **common, **kwargs)
@@ -217,8 +246,11 @@ def test_prompt_lookup_drafts_ten_when_gamma_is_left_unset():
     out = target.generate(ids, **common)
     assert out.speculative_stats.drafted_history[0] == 10  # the block is copied 10 tokens at a time
     # other drafters keep the library's 5
-    assert set(target.generate(ids, assistant_model=target, **{k: v for k, v in common.items() if k != "drafter"})
-               .speculative_stats.gamma_history) == {5}
+    assert set(
+        target.generate(
+            ids, assistant_model=target, **{k: v for k, v in common.items() if k != "drafter"}
+        ).speculative_stats.gamma_history
+    ) == {5}
 
 
 def test_a_custom_drafter_default_gamma_is_used_and_checked():
@@ -231,14 +263,18 @@ def test_a_custom_drafter_default_gamma_is_used_and_checked():
         def propose(self, input_ids, num_tokens):
             return hf_specdec.DraftProposal(tokens=input_ids[:, -1:].repeat(1, num_tokens))
 
-    out = target.generate(ids, drafter=Echo(), speculative_gamma_policy="constant", max_new_tokens=12,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids, drafter=Echo(), speculative_gamma_policy="constant", max_new_tokens=12, return_dict_in_generate=True
+    )
     assert set(out.speculative_stats.gamma_history) == {3}
     assert torch.equal(out.sequences, target.generate(ids, max_new_tokens=12))
     for bad in (0, 2.5, True, 1000):
         Echo.default_gamma = bad
-        with pytest.raises(ValueError, match=rf"`Echo.default_gamma` must be a positive int, got {bad!r}.*"
-                                             r"speculative_gamma=5"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`Echo.default_gamma` must be a positive int, got {bad!r}.*"
+            r"speculative_gamma=5",
+        ):
             target.generate(ids, drafter=Echo(), max_new_tokens=4)
         target.generate(ids, drafter=Echo(), max_new_tokens=4, speculative_gamma=2)  # unused when γ is given
 
@@ -261,8 +297,14 @@ def test_ngram_greedy_identity(table_kind, gamma):
         table = self_table(target, n=1)
     ids = prompt(6, seed=2)
     plain = target.generate(ids, max_new_tokens=24, no_repeat_ngram_size=3)
-    out = target.generate(ids, drafter=table, speculative_gamma=gamma, max_new_tokens=24, no_repeat_ngram_size=3,
-                          return_dict_in_generate=True)
+    out = target.generate(
+        ids,
+        drafter=table,
+        speculative_gamma=gamma,
+        max_new_tokens=24,
+        no_repeat_ngram_size=3,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, plain)
     if table_kind == "own_outputs":
         assert out.speculative_stats.acceptance_rate > 0.3
@@ -280,8 +322,9 @@ def test_prompt_lookup_sampling_follows_target():
     kwargs = dict(drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1}, speculative_gamma=2)
     samples = sample_pairs(target, ids, config, SAMPLES, **kwargs)
     assert goodness_of_fit(table, samples) > P_THRESHOLD
-    stats = target.generate(ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, **config,
-                            **kwargs).speculative_stats
+    stats = target.generate(
+        ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, **config, **kwargs
+    ).speculative_stats
     assert stats.drafted_tokens == 1  # it really drafts (gamma is capped by max_new_tokens - 1)
 
 
@@ -293,8 +336,9 @@ def test_ngram_sampled_drafts_follow_target():
     table = exact_two_token_distribution(target, ids, config)
     samples = sample_pairs(target, ids, config, SAMPLES, drafter=drafter, speculative_gamma=2)
     assert goodness_of_fit(table, samples) > P_THRESHOLD
-    stats = target.generate(ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, drafter=drafter,
-                            **config).speculative_stats
+    stats = target.generate(
+        ids, do_sample=True, max_new_tokens=2, return_dict_in_generate=True, drafter=drafter, **config
+    ).speculative_stats
     assert stats.drafted_tokens == 1
 
 
@@ -311,8 +355,13 @@ def test_ngram_sample_mode_passes_q():
 
 def test_ngram_save_load_round_trip(tmp_path):
     target = hf_specdec.enable(tiny_model("llama", seed=0))
-    table = self_table(target, tokenizer_name="local-bpe", target_name="org/tiny-llama",
-                       corpus_description="greedy outputs of the tiny target", alpha=0.42)
+    table = self_table(
+        target,
+        tokenizer_name="local-bpe",
+        target_name="org/tiny-llama",
+        corpus_description="greedy outputs of the tiny target",
+        alpha=0.42,
+    )
     table.save_pretrained(tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors", "config.json", "README.md"}
     config = json.loads((tmp_path / "config.json").read_text())
@@ -325,10 +374,12 @@ def test_ngram_save_load_round_trip(tmp_path):
         context = prompt(5, seed=seed)
         assert torch.equal(loaded.propose_for(context, 6).tokens, table.propose_for(context, 6).tokens)
     ids = prompt(6, seed=3)
-    assert torch.equal(target.generate(ids, drafter=loaded, max_new_tokens=20),
-                       target.generate(ids, drafter=table, max_new_tokens=20))
-    by_name = target.generate(ids, drafter="ngram", drafter_kwargs={"pretrained_model_name_or_path": str(tmp_path)},
-                              max_new_tokens=20)
+    assert torch.equal(
+        target.generate(ids, drafter=loaded, max_new_tokens=20), target.generate(ids, drafter=table, max_new_tokens=20)
+    )
+    by_name = target.generate(
+        ids, drafter="ngram", drafter_kwargs={"pretrained_model_name_or_path": str(tmp_path)}, max_new_tokens=20
+    )
     assert torch.equal(by_name, target.generate(ids, max_new_tokens=20))
 
 
@@ -370,8 +421,10 @@ def test_ngram_push_to_hub_then_load_by_repo_id(tmp_path, monkeypatch):
     table = self_table(target, target_name="org/tiny-llama", alpha=0.42)
     url = table.push_to_hub("org/my-ngram-drafter", commit_message="Add drafter", private=True)
     assert url == "https://huggingface.co/org/my-ngram-drafter/commit/0"
-    assert calls == [("create_repo", "org/my-ngram-drafter", True, True),
-                     ("upload_folder", "org/my-ngram-drafter", None, "Add drafter")]
+    assert calls == [
+        ("create_repo", "org/my-ngram-drafter", True, True),
+        ("upload_folder", "org/my-ngram-drafter", None, "Add drafter"),
+    ]
     pushed = hub / "org" / "my-ngram-drafter" / "main"
     assert {p.name for p in pushed.iterdir()} == {"model.safetensors", "config.json", "README.md"}
     card = (pushed / "README.md").read_text()
@@ -383,8 +436,12 @@ def test_ngram_push_to_hub_then_load_by_repo_id(tmp_path, monkeypatch):
         context = prompt(5, seed=seed)
         assert torch.equal(loaded.propose_for(context, 6).tokens, table.propose_for(context, 6).tokens)
     ids = prompt(6, seed=3)
-    by_repo_id = target.generate(ids, drafter="ngram", max_new_tokens=20,
-                                 drafter_kwargs={"pretrained_model_name_or_path": "org/my-ngram-drafter"})
+    by_repo_id = target.generate(
+        ids,
+        drafter="ngram",
+        max_new_tokens=20,
+        drafter_kwargs={"pretrained_model_name_or_path": "org/my-ngram-drafter"},
+    )
     assert torch.equal(by_repo_id, target.generate(ids, max_new_tokens=20))
     with pytest.raises(huggingface_hub.errors.EntryNotFoundError):
         hf_specdec.NGramDrafter.from_pretrained("org/not-pushed")
@@ -414,13 +471,16 @@ def test_corrupt_tables_are_refused(tmp_path):
         hf_specdec.NGramDrafter.from_pretrained(corrupt(tmp_path / "a", lambda t: t.pop("order_2.tokens")))
     with pytest.raises(ValueError, match="order_2.probs has shape .* expected"):
         hf_specdec.NGramDrafter.from_pretrained(
-            corrupt(tmp_path / "b", lambda t: t.update({"order_2.probs": t["order_2.probs"][:, :3].contiguous()})))
+            corrupt(tmp_path / "b", lambda t: t.update({"order_2.probs": t["order_2.probs"][:, :3].contiguous()}))
+        )
     with pytest.raises(ValueError, match=r"order_2.tokens holds token ids outside \[0, vocab_size=96\)"):
         hf_specdec.NGramDrafter.from_pretrained(
-            corrupt(tmp_path / "c", lambda t: t["order_2.tokens"].__setitem__((0, 0), 500)))
+            corrupt(tmp_path / "c", lambda t: t["order_2.tokens"].__setitem__((0, 0), 500))
+        )
     with pytest.raises(ValueError, match="holds values outside"):
         hf_specdec.NGramDrafter.from_pretrained(
-            corrupt(tmp_path / "d", lambda t: t["order_2.probs"].__setitem__((0, 0), 7.0)))
+            corrupt(tmp_path / "d", lambda t: t["order_2.probs"].__setitem__((0, 0), 7.0))
+        )
     with pytest.raises(OSError, match="has no model.safetensors"):
         (tmp_path / "a" / "model.safetensors").unlink()
         hf_specdec.NGramDrafter.from_pretrained(tmp_path / "a")
@@ -454,6 +514,7 @@ def test_model_drafter_is_one_registered_drafter_among_others():
     target = hf_specdec.enable(tiny_model("llama"))
     ids = prompt()
     plain = target.generate(ids, max_new_tokens=12)
-    by_name = target.generate(ids, drafter="model", drafter_kwargs={"model": noisy_copy(target, 0.3)},
-                              max_new_tokens=12)
+    by_name = target.generate(
+        ids, drafter="model", drafter_kwargs={"model": noisy_copy(target, 0.3)}, max_new_tokens=12
+    )
     assert torch.equal(by_name, plain)

@@ -8,13 +8,13 @@ import pickle
 
 import pytest
 import torch
+from conftest import VOCAB, prompt, tiny_config
+from test_sampling_distribution import exact_distribution, goodness_of_fit, processors
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_specdec
-from conftest import VOCAB, prompt, tiny_config
 from hf_specdec.distill import train_eagle_drafter
 from hf_specdec.drafters.eagle import Eagle3DraftModel
-from test_sampling_distribution import exact_distribution, goodness_of_fit, processors
 
 ARCHS = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 
@@ -22,9 +22,19 @@ ARCHS = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 def eagle_target(arch: str = "llama", seed: int = 0, layers: int = 4):
     torch.manual_seed(seed)
     if arch == "qwen3":
-        config = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=8, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        config = AutoConfig.for_model(
+            "qwen3",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
     else:
         config = tiny_config(arch, num_hidden_layers=layers)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -53,9 +63,18 @@ def trained_head(arch: str, steps: int = 40) -> hf_specdec.EagleDrafter:
     """A partly right head: trained briefly on the target's own text (cached per architecture)."""
     if arch not in _TRAINED:
         target = eagle_target(arch)
-        _TRAINED[arch] = (target, train_eagle_drafter(target, texts=own_samples(target), num_steps=steps,
-                                                      batch_size=8, ttt_steps=3, learning_rate=3e-3,
-                                                      show_progress=False))
+        _TRAINED[arch] = (
+            target,
+            train_eagle_drafter(
+                target,
+                texts=own_samples(target),
+                num_steps=steps,
+                batch_size=8,
+                ttt_steps=3,
+                learning_rate=3e-3,
+                show_progress=False,
+            ),
+        )
     return _TRAINED[arch]
 
 
@@ -71,8 +90,9 @@ def greedy_pair(target, drafter, ids, **kwargs):
     # constant γ: a tiny target's rounds rarely pay on a CPU, and the default "auto" policy would stop drafting
     kwargs.setdefault("speculative_gamma_policy", "constant")
     plain = target.generate(ids, max_new_tokens=30, do_sample=False)
-    out = target.generate(ids, drafter=drafter, max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
-                          **kwargs)
+    out = target.generate(
+        ids, drafter=drafter, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, **kwargs
+    )
     return plain, out.sequences, out.speculative_stats
 
 
@@ -101,8 +121,9 @@ def test_greedy_identity_never_right(tree_budget):
 def test_greedy_identity_always_right(tree_budget):
     target = eagle_target("llama")
     drafter = always_right(target)
-    plain, fast, stats = greedy_pair(target, drafter, prompt(9, seed=4), speculative_gamma=4,
-                                     speculative_tree_budget=tree_budget)
+    plain, fast, stats = greedy_pair(
+        target, drafter, prompt(9, seed=4), speculative_gamma=4, speculative_tree_budget=tree_budget
+    )
     assert torch.equal(plain, fast)
     assert stats.accepted_tokens == stats.drafted_tokens > 20
     # the first round is the prompt's prefill (no features yet); every later round accepts all it drafted
@@ -114,8 +135,7 @@ class RecordingEagle(hf_specdec.EagleDrafter):
         super().reset(context)
         self.received = []
 
-    def on_verified(self, input_ids, num_accepted, attention_mask=None, accepted_nodes=None,
-                    target_hidden_states=None):
+    def on_verified(self, input_ids, num_accepted, attention_mask=None, accepted_nodes=None, target_hidden_states=None):
         self.received.append(target_hidden_states)
         super().on_verified(input_ids, num_accepted, attention_mask, accepted_nodes, target_hidden_states)
 
@@ -134,8 +154,7 @@ def test_round_hands_over_the_hidden_states_of_the_kept_positions(tree_budget):
 
     drafter.for_call = for_call
     ids = prompt(7, seed=5)
-    out = target.generate(ids, drafter=drafter, max_new_tokens=25, do_sample=False,
-                          speculative_tree_budget=tree_budget)
+    out = target.generate(ids, drafter=drafter, max_new_tokens=25, do_sample=False, speculative_tree_budget=tree_budget)
     handed = torch.cat(calls[0].received, dim=1)[0]  # [positions, 3h]
     layers = trained.model.config.eagle_layers
     with torch.no_grad():
@@ -189,8 +208,14 @@ def test_plain_steps_leave_the_features_pending_and_the_drafts_unchanged(tree_bu
         counter = [0]
         handle = trained.model.register_forward_hook(lambda *args: counter.__setitem__(0, counter[0] + 1))
         try:
-            out = target.generate(ids, drafter=drafter, max_new_tokens=30, do_sample=False,
-                                  speculative_gamma_policy="every_third_round", speculative_tree_budget=tree_budget)
+            out = target.generate(
+                ids,
+                drafter=drafter,
+                max_new_tokens=30,
+                do_sample=False,
+                speculative_gamma_policy="every_third_round",
+                speculative_tree_budget=tree_budget,
+            )
         finally:
             handle.remove()
         assert torch.equal(out, plain)
@@ -201,8 +226,10 @@ def test_plain_steps_leave_the_features_pending_and_the_drafts_unchanged(tree_bu
 
 def samples(model, ids, config, n, **kwargs):
     torch.manual_seed(4321)
-    return [tuple(model.generate(ids, do_sample=True, max_new_tokens=3, **config, **kwargs)[0, ids.shape[1]:].tolist())
-            for _ in range(n)]
+    return [
+        tuple(model.generate(ids, do_sample=True, max_new_tokens=3, **config, **kwargs)[0, ids.shape[1] :].tolist())
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("tree_budget", [None, 6])
@@ -211,8 +238,16 @@ def test_sampling_follows_the_target(tree_budget):
     config = dict(temperature=0.9, top_k=3)
     ids = prompt(6, seed=11)
     table = exact_distribution(target, ids, config)
-    drawn = samples(target, ids, config, 1500, drafter=drafter, speculative_gamma=2,
-                    speculative_tree_budget=tree_budget, speculative_gamma_policy="constant")
+    drawn = samples(
+        target,
+        ids,
+        config,
+        1500,
+        drafter=drafter,
+        speculative_gamma=2,
+        speculative_tree_budget=tree_budget,
+        speculative_gamma_policy="constant",
+    )
     assert goodness_of_fit(table, drawn) > 1e-3
     # power: at this sample size the test rejects a sampler that is slightly off (temperature 1.3 instead of 0.9)
     wrong = samples(target, ids, dict(config, temperature=1.3), 1500)
@@ -222,8 +257,9 @@ def test_sampling_follows_the_target(tree_budget):
 def test_sampling_proposals_carry_q_over_the_full_vocabulary():
     target, drafter = trained_head("llama")
     ids = prompt(6, seed=3)
-    context = hf_specdec.rounds.draft_context(target, ids, processors(target, ids, dict(temperature=0.8, top_k=5)),
-                                              target.generation_config, {}, None)
+    context = hf_specdec.rounds.draft_context(
+        target, ids, processors(target, ids, dict(temperature=0.8, top_k=5)), target.generation_config, {}, None
+    )
     context.generation_config = target.generation_config.__class__(do_sample=True)
     copy = drafter.for_call(context)
     with torch.no_grad():
@@ -288,10 +324,21 @@ def published_layout(target, draft_vocab: int = 40, seed: int = 0) -> tuple[dict
         "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
     }
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": 64, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-        "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "tie_word_embeddings": False, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 64,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
     }
     return config, tensors
@@ -343,10 +390,13 @@ def test_bin_heads_never_unpickle_code(tmp_path):
     assert not os.path.exists("/tmp/hf_specdec_pwned")
 
 
-@pytest.mark.parametrize("change, message", [
-    ("hidden", r"hidden states of size 48, the target's are 32"),
-    ("vocab", r"vocabulary of 100 tokens, the target has 96"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("hidden", r"hidden states of size 48, the target's are 32"),
+        ("vocab", r"vocabulary of 100 tokens, the target has 96"),
+    ],
+)
 def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, change, message):
     import json
 
@@ -399,14 +449,31 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
 
     target = eagle_target("llama", seed=2)
     texts = own_samples(target, count=12, length=32, seed=1)
-    drafter = train_eagle_drafter(target, texts=texts, num_steps=16, batch_size=4, ttt_steps=2, learning_rate=3e-3,
-                                  output_dir=tmp_path, save_every=8, show_progress=False)
+    drafter = train_eagle_drafter(
+        target,
+        texts=texts,
+        num_steps=16,
+        batch_size=4,
+        ttt_steps=2,
+        learning_rate=3e-3,
+        output_dir=tmp_path,
+        save_every=8,
+        show_progress=False,
+    )
     log = json.loads((tmp_path / "training_log.json").read_text())["log"]
     assert log[-1]["loss"] < log[0]["loss"]
     assert (tmp_path / "checkpoint-8" / "model.safetensors").exists()
     assert drafter.training_info["steps"] == 16
-    resumed = train_eagle_drafter(target, texts=texts, num_steps=20, batch_size=4, ttt_steps=2, output_dir=tmp_path,
-                                  resume_from_checkpoint=True, show_progress=False)
+    resumed = train_eagle_drafter(
+        target,
+        texts=texts,
+        num_steps=20,
+        batch_size=4,
+        ttt_steps=2,
+        output_dir=tmp_path,
+        resume_from_checkpoint=True,
+        show_progress=False,
+    )
     assert resumed.training_info["steps"] == 20  # 16 done before, 4 more
     assert isinstance(resumed.model, Eagle3DraftModel)
     plain, fast, _ = greedy_pair(target, resumed, prompt(8, seed=3))
@@ -445,8 +512,9 @@ def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_featur
                 assert torch.equal(in_draft[row, :n], out.logits[0].argmax(-1) % 2 == 0)
     before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
     hooks = [dict(module._forward_hooks) for module in target.modules()]  # transformers' own, from the forwards above
-    drafter = train_eagle_drafter(target, texts=texts, num_steps=3, batch_size=2, ttt_steps=2,
-                                  feature_dtype="bfloat16", show_progress=False)
+    drafter = train_eagle_drafter(
+        target, texts=texts, num_steps=3, batch_size=2, ttt_steps=2, feature_dtype="bfloat16", show_progress=False
+    )
     assert drafter.training_info["steps"] == 3
     assert target.dtype == torch.float32
     assert all(torch.equal(before[name], tensor) for name, tensor in target.state_dict().items())
@@ -462,33 +530,101 @@ def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokeniz
     from hf_specdec.cli import main
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=len(local_tokenizer), hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(local_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None
     model.save_pretrained(tmp_path / "target")
     local_tokenizer.save_pretrained(tmp_path / "target")
     (tmp_path / "prompts.txt").write_text("the cat sat\na quick brown fox\n\ndef add(a, b):\n")
     (tmp_path / "text.txt").write_text("the dog sat on the log and the cat watches the fox " * 8)
-    code = main(["train-drafter", "--target", str(tmp_path / "target"), "--prompts", str(tmp_path / "prompts.txt"),
-                 "--texts", str(tmp_path / "text.txt"), "--output", str(tmp_path / "head"), "--steps", "4",
-                 "--ttt-steps", "2", "--max-answer-tokens", "12", "--threads", "1", "--feature-dtype", "bfloat16"])
+    code = main(
+        [
+            "train-drafter",
+            "--target",
+            str(tmp_path / "target"),
+            "--prompts",
+            str(tmp_path / "prompts.txt"),
+            "--texts",
+            str(tmp_path / "text.txt"),
+            "--output",
+            str(tmp_path / "head"),
+            "--steps",
+            "4",
+            "--ttt-steps",
+            "2",
+            "--max-answer-tokens",
+            "12",
+            "--threads",
+            "1",
+            "--feature-dtype",
+            "bfloat16",
+        ]
+    )
     assert code == 0
     assert "EAGLE-3 head written to" in capsys.readouterr().out
     assert (tmp_path / "head" / "model.safetensors").exists()
-    code = main(["demo", "--model", str(tmp_path / "target"), "--eagle", str(tmp_path / "head"), "--max-new-tokens",
-                 "10", "--repeats", "1", "--threads", "1", "--prompt", "the cat"])
+    code = main(
+        [
+            "demo",
+            "--model",
+            str(tmp_path / "target"),
+            "--eagle",
+            str(tmp_path / "head"),
+            "--max-new-tokens",
+            "10",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--prompt",
+            "the cat",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "EAGLE-3 head" in out and "identical: False" not in out
-    assert main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"),
-                 "--steps", "1"]) == 2
+    assert (
+        main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"), "--steps", "1"])
+        == 2
+    )
     assert "needs data" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "x"), "--steps", "1",
-              "--synthetic-prompts", "-2"])
+        main(
+            [
+                "train-drafter",
+                "--target",
+                str(tmp_path / "target"),
+                "--output",
+                str(tmp_path / "x"),
+                "--steps",
+                "1",
+                "--synthetic-prompts",
+                "-2",
+            ]
+        )
     assert "--synthetic-prompts: must be an int >= 0, got -2" in capsys.readouterr().err
-    code = main(["train-drafter", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "y"),
-                 "--steps", "1", "--synthetic-prompts", "2", "--answer-dtype", "bfloat16"])
+    code = main(
+        [
+            "train-drafter",
+            "--target",
+            str(tmp_path / "target"),
+            "--output",
+            str(tmp_path / "y"),
+            "--steps",
+            "1",
+            "--synthetic-prompts",
+            "2",
+            "--answer-dtype",
+            "bfloat16",
+        ]
+    )
     assert code == 2  # the local tokenizer has no chat template to write prompts with
     assert "`num_synthetic_prompts` needs a tokenizer with a chat template" in capsys.readouterr().err
 
@@ -518,11 +654,27 @@ def test_training_under_a_two_process_launch_keeps_the_processes_in_step(tmp_pat
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED)
     tests = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), str(tmp_path)],
-                            capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     ranks = [(tmp_path / f"rank{rank}.txt").read_text().split() for rank in range(2)]
     assert [processes for processes, _ in ranks] == ["2", "2"]
@@ -537,11 +689,20 @@ def test_the_target_writes_and_answers_its_own_prompts_in_another_dtype(local_to
     from hf_specdec.eagle_training import _synthetic_prompts
 
     tokenizer = copy.deepcopy(local_tokenizer)
-    tokenizer.chat_template = ("{% for m in messages %}<eos>user {{ m['content'] }}<eos>{% endfor %}"
-                               "{% if add_generation_prompt %}assistant {% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<eos>user {{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     target = AutoModelForCausalLM.from_config(config).eval()
     end = tokenizer.convert_tokens_to_ids("<eos>")
     with torch.no_grad():  # the end-of-turn token often enough that a few rows finish within 64 tokens
@@ -552,9 +713,18 @@ def test_the_target_writes_and_answers_its_own_prompts_in_another_dtype(local_to
     written = _synthetic_prompts(target, tokenizer, 6, batch_size=8, show_progress=False)
     assert 1 <= len(written) <= 6 and len(set(written)) == len(written)
     assert all(len(text) >= 12 and "<eos>" not in text for text in written)
-    drafter = train_eagle_drafter(target, tokenizer=tokenizer, num_synthetic_prompts=6, answer_dtype="bfloat16",
-                                  max_answer_tokens=8, generation_batch_size=8, num_steps=2, batch_size=2,
-                                  ttt_steps=2, show_progress=False)
+    drafter = train_eagle_drafter(
+        target,
+        tokenizer=tokenizer,
+        num_synthetic_prompts=6,
+        answer_dtype="bfloat16",
+        max_answer_tokens=8,
+        generation_batch_size=8,
+        num_steps=2,
+        batch_size=2,
+        ttt_steps=2,
+        show_progress=False,
+    )
     assert "it wrote itself of 6 asked" in drafter.training_info["training data"]
     assert "answered in torch.bfloat16" in drafter.training_info["training data"]
     assert target.dtype == torch.float32  # answered by a copy: the model itself is untouched

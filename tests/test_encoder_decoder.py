@@ -4,10 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BartForCausalLM, EncoderDecoderCache
-
-import hf_specdec
-from hf_specdec.caches import cache_of
 from conftest import (
     SEQ2SEQ_ARCHITECTURES,
     VOCAB,
@@ -20,6 +16,10 @@ from conftest import (
 )
 from sweep.tiny import tiny_model as tiny_mapping_model
 from test_sampling_distribution import P_THRESHOLD, SAMPLES, goodness_of_fit
+from transformers import AutoModelForCausalLM, BartForCausalLM, EncoderDecoderCache
+
+import hf_specdec
+from hf_specdec.caches import cache_of
 
 PROCESSING = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)  # random-init decoders repeat themselves
 NEW_TOKENS = 20
@@ -39,8 +39,14 @@ def run(target, src, gamma=4, **drafter_args):
     # constant γ: these tests count rounds and drafts; tiny drafters on a CPU are often measured not to pay, which
     # the default "auto" policy would act on
     drafter_args.setdefault("speculative_gamma_policy", "constant")
-    out = target.generate(src, speculative_gamma=gamma, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True,
-                          **PROCESSING, **drafter_args)
+    out = target.generate(
+        src,
+        speculative_gamma=gamma,
+        max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+        **PROCESSING,
+        **drafter_args,
+    )
     assert isinstance(out, hf_specdec.SpeculativeEncoderDecoderOutput)
     return out.sequences, out.speculative_stats
 
@@ -126,8 +132,13 @@ def test_cache_rollback_keeps_cross_attention():
     target = hf_specdec.enable(tiny_seq2seq("t5", seed=0))
     src = source(10, seed=3)
     plain = target.generate(src, max_new_tokens=NEW_TOKENS)
-    out = target.generate(src, drafter=ScriptedDrafter(plain, period=3), speculative_gamma=5,
-                          max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+    out = target.generate(
+        src,
+        drafter=ScriptedDrafter(plain, period=3),
+        speculative_gamma=5,
+        max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+    )
     cache = cache_of(out)
     assert isinstance(cache, EncoderDecoderCache)
     # self-attention holds every decoder token but the newest; cross-attention still holds the whole source
@@ -140,8 +151,13 @@ def test_prompt_lookup_copies_from_the_source():
     drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=1)
     src = torch.tensor([[10, 11, 12, 13, 14, 0, 0]])
     context = hf_specdec.DraftContext(
-        target=target, input_ids=torch.tensor([[0]]), logits_processor=None, generation_config=target.generation_config,
-        vocab_size=VOCAB, model_kwargs={"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])}, inputs_tensor=src,
+        target=target,
+        input_ids=torch.tensor([[0]]),
+        logits_processor=None,
+        generation_config=target.generation_config,
+        vocab_size=VOCAB,
+        model_kwargs={"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])},
+        inputs_tensor=src,
     )
 
     def propose(output, num_tokens):  # a fresh per-call copy: the index grows with one output
@@ -167,8 +183,13 @@ def test_sampling_follows_t5_target():
     generation_config, _ = target._prepare_generation_config(None, do_sample=True, **config)
     start = torch.tensor([[0]])
     procs = target._get_logits_processor(
-        generation_config=generation_config, input_ids_seq_length=1, encoder_input_ids=src,
-        prefix_allowed_tokens_fn=None, logits_processor=None, device=src.device, model_kwargs={},
+        generation_config=generation_config,
+        input_ids_seq_length=1,
+        encoder_input_ids=src,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=None,
+        device=src.device,
+        model_kwargs={},
     )
 
     def next_probs(decoder_ids):
@@ -202,7 +223,9 @@ def test_encoder_decoder_drafter_for_decoder_only_target_is_refused():
 
 def test_decoder_only_drafter_without_cross_attention_is_refused():
     target = hf_specdec.enable(tiny_seq2seq("t5"))
-    with pytest.raises(ValueError, match=r"`assistant_model` \(LlamaForCausalLM\) is decoder-only without cross-attention"):
+    with pytest.raises(
+        ValueError, match=r"`assistant_model` \(LlamaForCausalLM\) is decoder-only without cross-attention"
+    ):
         target.generate(source(), assistant_model=tiny_model("llama"), max_new_tokens=3)
 
 
@@ -226,15 +249,16 @@ def test_a_source_given_as_embeddings_reaches_the_drafter_as_embeddings():
     embeds = target.get_input_embeddings()(source())  # [1, src_len, d_model]
     plain = target.generate(inputs_embeds=embeds, max_new_tokens=8)
     for drafter in (target, noisy_copy(target, scale=0.05), tiny_seq2seq("t5", seed=1)):
-        out = target.generate(inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=8,
-                              return_dict_in_generate=True)
+        out = target.generate(
+            inputs_embeds=embeds, assistant_model=drafter, max_new_tokens=8, return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, plain) and out.speculative_stats.target_calls > 0
-    stats = target.generate(inputs_embeds=embeds, assistant_model=target, max_new_tokens=8,
-                            return_dict_in_generate=True).speculative_stats
+    stats = target.generate(
+        inputs_embeds=embeds, assistant_model=target, max_new_tokens=8, return_dict_in_generate=True
+    ).speculative_stats
     assert stats.accepted_tokens == stats.drafted_tokens > 0  # the target as its own drafter: always right
     with pytest.raises(ValueError, match="needs the source as `input_ids`"):
-        target.generate(inputs_embeds=embeds, assistant_model=tiny_seq2seq("t5", seed=1, d_model=48),
-                        max_new_tokens=3)
+        target.generate(inputs_embeds=embeds, assistant_model=tiny_seq2seq("t5", seed=1, d_model=48), max_new_tokens=3)
 
 
 def test_decoder_only_llama_causal_drafter_still_works_for_decoder_only_target():
@@ -251,8 +275,7 @@ def test_encoder_decoder_drafter_without_source_is_refused():
     encoder_outputs = target.get_encoder()(input_ids=source())
     # generate then has no source tensor (it passes a placeholder of -100s)
     with pytest.raises(ValueError, match="needs the source as `input_ids`"):
-        target.generate(encoder_outputs=encoder_outputs, assistant_model=tiny_seq2seq("t5", seed=1),
-                        max_new_tokens=3)
+        target.generate(encoder_outputs=encoder_outputs, assistant_model=tiny_seq2seq("t5", seed=1), max_new_tokens=3)
 
 
 @pytest.mark.parametrize("arch", ["bart", "t5"])
@@ -269,9 +292,14 @@ def test_prefill_chunk_size_with_a_padded_source(arch):
     plain = target.generate(sources, attention_mask=padded, **kwargs)
     assert not torch.equal(plain, target.generate(sources, attention_mask=padded, max_new_tokens=12))  # the quirk
     for drafter in ({"assistant_model": draft}, {"drafter": "prompt_lookup"}):
-        with pytest.raises(ValueError, match=rf"`prefill_chunk_size=3` with the encoder-decoder \w+ and a padded "
-                                             r"`attention_mask`: plain `generate`'s chunked prefill cuts"):
+        with pytest.raises(
+            ValueError,
+            match=r"`prefill_chunk_size=3` with the encoder-decoder \w+ and a padded "
+            r"`attention_mask`: plain `generate`'s chunked prefill cuts",
+        ):
             target.generate(sources, attention_mask=padded, speculative_gamma=3, **drafter, **kwargs)
         unpadded = torch.ones_like(sources)
-        assert torch.equal(target.generate(sources, attention_mask=unpadded, speculative_gamma=3, **drafter, **kwargs),
-                           target.generate(sources, attention_mask=unpadded, **kwargs))
+        assert torch.equal(
+            target.generate(sources, attention_mask=unpadded, speculative_gamma=3, **drafter, **kwargs),
+            target.generate(sources, attention_mask=unpadded, **kwargs),
+        )

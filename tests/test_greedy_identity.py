@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import ARCHITECTURES, VOCAB, ScriptedDrafter, noisy_copy, prompt, tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
-from conftest import ARCHITECTURES, VOCAB, ScriptedDrafter, noisy_copy, prompt, tiny_model
 
 GAMMAS = (1, 3, 7, 12)
 PROCESSING = dict(repetition_penalty=1.2, no_repeat_ngram_size=3)
@@ -25,7 +25,11 @@ def run(target, ids, gamma, **drafter_args):
     # the default "auto" policy would act on
     drafter_args.setdefault("speculative_gamma_policy", "constant")
     out = target.generate(
-        ids, speculative_gamma=gamma, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, **PROCESSING,
+        ids,
+        speculative_gamma=gamma,
+        max_new_tokens=NEW_TOKENS,
+        return_dict_in_generate=True,
+        **PROCESSING,
         **drafter_args,
     )
     return out.sequences, out.speculative_stats
@@ -162,7 +166,11 @@ def test_stop_strings_with_a_local_tokenizer(local_tokenizer):
     plain = target.generate(ids, max_new_tokens=30, stop_strings=stop, tokenizer=local_tokenizer)
     assert plain.shape[1] < free.shape[1]
     out = target.generate(
-        ids, assistant_model=target, speculative_gamma=7, max_new_tokens=30, stop_strings=stop,
+        ids,
+        assistant_model=target,
+        speculative_gamma=7,
+        max_new_tokens=30,
+        stop_strings=stop,
         tokenizer=local_tokenizer,
     )
     assert torch.equal(out, plain)
@@ -171,8 +179,9 @@ def test_stop_strings_with_a_local_tokenizer(local_tokenizer):
     out = target.generate(ids, assistant_model=target, generation_config=config, tokenizer=local_tokenizer)
     assert torch.equal(out, plain) and config.stop_strings == stop
     config.stop_strings = "never-generated-zzz"
-    out = target.generate(ids, assistant_model=target, generation_config=config, stop_strings=stop,
-                          tokenizer=local_tokenizer)
+    out = target.generate(
+        ids, assistant_model=target, generation_config=config, stop_strings=stop, tokenizer=local_tokenizer
+    )
     assert torch.equal(out, plain)
 
 
@@ -184,19 +193,30 @@ def test_prefill_chunk_size_prefills_in_chunks_and_stays_exact(tree_budget):
     model = hf_specdec.enable(tiny_model("llama"))
     ids = prompt(21, seed=5)
     lengths = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
-                                    with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     plain = model.generate(ids, max_new_tokens=NEW_TOKENS, prefill_chunk_size=8)
     assert lengths[:3] == [8, 8, 5]  # plain generate's chunks
     lengths.clear()
     model.generate(ids, drafter="prompt_lookup", max_new_tokens=2, prefill_chunk_size=8)
     assert max(lengths) <= 8, lengths  # the capability probe (the model's first speculative call) stays within it
-    drafters = {"always right": ScriptedDrafter(plain), "partly right": ScriptedDrafter(plain, period=3),
-                "never right": ScriptedDrafter(plain, period=1), "prompt lookup": "prompt_lookup"}
+    drafters = {
+        "always right": ScriptedDrafter(plain),
+        "partly right": ScriptedDrafter(plain, period=3),
+        "never right": ScriptedDrafter(plain, period=1),
+        "prompt lookup": "prompt_lookup",
+    }
     for name, drafter in drafters.items():
         lengths.clear()
-        out = model.generate(ids, drafter=drafter, speculative_gamma=4, speculative_tree_budget=tree_budget,
-                             max_new_tokens=NEW_TOKENS, prefill_chunk_size=8)
+        out = model.generate(
+            ids,
+            drafter=drafter,
+            speculative_gamma=4,
+            speculative_tree_budget=tree_budget,
+            max_new_tokens=NEW_TOKENS,
+            prefill_chunk_size=8,
+        )
         assert torch.equal(out, plain), name
         # the prompt's chunks (after a tree's once-per-model attention check, when there is one)
         assert [8, 8, 4] in [lengths[i : i + 3] for i in range(len(lengths))], (name, lengths)
@@ -205,8 +225,9 @@ def test_prefill_chunk_size_prefills_in_chunks_and_stays_exact(tree_budget):
     lengths.clear()
     plain_batch = model.generate(batch, max_new_tokens=8, prefill_chunk_size=8)
     lengths.clear()
-    assert torch.equal(model.generate(batch, drafter="prompt_lookup", max_new_tokens=8, prefill_chunk_size=8),
-                       plain_batch)
+    assert torch.equal(
+        model.generate(batch, drafter="prompt_lookup", max_new_tokens=8, prefill_chunk_size=8), plain_batch
+    )
     assert max(lengths) <= 8
 
 
@@ -218,17 +239,26 @@ def test_prefill_chunk_size_with_a_static_cache_and_a_padded_batch():
     ids = torch.cat([prompt(12, seed=7), prompt(12, seed=8)])
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # the first prompt is 8 tokens, left-padded
-    kwargs = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=10, cache_implementation="static",
-                  prefill_chunk_size=5)
+    kwargs = dict(
+        attention_mask=mask, pad_token_id=0, max_new_tokens=10, cache_implementation="static", prefill_chunk_size=5
+    )
     model = hf_specdec.enable(tiny_model("llama"))
     plain = model.generate(ids, **kwargs)
     never = tiny_model("llama", seed=3)
-    for drafter in ({"drafter": "prompt_lookup"}, {"assistant_model": model},
-                    {"assistant_model": noisy_copy(model, 0.05)}, {"assistant_model": never}):
+    for drafter in (
+        {"drafter": "prompt_lookup"},
+        {"assistant_model": model},
+        {"assistant_model": noisy_copy(model, 0.05)},
+        {"assistant_model": never},
+    ):
         assert torch.equal(model.generate(ids, speculative_gamma=3, **drafter, **kwargs), plain), drafter
     dynamic = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=10)
-    assert torch.equal(model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=10,
-                                      assistant_model=never, speculative_gamma=3), dynamic)
+    assert torch.equal(
+        model.generate(
+            ids, attention_mask=mask, pad_token_id=0, max_new_tokens=10, assistant_model=never, speculative_gamma=3
+        ),
+        dynamic,
+    )
 
 
 def test_a_probe_that_raises_refuses_the_call_without_condemning_the_model():
@@ -243,8 +273,11 @@ def test_a_probe_that_raises_refuses_the_call_without_condemning_the_model():
             raise RuntimeError("a forward over several tokens failed")
 
     hook = model.register_forward_pre_hook(fail_on_several_tokens, with_kwargs=True)
-    with pytest.raises(ValueError, match=r"cannot be verified exactly by speculative decoding: a cached forward over "
-                                         r"several new tokens fails \(RuntimeError: a forward over several tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot be verified exactly by speculative decoding: a cached forward over "
+        r"several new tokens fails \(RuntimeError: a forward over several tokens",
+    ):
         model.generate(ids, drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
     hook.remove()
     assert torch.equal(model.generate(ids, drafter="prompt_lookup", max_new_tokens=NEW_TOKENS), plain)

@@ -3,11 +3,11 @@ forwards over each node's path, the rerank, cache rollback, and chains wherever 
 
 import pytest
 import torch
+from conftest import VOCAB, prompt, source, tiny_config, tiny_model, tiny_seq2seq
 from transformers import GenerationConfig, LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_specdec
 from hf_specdec.trees import best_subtree, check_parents, tree_depths
-from conftest import VOCAB, prompt, source, tiny_config, tiny_model, tiny_seq2seq
 
 TREE_ARCHITECTURES = ("gpt2", "llama", "qwen2")
 PROCESSORS = {
@@ -30,8 +30,9 @@ def context(target, input_ids, tree_budget, processors=None, do_sample=False, **
 
 
 def tree_drafter(model, input_ids, tree_budget, tree_top_k=3, **kwargs):
-    return hf_specdec.ModelDrafter(model, tree_top_k=tree_top_k).for_call(context(model, input_ids, tree_budget,
-                                                                                 **kwargs))
+    return hf_specdec.ModelDrafter(model, tree_top_k=tree_top_k).for_call(
+        context(model, input_ids, tree_budget, **kwargs)
+    )
 
 
 @torch.no_grad()
@@ -122,7 +123,7 @@ def test_without_budget_chains_are_unchanged(arch):
     expected = ids
     for _ in range(4):  # greedy, one plain forward per token
         expected = torch.cat([expected, plain_log_q(model, expected, LogitsProcessorList()).argmax().view(1, 1)], -1)
-    assert torch.equal(chain.tokens, expected[:, ids.shape[1]:])
+    assert torch.equal(chain.tokens, expected[:, ids.shape[1] :])
     # sampled chains: the same draws and q as a drafter built without tree arguments
     sampled = []
     for drafter in (hf_specdec.ModelDrafter(model), hf_specdec.ModelDrafter(model, tree_top_k=2)):
@@ -173,7 +174,8 @@ def test_padded_batch_gets_chains():
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     proposals = [
-        hf_specdec.ModelDrafter(model).for_call(context(model, ids, budget, model_kwargs={"attention_mask": mask}))
+        hf_specdec.ModelDrafter(model)
+        .for_call(context(model, ids, budget, model_kwargs={"attention_mask": mask}))
         .propose(ids, 3, attention_mask=mask)
         for budget in (None, 8)
     ]
@@ -198,8 +200,11 @@ class MaskIgnoringLlama(LlamaForCausalLM):
 def test_drafter_without_tree_attention_is_refused():
     torch.manual_seed(0)
     model = MaskIgnoringLlama(tiny_config("llama")).eval()
-    with pytest.raises(ValueError, match=r"`speculative_tree_budget` needs models that take a custom 4D attention .* "
-                                         r"the drafter model \(`assistant_model`\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`speculative_tree_budget` needs models that take a custom 4D attention .* "
+        r"the drafter model \(`assistant_model`\)",
+    ):
         tree_drafter(model, prompt(4), 8)
     assert tree_drafter(model, prompt(4), None).propose(prompt(4), 2).tokens.shape == (1, 2)  # chains still work
 

@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
+from conftest import noisy_copy, tiny_model
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedTokenizerFast, T5Model, pipeline
 from transformers.pipelines.base import PipelineRegistry
 
 import hf_specdec
 import hf_specdec.pipelines
-from conftest import noisy_copy, tiny_model
 from hf_specdec.pipelines import (
     SpeechRecognitionPipeline,
     SummarizationPipeline,
@@ -31,19 +31,40 @@ GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
 SEQ2SEQ = {
     # T5 always ties its head to its embeddings: gated-GELU and 4x its other weights make its greedy output vary
     "t5": dict(d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4, feed_forward_proj="gated-gelu"),
-    "bart": dict(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1, decoder_layers=1,
-                 encoder_attention_heads=4, decoder_attention_heads=4, tie_word_embeddings=False),
-    "marian": dict(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1, decoder_layers=1,
-                   encoder_attention_heads=4, decoder_attention_heads=4, tie_word_embeddings=False,
-                   max_position_embeddings=128),
+    "bart": dict(
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "marian": dict(
+        d_model=32,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
 }
 # how much Gaussian noise (relative to each weight's std) makes the drafter partly right
 DRAFT_NOISE = {"t5": 0.01, "bart": 0.1, "marian": 0.1}
 # each pipeline with the architecture it is tested on, and its output key
-TASKS = [("text2text-generation", "t5", "generated"), ("summarization", "bart", "summary"),
-         ("translation_en_to_de", "marian", "translation")]
-TEXTS = ["translate English to German: the cat sat on the mat",
-         "summarize: the quick brown fox jumps over the lazy dog while the cat watches"]
+TASKS = [
+    ("text2text-generation", "t5", "generated"),
+    ("summarization", "bart", "summary"),
+    ("translation_en_to_de", "marian", "translation"),
+]
+TEXTS = [
+    "translate English to German: the cat sat on the mat",
+    "summarize: the quick brown fox jumps over the lazy dog while the cat watches",
+]
 CORPUS = TEXTS + [
     "speculative decoding drafts tokens with a small model and verifies them with a large one",
     "die Katze sitzt auf der Matte und der Hund schaut zu",
@@ -58,8 +79,9 @@ def tokenizer():
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "</s>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(CORPUS * 10, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (PAD, EOS, UNK)
@@ -68,8 +90,15 @@ def tokenizer():
 
 def tiny_seq2seq(arch: str, vocab_size: int, seed: int = 0):
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(arch, **SEQ2SEQ[arch], vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS,
-                                  decoder_start_token_id=PAD, forced_eos_token_id=None)
+    config = AutoConfig.for_model(
+        arch,
+        **SEQ2SEQ[arch],
+        vocab_size=vocab_size,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        decoder_start_token_id=PAD,
+        forced_eos_token_id=None,
+    )
     model = AutoModelForSeq2SeqLM.from_config(config).eval()
     # random-init decoders repeat one token forever; larger weights make the greedy output depend on the source and
     # vary, so that a wrong draft would show
@@ -103,8 +132,9 @@ def seq2seq_pairs(tokenizer):
 def test_drafters_are_partly_right(seq2seq_pairs, tokenizer, arch):
     target, drafter, plain = seq2seq_pairs[arch]
     inputs = tokenizer(TEXTS[0], return_tensors="pt")
-    out = target.generate(**inputs, assistant_model=drafter, speculative_gamma=4, return_dict_in_generate=True,
-                          **GREEDY)
+    out = target.generate(
+        **inputs, assistant_model=drafter, speculative_gamma=4, return_dict_in_generate=True, **GREEDY
+    )
     assert torch.equal(out.sequences[0], plain[0])
     assert 0.0 < out.speculative_stats.acceptance_rate < 1.0
 
@@ -123,10 +153,13 @@ def test_speculative_pipeline_output_is_plain_output(seq2seq_pairs, tokenizer, t
     assert pipe(TEXTS, drafter="prompt_lookup", **GREEDY) == expected
     assert pipe(TEXTS[1], drafter="prompt_lookup", drafter_kwargs={"min_ngram_size": 1}, **GREEDY) == expected[1:]
     # return_tensors alone returns the ids only, as in transformers 4.x; with return_text both
-    assert torch.equal(pipe(TEXTS[0], return_tensors=True, drafter="prompt_lookup", **GREEDY)[0][f"{key}_token_ids"],
-                       plain[0])
-    assert pipe(TEXTS[0], return_tensors=True, return_text=True, **GREEDY)[0].keys() == {f"{key}_text",
-                                                                                       f"{key}_token_ids"}
+    assert torch.equal(
+        pipe(TEXTS[0], return_tensors=True, drafter="prompt_lookup", **GREEDY)[0][f"{key}_token_ids"], plain[0]
+    )
+    assert pipe(TEXTS[0], return_tensors=True, return_text=True, **GREEDY)[0].keys() == {
+        f"{key}_text",
+        f"{key}_token_ids",
+    }
 
 
 def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer, tmp_path):
@@ -135,8 +168,14 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
     drafter.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
 
-    pipe = pipeline("text2text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter,
-                    speculative_gamma=4, **GREEDY)
+    pipe = pipeline(
+        "text2text-generation",
+        model=target,
+        tokenizer=tokenizer,
+        assistant_model=drafter,
+        speculative_gamma=4,
+        **GREEDY,
+    )
     assert pipe.assistant_model is drafter
     assert pipe(TEXTS) == expected
     assert pipe(TEXTS[0], assistant_model=None) == expected[:1]  # a call can turn the assistant off
@@ -145,7 +184,7 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
         pipe(TEXTS[0], assistant_model=None, speculative_tree_budget=4)
     # stop strings end speculative and plain generation at the same place
     full_text = expected[1]["generated_text"]
-    stop = next(char for char in full_text[len(full_text) // 2:] if char.isascii() and char.isalpha())
+    stop = next(char for char in full_text[len(full_text) // 2 :] if char.isascii() and char.isalpha())
     stopped = pipe(TEXTS[1], stop_sequence=stop)
     assert stopped == pipe(TEXTS[1], stop_sequence=stop, assistant_model=None)
     assert len(stopped[0]["generated_text"]) < len(full_text)
@@ -162,8 +201,11 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
     drafter.save_pretrained(pickled)
     (pickled / "model.safetensors").unlink()
     torch.save(drafter.state_dict(), pickled / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the "
-                                         r"pickle checkpoint pytorch_model.bin\).*save_pretrained"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the "
+        r"pickle checkpoint pytorch_model.bin\).*save_pretrained",
+    ):
         per_call(TEXTS[0], assistant_model=str(pickled), **GREEDY)
 
     # the registered tasks load checkpoints (and their tokenizer) like any transformers pipeline
@@ -174,8 +216,9 @@ def test_assistant_model_at_construction_and_as_a_path(seq2seq_pairs, tokenizer,
 
 def test_translation_task_names_and_task_specific_params(tokenizer):
     model = hf_specdec.enable(tiny_seq2seq("t5", len(tokenizer)))
-    model.config.task_specific_params = {"translation_en_to_de": {"prefix": "translate English to German: ",
-                                                                  "max_new_tokens": 7}}
+    model.config.task_specific_params = {
+        "translation_en_to_de": {"prefix": "translate English to German: ", "max_new_tokens": 7}
+    }
     saved = copy.deepcopy(model.config.task_specific_params)
     direct = model.generate(**tokenizer(TEXTS[0], return_tensors="pt"), max_new_tokens=7)[0]
 
@@ -202,8 +245,9 @@ def test_text_generation_pipeline_passes_speculative_arguments(tokenizer):
 
     assert pipe(prompt, assistant_model=drafter, speculative_gamma=4, **GREEDY) == expected
     assert pipe(prompt, drafter="prompt_lookup", **GREEDY) == expected
-    assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter,
-                        speculative_gamma=2)
+    assisted = pipeline(
+        "text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter, speculative_gamma=2
+    )
     assert assisted([prompt, prompt], **GREEDY) == [expected, expected]
     # the construction's γ waits in a call that turns the assistant off; a call's γ without any drafter is refused
     assert assisted(prompt, assistant_model=None, **GREEDY) == expected
@@ -223,8 +267,9 @@ def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(to
 
     from_path = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(tmp_path / "draft"))
     loaded = from_path.assistant_model
-    assert loaded is not drafter and all(torch.equal(value, drafter.state_dict()[name])
-                                         for name, value in loaded.state_dict().items())
+    assert loaded is not drafter and all(
+        torch.equal(value, drafter.state_dict()[name]) for name, value in loaded.state_dict().items()
+    )
     assert from_path(prompt, speculative_gamma=4, **GREEDY) == expected
     assert pipe(prompt, assistant_model=str(tmp_path / "draft"), **GREEDY) == expected  # a path in a call
     assert list(pipe._loaded_assistants) == [str(tmp_path / "draft")]  # loaded once per pipeline
@@ -234,7 +279,9 @@ def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(to
     drafter.save_pretrained(pickled)
     (pickled / "model.safetensors").unlink()
     torch.save(drafter.state_dict(), pickled / "pytorch_model.bin")
-    refusal = rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the pickle checkpoint pytorch_model.bin\)"
+    refusal = (
+        rf"'{re.escape(str(pickled))}' holds no safetensors weights \(only the pickle checkpoint pytorch_model.bin\)"
+    )
     with pytest.raises(ValueError, match=refusal):
         pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=str(pickled))
     with pytest.raises(ValueError, match=refusal):
@@ -243,14 +290,20 @@ def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(to
 
 def test_wrong_model_kind_is_a_clear_error(tokenizer):
     decoder_only = tiny_model("llama", vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match=r"`text2text-generation` pipeline needs an encoder-decoder model .*"
-                                         r"LlamaForCausalLM.*pipeline\(\"text-generation\""):
+    with pytest.raises(
+        ValueError,
+        match=r"`text2text-generation` pipeline needs an encoder-decoder model .*"
+        r"LlamaForCausalLM.*pipeline\(\"text-generation\"",
+    ):
         pipeline("text2text-generation", model=decoder_only, tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"`summarization` pipeline needs an encoder-decoder"):
         SummarizationPipeline(model=decoder_only, tokenizer=tokenizer)
     headless = T5Model(tiny_seq2seq("t5", len(tokenizer)).config)
-    with pytest.raises(ValueError, match=r"`translation` pipeline needs a model with a language-modeling head, got "
-                                         r"T5Model.*AutoModelForSeq2SeqLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"`translation` pipeline needs a model with a language-modeling head, got "
+        r"T5Model.*AutoModelForSeq2SeqLM",
+    ):
         pipeline("translation", model=headless, tokenizer=tokenizer)
 
 
@@ -258,19 +311,25 @@ def test_speculative_arguments_need_an_enabled_model(seq2seq_pairs, tokenizer):
     _, drafter, _ = seq2seq_pairs["t5"]
     plain_model = tiny_seq2seq("t5", len(tokenizer))
     pipe = pipeline("text2text-generation", model=plain_model, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"`drafter` need\(s\) speculative decoding.*T5ForConditionalGeneration.*"
-                                         r"hf_specdec.enable\(model\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`drafter` need\(s\) speculative decoding.*T5ForConditionalGeneration.*"
+        r"hf_specdec.enable\(model\)",
+    ):
         pipe(TEXTS[0], drafter="prompt_lookup")
     with pytest.raises(ValueError, match=r"`assistant_model`, `speculative_gamma` need\(s\)"):
-        pipeline("summarization", model=plain_model, tokenizer=tokenizer, assistant_model=drafter,
-                 speculative_gamma=3)
+        pipeline("summarization", model=plain_model, tokenizer=tokenizer, assistant_model=drafter, speculative_gamma=3)
     assert not isinstance(plain_model, hf_specdec.SpeculativeGenerationMixin)  # the pipeline did not enable it
     assert pipe(TEXTS[0], max_new_tokens=3, assistant_model=None)  # None is no speculation
     # an assistant's tokenizer without the assistant (drafting across tokenizers: tests/test_cross_tokenizer.py)
-    with pytest.raises(ValueError, match=r"`assistant_tokenizer` \(\w+\) is the tokenizer of an `assistant_model`.*"
-                                         r"Pass `assistant_model="):
-        pipeline("summarization", model=hf_specdec.enable(plain_model), tokenizer=tokenizer,
-                 assistant_tokenizer=tokenizer)
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_tokenizer` \(\w+\) is the tokenizer of an `assistant_model`.*"
+        r"Pass `assistant_model=",
+    ):
+        pipeline(
+            "summarization", model=hf_specdec.enable(plain_model), tokenizer=tokenizer, assistant_tokenizer=tokenizer
+        )
 
 
 def test_registration_keeps_tasks_transformers_has():
@@ -293,8 +352,9 @@ def test_registration_keeps_tasks_transformers_has():
     speech = "transformers.pipelines.automatic_speech_recognition.AutomaticSpeechRecognitionPipeline"
     from transformers.pipelines.text_generation import TextGenerationPipeline as TransformersTextGeneration
 
-    registry = PipelineRegistry({"automatic-speech-recognition": {"impl": speech},
-                                 "text-generation": {"impl": TransformersTextGeneration}}, {})
+    registry = PipelineRegistry(
+        {"automatic-speech-recognition": {"impl": speech}, "text-generation": {"impl": TransformersTextGeneration}}, {}
+    )
     assert _load_path_assistants_safely(registry) == ["automatic-speech-recognition", "text-generation"]
     assert registry.check_task("automatic-speech-recognition")[1]["impl"] is SpeechRecognitionPipeline
     assert registry.check_task("text-generation")[1]["impl"] is TextGenerationPipeline
@@ -306,7 +366,10 @@ def test_registration_keeps_tasks_transformers_has():
     # transformers 5.x lacks all three, so importing hf_specdec.pipelines registered them
     from transformers.pipelines import PIPELINE_REGISTRY
 
-    for task, pipeline_class in [("text2text-generation", Text2TextGenerationPipeline),
-                                 ("summarization", SummarizationPipeline), ("translation", TranslationPipeline)]:
+    for task, pipeline_class in [
+        ("text2text-generation", Text2TextGenerationPipeline),
+        ("summarization", SummarizationPipeline),
+        ("translation", TranslationPipeline),
+    ]:
         if task in hf_specdec.pipelines.REGISTERED_TASKS:
             assert PIPELINE_REGISTRY.check_task(task)[1]["impl"] is pipeline_class

@@ -13,7 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import noisy_copy, tiny_model
 from PIL import Image
+from test_pipelines import DRAFT_NOISE, GREEDY, NEW_TOKENS, PAD, tiny_seq2seq, tokenizer  # noqa: F401 (a fixture)
 from transformers import (
     BartConfig,
     BatchFeature,
@@ -46,7 +48,6 @@ from transformers import (
 )
 
 import hf_specdec
-from conftest import noisy_copy, tiny_model
 from hf_specdec.pipelines import (
     AnyToAnyPipeline,
     DocumentQuestionAnsweringPipeline,
@@ -54,7 +55,6 @@ from hf_specdec.pipelines import (
     TableQuestionAnsweringPipeline,
     TextToAudioPipeline,
 )
-from test_pipelines import DRAFT_NOISE, GREEDY, NEW_TOKENS, PAD, tiny_seq2seq, tokenizer  # noqa: F401 (a fixture)
 
 IMAGE_PROMPT = "<image> the cat sat on the"
 TABLE = {"animal": ["cat", "dog", "fox"], "place": ["mat", "log", "den"]}
@@ -94,8 +94,10 @@ def pickled_checkpoint(model, directory) -> str:
 
 
 def pickle_refusal(path: str) -> str:
-    return (rf"`assistant_model` '{re.escape(path)}' holds no safetensors weights \(only the pickle checkpoint "
-            r"pytorch_model.bin\).*save_pretrained")
+    return (
+        rf"`assistant_model` '{re.escape(path)}' holds no safetensors weights \(only the pickle checkpoint "
+        r"pytorch_model.bin\).*save_pretrained"
+    )
 
 
 ENABLE_HINT = r"`drafter` need\(s\) speculative decoding.*Call `hf_specdec.enable\(model\)`"
@@ -113,12 +115,17 @@ def random_image(size: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(torch.randint(0, 256, (size, size, 3), generator=generator, dtype=torch.uint8).numpy())
 
 
-@pytest.mark.parametrize("task, pipeline_class", [
-    ("image-text-to-text", ImageTextToTextPipeline), ("any-to-any", AnyToAnyPipeline),
-    ("table-question-answering", TableQuestionAnsweringPipeline),
-    ("document-question-answering", DocumentQuestionAnsweringPipeline), ("text-to-audio", TextToAudioPipeline),
-    ("text-to-speech", TextToAudioPipeline),  # transformers' alias of text-to-audio
-])
+@pytest.mark.parametrize(
+    "task, pipeline_class",
+    [
+        ("image-text-to-text", ImageTextToTextPipeline),
+        ("any-to-any", AnyToAnyPipeline),
+        ("table-question-answering", TableQuestionAnsweringPipeline),
+        ("document-question-answering", DocumentQuestionAnsweringPipeline),
+        ("text-to-audio", TextToAudioPipeline),
+        ("text-to-speech", TextToAudioPipeline),  # transformers' alias of text-to-audio
+    ],
+)
 def test_importing_hf_specdec_points_the_tasks_at_its_subclasses(task, pipeline_class):
     import transformers.pipelines
 
@@ -128,15 +135,26 @@ def test_importing_hf_specdec_points_the_tasks_at_its_subclasses(task, pipeline_
 
 # image-text-to-text and any-to-any: a tiny Llava (CLIP vision tower, 2x2 patches of a 30x30 image, Llama text model)
 
+
 def tiny_llava(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
-    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=30, patch_size=15)
-    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=None, bos_token_id=None,
-                       pad_token_id=None)
-    config = LlavaConfig(vision_config=vision, text_config=text,
-                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
+    vision = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=30, patch_size=15
+    )
+    text = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>")
+    )
     model = LlavaForConditionalGeneration(config).eval()
     with torch.no_grad():  # as conftest's `tiny_model`: sharp argmaxes, so that float noise decides no tie
         model.get_output_embeddings().weight.mul_(8.0)
@@ -150,12 +168,15 @@ def llava(tokenizer):
     image_tokenizer = with_tokens(tokenizer, ["<image>"])
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}),
-        tokenizer=image_tokenizer, patch_size=15, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1)
+        tokenizer=image_tokenizer,
+        patch_size=15,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
     target = hf_specdec.enable(tiny_llava(image_tokenizer))
     image = random_image(30)
     inputs = processor(images=image, text=IMAGE_PROMPT, return_tensors="pt")
-    plain = target.generate(**inputs, **GREEDY)[0, inputs["input_ids"].shape[1]:]
+    plain = target.generate(**inputs, **GREEDY)[0, inputs["input_ids"].shape[1] :]
     assert len(set(plain.tolist())) > 5, plain  # not degenerate: a wrong draft would show
     return target, noisy_copy(target, 0.3), processor, image
 
@@ -175,13 +196,16 @@ def test_image_text_to_text_passes_speculative_arguments(llava):
     assert pipe(image, text=IMAGE_PROMPT, max_new_tokens=NEW_TOKENS, assistant_model=drafter) == expected
     assert calls
     calls.clear()
-    assert pipe(image, text=IMAGE_PROMPT, generate_kwargs={"assistant_model": drafter,
-                                                          "max_new_tokens": NEW_TOKENS}) == expected
+    assert (
+        pipe(image, text=IMAGE_PROMPT, generate_kwargs={"assistant_model": drafter, "max_new_tokens": NEW_TOKENS})
+        == expected
+    )
     assert calls
 
     # at construction: transformers' own loads it and never passes it to `generate`
-    assisted = pipeline("image-text-to-text", model=target, processor=processor, assistant_model=drafter,
-                        speculative_gamma=3)
+    assisted = pipeline(
+        "image-text-to-text", model=target, processor=processor, assistant_model=drafter, speculative_gamma=3
+    )
     calls.clear()
     assert assisted(image, text=IMAGE_PROMPT, max_new_tokens=NEW_TOKENS) == expected
     assert calls
@@ -216,8 +240,10 @@ def test_image_text_to_text_path_assistants_and_models_not_enabled(llava, tmp_pa
     assert calls
     assert pipe(image, text=IMAGE_PROMPT, max_new_tokens=NEW_TOKENS, assistant_model=path) == expected
     first = pipe._loaded_assistants[path]
-    assert pipe(image, text=IMAGE_PROMPT, generate_kwargs={"assistant_model": path,
-                                                          "max_new_tokens": NEW_TOKENS}) == expected
+    assert (
+        pipe(image, text=IMAGE_PROMPT, generate_kwargs={"assistant_model": path, "max_new_tokens": NEW_TOKENS})
+        == expected
+    )
     assert pipe._loaded_assistants == {path: first}  # loaded once per pipeline
 
     pickled = pickled_checkpoint(drafter, tmp_path / "pickled")
@@ -243,10 +269,18 @@ def test_image_text_to_text_path_assistants_and_models_not_enabled(llava, tmp_pa
 def test_any_to_any_refuses_speculation_on_a_model_not_enabled(llava):
     _, _, processor, _ = llava
     # refused before transformers' own construction (which needs torchvision)
-    with pytest.raises(ValueError, match=r"`drafter`, `speculative_gamma` need\(s\) speculative decoding.*"
-                                         r"LlavaForConditionalGeneration.*hf_specdec.enable"):
-        pipeline("any-to-any", model=tiny_llava(processor.tokenizer), processor=processor, drafter="prompt_lookup",
-                 speculative_gamma=2)
+    with pytest.raises(
+        ValueError,
+        match=r"`drafter`, `speculative_gamma` need\(s\) speculative decoding.*"
+        r"LlavaForConditionalGeneration.*hf_specdec.enable",
+    ):
+        pipeline(
+            "any-to-any",
+            model=tiny_llava(processor.tokenizer),
+            processor=processor,
+            drafter="prompt_lookup",
+            speculative_gamma=2,
+        )
 
 
 class TextProcessor(ProcessorMixin):
@@ -264,11 +298,27 @@ class TextProcessor(ProcessorMixin):
 def tiny_mistral4(vocab_size: int, seed: int = 0):
     """Mistral 4 (a text-only model in transformers' multimodal-LM mapping, so any-to-any serves it)."""
     torch.manual_seed(seed)
-    config = Mistral4Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-                            num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
-                            qk_nope_head_dim=8, head_dim=16, qk_head_dim=16, pad_token_id=PAD, eos_token_id=None,
-                            bos_token_id=None)
+    config = Mistral4Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=8,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        head_dim=16,
+        qk_head_dim=16,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     return Mistral4ForCausalLM(config).eval()
 
 
@@ -300,6 +350,7 @@ def test_any_to_any_passes_speculative_arguments(tokenizer):
 
 # table question answering: a BART reading TAPEX's linearized tables (generates), and TAPAS (extractive)
 
+
 class LinearizedTableTokenizer(PreTrainedTokenizerFast):
     """Encodes `(table, query)` as TAPEX's tokenizer did ("query col : a | b row 1 : x | y"; transformers 5 has none),
     for a BART that answers questions about tables."""
@@ -309,15 +360,21 @@ class LinearizedTableTokenizer(PreTrainedTokenizerFast):
     def __call__(self, table=None, query=None, **kwargs):
         if not isinstance(table, pd.DataFrame):
             return super().__call__(table, query, **kwargs)
-        rows = " ".join(f"row {index} : " + " | ".join(map(str, row))
-                        for index, row in enumerate(table.itertuples(index=False), start=1))
+        rows = " ".join(
+            f"row {index} : " + " | ".join(map(str, row))
+            for index, row in enumerate(table.itertuples(index=False), start=1)
+        )
         return super().__call__(f"{query} col : {' | '.join(table.columns)} {rows}", **kwargs)
 
 
 @pytest.fixture(scope="module")
 def table_tokenizer(tokenizer):
-    return LinearizedTableTokenizer(tokenizer_object=copy.deepcopy(tokenizer.backend_tokenizer), pad_token="<pad>",
-                                    eos_token="</s>", unk_token="<unk>")
+    return LinearizedTableTokenizer(
+        tokenizer_object=copy.deepcopy(tokenizer.backend_tokenizer),
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
 
 
 def test_table_question_answering_passes_speculative_arguments(table_tokenizer):
@@ -339,8 +396,14 @@ def test_table_question_answering_passes_speculative_arguments(table_tokenizer):
     calls.clear()
     assert pipe(table=TABLE, query=QUERY, generate_kwargs={"assistant_model": drafter}) == expected
     assert calls
-    assisted = pipeline("table-question-answering", model=target, tokenizer=table_tokenizer, assistant_model=drafter,
-                        speculative_gamma=3, **GREEDY)
+    assisted = pipeline(
+        "table-question-answering",
+        model=target,
+        tokenizer=table_tokenizer,
+        assistant_model=drafter,
+        speculative_gamma=3,
+        **GREEDY,
+    )
     calls.clear()
     assert assisted(table=TABLE, query=QUERY) == expected
     assert calls
@@ -349,12 +412,16 @@ def test_table_question_answering_passes_speculative_arguments(table_tokenizer):
     assert not calls
 
     with pytest.raises(ValueError, match=ENABLE_HINT):
-        pipeline("table-question-answering", model=tiny_seq2seq("bart", len(table_tokenizer)),
-                 tokenizer=table_tokenizer)(table=TABLE, query=QUERY, drafter="prompt_lookup")
+        pipeline(
+            "table-question-answering", model=tiny_seq2seq("bart", len(table_tokenizer)), tokenizer=table_tokenizer
+        )(table=TABLE, query=QUERY, drafter="prompt_lookup")
     # TAPAS selects cells: nothing to draft for
     tapas = pipeline("table-question-answering", model=tiny_tapas(len(table_tokenizer)), tokenizer=table_tokenizer)
-    with pytest.raises(ValueError, match=r"`assistant_model` given to TableQuestionAnsweringPipeline, whose model "
-                                         r"\(TapasForQuestionAnswering\) does not generate"):
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_model` given to TableQuestionAnsweringPipeline, whose model "
+        r"\(TapasForQuestionAnswering\) does not generate",
+    ):
         tapas(table=TABLE, query=QUERY, assistant_model=drafter)
 
 
@@ -376,22 +443,37 @@ def test_table_question_answering_path_assistants(table_tokenizer, tmp_path):
 
 def tiny_tapas(vocab_size: int):
     torch.manual_seed(0)
-    return TapasForQuestionAnswering(TapasConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1,
-                                                 num_attention_heads=2, intermediate_size=32)).eval()
+    return TapasForQuestionAnswering(
+        TapasConfig(
+            vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    ).eval()
 
 
 # document question answering: a Donut-like model (DonutSwin encoder, BART decoder) that generates, and LayoutLM
 
+
 def tiny_donut(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
-    encoder = DonutSwinConfig(image_size=[32, 32], patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
-                              window_size=4)
-    decoder = BartConfig(vocab_size=len(tokenizer), d_model=32, decoder_layers=1, decoder_attention_heads=4,
-                         decoder_ffn_dim=64, is_decoder=True, add_cross_attention=True, pad_token_id=PAD,
-                         eos_token_id=None, bos_token_id=None, forced_eos_token_id=None, tie_word_embeddings=False,
-                         max_position_embeddings=64)
-    config = VisionEncoderDecoderConfig(encoder=encoder, decoder=decoder, decoder_start_token_id=PAD,
-                                        pad_token_id=PAD)
+    encoder = DonutSwinConfig(
+        image_size=[32, 32], patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4
+    )
+    decoder = BartConfig(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        decoder_layers=1,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        is_decoder=True,
+        add_cross_attention=True,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        bos_token_id=None,
+        forced_eos_token_id=None,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    config = VisionEncoderDecoderConfig(encoder=encoder, decoder=decoder, decoder_start_token_id=PAD, pad_token_id=PAD)
     model = VisionEncoderDecoderModel(config=config).eval()
     with torch.no_grad():  # outputs that depend on the image and vary (as `tiny_seq2seq` does for BART)
         for param in model.decoder.parameters():
@@ -408,8 +490,9 @@ def tiny_donut(tokenizer, seed: int = 0):
 def donut(tokenizer):
     """An enabled Donut-like model, a partly-right drafter, its tokenizer and image processor, and a document."""
     donut_tokenizer = with_tokens(tokenizer, DONUT_TOKENS)
-    image_processor = DonutImageProcessorPil(size={"height": 32, "width": 32}, do_align_long_axis=False,
-                                             do_thumbnail=False, do_pad=False)
+    image_processor = DonutImageProcessorPil(
+        size={"height": 32, "width": 32}, do_align_long_axis=False, do_thumbnail=False, do_pad=False
+    )
     target = hf_specdec.enable(tiny_donut(donut_tokenizer))
     return target, noisy_copy(target, 0.1), donut_tokenizer, image_processor, random_image(32)
 
@@ -417,8 +500,13 @@ def donut(tokenizer):
 def test_document_question_answering_passes_speculative_arguments(donut):
     target, drafter, donut_tokenizer, image_processor, document = donut
     question = "what is the total"
-    pipe = pipeline("document-question-answering", model=target, tokenizer=donut_tokenizer,
-                    image_processor=image_processor, **GREEDY)
+    pipe = pipeline(
+        "document-question-answering",
+        model=target,
+        tokenizer=donut_tokenizer,
+        image_processor=image_processor,
+        **GREEDY,
+    )
     assert isinstance(pipe, DocumentQuestionAnsweringPipeline)
     expected = pipe(document, question)
     assert len(set(expected[0]["answer"])) > 5  # not degenerate
@@ -432,8 +520,14 @@ def test_document_question_answering_passes_speculative_arguments(donut):
     calls.clear()
     assert pipe(document, question, generate_kwargs={"assistant_model": drafter}) == expected
     assert calls
-    assisted = pipeline("document-question-answering", model=target, tokenizer=donut_tokenizer,
-                        image_processor=image_processor, assistant_model=drafter, **GREEDY)
+    assisted = pipeline(
+        "document-question-answering",
+        model=target,
+        tokenizer=donut_tokenizer,
+        image_processor=image_processor,
+        assistant_model=drafter,
+        **GREEDY,
+    )
     calls.clear()
     assert assisted(document, question) == expected
     assert calls
@@ -441,23 +535,38 @@ def test_document_question_answering_passes_speculative_arguments(donut):
 
 def test_document_question_answering_refusals(donut, tmp_path):
     target, drafter, donut_tokenizer, image_processor, document = donut
-    pipe = pipeline("document-question-answering", model=target, tokenizer=donut_tokenizer,
-                    image_processor=image_processor, **GREEDY)
+    pipe = pipeline(
+        "document-question-answering",
+        model=target,
+        tokenizer=donut_tokenizer,
+        image_processor=image_processor,
+        **GREEDY,
+    )
     assert isinstance(pipe, DocumentQuestionAnsweringPipeline)
     assert pipe(document, "what is the total")[0]["answer"]  # transformers' own decoding, unchanged
     pickled = pickled_checkpoint(drafter, tmp_path / "pickled")
     with pytest.raises(ValueError, match=pickle_refusal(pickled)):
         pipe(document, "what is the total", assistant_model=pickled)
     with pytest.raises(ValueError, match=pickle_refusal(pickled)):
-        pipeline("document-question-answering", model=target, tokenizer=donut_tokenizer,
-                 image_processor=image_processor, assistant_model=pickled)
-    plain_pipe = pipeline("document-question-answering", model=tiny_donut(donut_tokenizer),
-                          tokenizer=donut_tokenizer, image_processor=image_processor)
+        pipeline(
+            "document-question-answering",
+            model=target,
+            tokenizer=donut_tokenizer,
+            image_processor=image_processor,
+            assistant_model=pickled,
+        )
+    plain_pipe = pipeline(
+        "document-question-answering",
+        model=tiny_donut(donut_tokenizer),
+        tokenizer=donut_tokenizer,
+        image_processor=image_processor,
+    )
     with pytest.raises(ValueError, match=ENABLE_HINT):
         plain_pipe(document, "what is the total", drafter="prompt_lookup")
 
 
 # text-to-audio: a decoder-only language model over audio codes, Musicgen, and VITS (does not generate)
+
 
 def test_text_to_audio_passes_speculative_arguments(tokenizer):
     """A decoder-only model over audio codes (CSM's and Dia's layout; for Musicgen see below): a tiny Llama, whose
@@ -498,25 +607,57 @@ def test_text_to_audio_passes_speculative_arguments(tokenizer):
 def tiny_musicgen(tokenizer, seed: int = 0):
     torch.manual_seed(seed)
     text = T5Config(vocab_size=len(tokenizer), d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2)
-    audio = EncodecConfig(hidden_size=16, num_filters=4, codebook_size=32, codebook_dim=16, num_residual_layers=1,
-                          upsampling_ratios=[2, 2], num_lstm_layers=1, sampling_rate=64, target_bandwidths=[1.0],
-                          audio_channels=1)
+    audio = EncodecConfig(
+        hidden_size=16,
+        num_filters=4,
+        codebook_size=32,
+        codebook_dim=16,
+        num_residual_layers=1,
+        upsampling_ratios=[2, 2],
+        num_lstm_layers=1,
+        sampling_rate=64,
+        target_bandwidths=[1.0],
+        audio_channels=1,
+    )
     # the codebooks' pad / start token is the one past the codebook
-    decoder = MusicgenDecoderConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                    ffn_dim=32, num_codebooks=2, max_position_embeddings=64, pad_token_id=32,
-                                    bos_token_id=32, decoder_start_token_id=32)
+    decoder = MusicgenDecoderConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        ffn_dim=32,
+        num_codebooks=2,
+        max_position_embeddings=64,
+        pad_token_id=32,
+        bos_token_id=32,
+        decoder_start_token_id=32,
+    )
     config = MusicgenConfig(text_encoder=text.to_dict(), audio_encoder=audio.to_dict(), decoder=decoder.to_dict())
     return MusicgenForConditionalGeneration(config).eval()
 
 
 def tiny_vits(vocab_size: int):
     torch.manual_seed(0)
-    config = VitsConfig(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
-                        flow_size=8, spectrogram_bins=16, upsample_initial_channel=16, upsample_rates=[2, 2],
-                        upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
-                        prior_encoder_num_flows=1, prior_encoder_num_wavenet_layers=1,
-                        posterior_encoder_num_wavenet_layers=1, duration_predictor_num_flows=1,
-                        duration_predictor_filter_channels=16, depth_separable_num_layers=1)
+    config = VitsConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        ffn_dim=32,
+        flow_size=8,
+        spectrogram_bins=16,
+        upsample_initial_channel=16,
+        upsample_rates=[2, 2],
+        upsample_kernel_sizes=[4, 4],
+        resblock_kernel_sizes=[3],
+        resblock_dilation_sizes=[[1, 3]],
+        prior_encoder_num_flows=1,
+        prior_encoder_num_wavenet_layers=1,
+        posterior_encoder_num_wavenet_layers=1,
+        duration_predictor_num_flows=1,
+        duration_predictor_filter_channels=16,
+        depth_separable_num_layers=1,
+    )
     return VitsModel(config).eval()
 
 
@@ -540,7 +681,8 @@ def test_text_to_audio_refusals(tokenizer, tmp_path):
     plain_model = tiny_musicgen(tokenizer)
     with pytest.raises(ValueError, match=ENABLE_HINT):
         pipeline("text-to-audio", model=plain_model, tokenizer=tokenizer)(
-            "the cat sat", generate_kwargs={"drafter": "prompt_lookup"})
+            "the cat sat", generate_kwargs={"drafter": "prompt_lookup"}
+        )
     with pytest.raises(ValueError, match=r"`drafter` need\(s\) speculative decoding.*MusicgenForConditionalGeneration"):
         pipeline("text-to-audio", model=plain_model, tokenizer=tokenizer, drafter="prompt_lookup")
 
@@ -552,40 +694,65 @@ def test_musicgen_refuses_speculative_decoding_clearly(tokenizer):
     pipe = pipeline("text-to-audio", model=target, tokenizer=tokenizer)
     assert pipe("the cat sat", generate_kwargs=AUDIO_GREEDY)["audio"].size > 0
     generate_kwargs = {**AUDIO_GREEDY, "drafter": "prompt_lookup"}
-    with pytest.raises(ValueError, match=r"^MusicgenForConditionalGeneration cannot run speculative decoding: its own "
-                                         r"`generate` decodes with a loop of its own .*Drop `assistant_model`/`drafter`"):
+    with pytest.raises(
+        ValueError,
+        match=r"^MusicgenForConditionalGeneration cannot run speculative decoding: its own "
+        r"`generate` decodes with a loop of its own .*Drop `assistant_model`/`drafter`",
+    ):
         pipe("the cat sat", generate_kwargs=generate_kwargs)
     assert generate_kwargs == {**AUDIO_GREEDY, "drafter": "prompt_lookup"}
 
 
 def test_models_that_do_not_generate_refuse_speculative_arguments(tokenizer):
     vits = tiny_vits(len(tokenizer))
-    with pytest.raises(ValueError, match=r"`drafter` given to TextToAudioPipeline, whose model \(VitsModel\) does not "
-                                         r"generate"):
+    with pytest.raises(
+        ValueError,
+        match=r"`drafter` given to TextToAudioPipeline, whose model \(VitsModel\) does not "
+        r"generate",
+    ):
         pipeline("text-to-audio", model=vits, tokenizer=tokenizer, drafter="prompt_lookup")
     speech = pipeline("text-to-audio", model=vits, tokenizer=tokenizer)
     assert speech("the cat sat")["audio"].size > 0
-    with pytest.raises(ValueError, match=r"`assistant_model` given to TextToAudioPipeline, whose model \(VitsModel\) "
-                                         r"does not generate"):
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_model` given to TextToAudioPipeline, whose model \(VitsModel\) "
+        r"does not generate",
+    ):
         speech("the cat sat", assistant_model=vits)
 
-    with pytest.raises(ValueError, match=r"`assistant_model`, `speculative_gamma` given to "
-                                         r"TableQuestionAnsweringPipeline, whose model \(TapasForQuestionAnswering\) "
-                                         r"does not generate"):
-        pipeline("table-question-answering", model=tiny_tapas(len(tokenizer)), tokenizer=tokenizer,
-                 assistant_model=vits, speculative_gamma=2)
+    with pytest.raises(
+        ValueError,
+        match=r"`assistant_model`, `speculative_gamma` given to "
+        r"TableQuestionAnsweringPipeline, whose model \(TapasForQuestionAnswering\) "
+        r"does not generate",
+    ):
+        pipeline(
+            "table-question-answering",
+            model=tiny_tapas(len(tokenizer)),
+            tokenizer=tokenizer,
+            assistant_model=vits,
+            speculative_gamma=2,
+        )
 
     torch.manual_seed(0)
-    layoutlm = LayoutLMForQuestionAnswering(LayoutLMConfig(vocab_size=len(tokenizer), hidden_size=16,
-                                                           num_hidden_layers=1, num_attention_heads=2,
-                                                           intermediate_size=32)).eval()
-    with pytest.raises(ValueError, match=r"`drafter` given to DocumentQuestionAnsweringPipeline, whose model "
-                                         r"\(LayoutLMForQuestionAnswering\) does not generate"):
+    layoutlm = LayoutLMForQuestionAnswering(
+        LayoutLMConfig(
+            vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    ).eval()
+    with pytest.raises(
+        ValueError,
+        match=r"`drafter` given to DocumentQuestionAnsweringPipeline, whose model "
+        r"\(LayoutLMForQuestionAnswering\) does not generate",
+    ):
         pipeline("document-question-answering", model=layoutlm, tokenizer=tokenizer, drafter="prompt_lookup")
     extractive = pipeline("document-question-answering", model=layoutlm, tokenizer=tokenizer)
     # words and boxes given: no OCR; `max_seq_len`: the tokenizer sets no `model_max_length`
     document = dict(word_boxes=[("the", [0, 0, 10, 10]), ("cat", [12, 0, 30, 10])], max_seq_len=64)
     assert extractive(random_image(32), "what sat", **document)
-    with pytest.raises(ValueError, match=r"`speculative_gamma` given to DocumentQuestionAnsweringPipeline.*does not "
-                                         r"generate"):
+    with pytest.raises(
+        ValueError,
+        match=r"`speculative_gamma` given to DocumentQuestionAnsweringPipeline.*does not "
+        r"generate",
+    ):
         extractive(random_image(32), "what sat", generate_kwargs={"speculative_gamma": 2}, **document)

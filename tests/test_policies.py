@@ -1,13 +1,12 @@
 """γ policies, lenience and the `speculative` evaluate metric."""
 
-import copy
 import random
 
 import pytest
 import torch
+from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model
 
 import hf_specdec
-from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model
 from hf_specdec.policies import GammaPolicy, OptimalGammaPolicy
 from hf_specdec.sampling import verify_sampling
 
@@ -26,8 +25,11 @@ def run(target, ids, **kwargs):
 def test_every_policy_stays_exact(target, policy, drafter_kind):
     ids = prompt(8, seed=1)
     plain = target.generate(ids, max_new_tokens=60)
-    drafter = {"always": ScriptedDrafter(plain), "never": ScriptedDrafter(plain, period=1),
-               "partly": noisy_copy(target, 0.5)}[drafter_kind]
+    drafter = {
+        "always": ScriptedDrafter(plain),
+        "never": ScriptedDrafter(plain, period=1),
+        "partly": noisy_copy(target, 0.5),
+    }[drafter_kind]
     out = run(target, ids, drafter=drafter, speculative_gamma_policy=policy)
     assert torch.equal(out.sequences, plain)
 
@@ -41,8 +43,13 @@ def simulate(policy, rounds, accept_rate, draft_s, verify_s, stall_every=None):
         while accepted < gamma and accept_rate(accepted) >= 0.5:
             accepted += 1
         stall = 10.0 if stall_every and round_index % stall_every == stall_every - 1 else 1.0
-        policy.observe(drafted=gamma, accepted=accepted, draft_time_s=gamma * draft_s,
-                       verify_time_s=verify_s(gamma) * stall, first_round=round_index == 0)
+        policy.observe(
+            drafted=gamma,
+            accepted=accepted,
+            draft_time_s=gamma * draft_s,
+            verify_time_s=verify_s(gamma) * stall,
+            first_round=round_index == 0,
+        )
         chosen.append(gamma)
     return chosen
 
@@ -51,8 +58,9 @@ def simulate(policy, rounds, accept_rate, draft_s, verify_s, stall_every=None):
 def test_optimal_turns_a_useless_drafter_off(stall_every):
     # never right; drafting costs 15% of a step; verifying k tokens costs 1 + 0.3k steps (a CPU-like curve);
     # every 7th round stalls 10x (another process): decisions must not flip-flop on it
-    chosen = simulate(OptimalGammaPolicy(gamma=5, max_gamma=16), 200, lambda position: 0.0, 0.15,
-                      lambda k: 1.0 + 0.3 * k, stall_every)
+    chosen = simulate(
+        OptimalGammaPolicy(gamma=5, max_gamma=16), 200, lambda position: 0.0, 0.15, lambda k: 1.0 + 0.3 * k, stall_every
+    )
     assert chosen[0] == 5 and chosen[1] == 0  # the user's γ, then a plain step after nothing was accepted
     assert chosen[10:].count(0) >= 0.95 * len(chosen[10:])  # only backed-off probes of γ = 1 remain
     assert max(chosen[10:]) <= 1
@@ -73,8 +81,17 @@ def compute_bound(k):
     return 1.0 + 0.2 * k
 
 
-def simulate_generation(policy, seed, acceptance, verify_cost, draft_cost, guess_cost=None, stalls=(0.03, 3.0, 10.0),
-                        new_tokens=64, shadow_drafts=True):
+def simulate_generation(
+    policy,
+    seed,
+    acceptance,
+    verify_cost,
+    draft_cost,
+    guess_cost=None,
+    stalls=(0.03, 3.0, 10.0),
+    new_tokens=64,
+    shadow_drafts=True,
+):
     """Drives `policy` through one modelled one-sequence `generate` call as `decode_sequence` does (`next_gamma`; for a
     γ = 0 with `shadow_draft_wanted`, a one-token guess and `observe_shadow`; then `observe`); returns (tokens per
     second, the γ it chose per round).
@@ -110,8 +127,9 @@ def simulate_generation(policy, seed, acceptance, verify_cost, draft_cost, guess
         verify = (verify_cost(gamma) if gamma else 1.0) * jitter() + (4.0 if first_round else 0.0)
         if shadow:
             policy.observe_shadow(1.0 if hardness[emitted] < rate[0] else 0.0)
-        policy.observe(drafted=gamma, accepted=accepted, draft_time_s=draft, verify_time_s=verify,
-                       first_round=first_round)
+        policy.observe(
+            drafted=gamma, accepted=accepted, draft_time_s=draft, verify_time_s=verify, first_round=first_round
+        )
         seconds += draft + verify
         emitted += accepted + 1
     return new_tokens / seconds, chosen
@@ -144,8 +162,11 @@ def test_optimal_keeps_drafting_on_a_memory_bound_target():
     # 57% of drafts accepted (falling along the draft). A first round that accepts nothing, a stall, or a line fitted
     # to two noisy rounds once made `optimal` stop drafting for 32 rounds: [5, 0, 2, 0, 0, 0, ...]
     plain, best_constant, optimal, histories = compare_with_constants(
-        range(40), acceptance=[0.6 - 0.01 * i for i in range(16)], verify_cost=memory_bound,
-        draft_cost=lambda k: 0.1 * k)
+        range(40),
+        acceptance=[0.6 - 0.01 * i for i in range(16)],
+        verify_cost=memory_bound,
+        draft_cost=lambda k: 0.1 * k,
+    )
     assert best_constant > 1.4 * plain
     assert optimal >= 0.97 * best_constant
     assert max(longest_run_of_zeros(chosen) for chosen in histories) < 8
@@ -157,7 +178,8 @@ def test_optimal_on_a_compute_bound_target(draft_cost):
     # forward. What `optimal` loses here goes to its first rounds (γ = 5, then Theorem 3.8 before any cost is measured)
     # and to estimating acceptance from a few dozen drafts; the old policy lost 5-7%
     plain, best_constant, optimal, _ = compare_with_constants(
-        range(40), new_tokens=128, acceptance=[0.7], verify_cost=compute_bound, draft_cost=lambda k: draft_cost * k)
+        range(40), new_tokens=128, acceptance=[0.7], verify_cost=compute_bound, draft_cost=lambda k: draft_cost * k
+    )
     assert best_constant > 1.1 * plain
     assert optimal >= 0.95 * best_constant
 
@@ -166,7 +188,8 @@ def test_optimal_stops_a_useless_drafter_quickly():
     # 1% of drafts accepted on the memory-bound target, where drafting one token costs only 10% more than a plain step:
     # `optimal` settles on plain steps within a few rounds (a few lucky acceptances can delay that) and loses < 5%
     plain, _, optimal, histories = compare_with_constants(
-        range(40), acceptance=[0.01], verify_cost=memory_bound, draft_cost=lambda k: 0.1 * k)
+        range(40), acceptance=[0.01], verify_cost=memory_bound, draft_cost=lambda k: 0.1 * k
+    )
     assert optimal >= 0.95 * plain
     assert sum(chosen[12:].count(0) for chosen in histories) >= 0.9 * sum(len(chosen[12:]) for chosen in histories)
     assert all(chosen[32:].count(0) >= 0.85 * len(chosen[32:]) for chosen in histories)  # probes of γ = 1 aside
@@ -174,8 +197,13 @@ def test_optimal_stops_a_useless_drafter_quickly():
 
 def test_optimal_turns_a_useless_model_drafter_off(target):
     ids = prompt(8, seed=1)
-    stats = run(target, ids, assistant_model=tiny_model("llama", seed=5), speculative_gamma_policy="optimal",
-                speculative_gamma=4).speculative_stats
+    stats = run(
+        target,
+        ids,
+        assistant_model=tiny_model("llama", seed=5),
+        speculative_gamma_policy="optimal",
+        speculative_gamma=4,
+    ).speculative_stats
     assert stats.gamma_history[0] == 4  # starts from the user's γ
     assert stats.gamma_history[-10:].count(0) >= 7
 
@@ -186,8 +214,13 @@ class _OptimalWithModelledCosts(hf_specdec.policies.OptimalGammaPolicy):
     of 2 shared cores saw it settle at γ = 5-7 on measured times)."""
 
     def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round):
-        super().observe(drafted=drafted, accepted=accepted, draft_time_s=5e-5 * drafted,
-                        verify_time_s=1e-3 * (1 + 0.02 * drafted), first_round=first_round)
+        super().observe(
+            drafted=drafted,
+            accepted=accepted,
+            draft_time_s=5e-5 * drafted,
+            verify_time_s=1e-3 * (1 + 0.02 * drafted),
+            first_round=first_round,
+        )
 
 
 hf_specdec.policies.register_gamma_policy("optimal_modelled_costs_test", _OptimalWithModelledCosts)
@@ -196,8 +229,14 @@ hf_specdec.policies.register_gamma_policy("optimal_modelled_costs_test", _Optima
 def test_optimal_drafts_long_when_always_right(target):
     ids = prompt(8, seed=1)
     plain = target.generate(ids, max_new_tokens=200)
-    out = target.generate(ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="optimal_modelled_costs_test",
-                          speculative_max_gamma=12, max_new_tokens=200, return_dict_in_generate=True)
+    out = target.generate(
+        ids,
+        drafter=ScriptedDrafter(plain),
+        speculative_gamma_policy="optimal_modelled_costs_test",
+        speculative_max_gamma=12,
+        max_new_tokens=200,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, plain)
     gammas = sorted(out.speculative_stats.gamma_history[2:-1])
     assert max(gammas) == 12 and gammas[len(gammas) // 2] >= 9  # long drafts (neighbour probes aside)
@@ -208,14 +247,17 @@ def test_heuristic_schedule_is_per_call_and_leaves_user_objects_alone(target):
     before = (target.generation_config.to_json_string(), assistant.generation_config.to_json_string())
     ids = prompt(8, seed=2)
     plain = target.generate(ids, max_new_tokens=40)
-    first = run(target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic",
-                speculative_gamma=2).speculative_stats
+    first = run(
+        target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic", speculative_gamma=2
+    ).speculative_stats
     assert first.gamma_history[:4] == [2, 4, 6, 8]  # +2 after every fully accepted round
-    never = run(target, ids, drafter=ScriptedDrafter(plain, period=1), speculative_gamma_policy="heuristic",
-                speculative_gamma=3).speculative_stats
+    never = run(
+        target, ids, drafter=ScriptedDrafter(plain, period=1), speculative_gamma_policy="heuristic", speculative_gamma=3
+    ).speculative_stats
     assert never.gamma_history[:4] == [3, 2, 1, 1]  # -1, not below 1
-    second = run(target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic",
-                 speculative_gamma=2).speculative_stats
+    second = run(
+        target, ids, drafter=ScriptedDrafter(plain), speculative_gamma_policy="heuristic", speculative_gamma=2
+    ).speculative_stats
     assert second.gamma_history == first.gamma_history  # nothing carried over between calls
     run(target, ids, assistant_model=assistant, speculative_gamma_policy="heuristic")
     assert (target.generation_config.to_json_string(), assistant.generation_config.to_json_string()) == before
@@ -240,8 +282,7 @@ def test_optimal_policy_uses_measured_cost_per_gamma():
     policy = OptimalGammaPolicy(gamma=3, max_gamma=6)
     for _ in range(30):  # always accepted; verifying 4 drafts happens to be cheaper than 3 (a CPU GEMM quirk)
         for k, seconds in ((3, 14e-3), (4, 11e-3), (5, 16e-3), (6, 17e-3)):
-            policy.observe(drafted=k, accepted=k, draft_time_s=k * 1e-3, verify_time_s=seconds,
-                           first_round=False)
+            policy.observe(drafted=k, accepted=k, draft_time_s=k * 1e-3, verify_time_s=seconds, first_round=False)
     rate = policy.tokens_per_second(policy.acceptance_rates())
     assert max(range(7), key=rate.__getitem__) == 4
 
@@ -249,8 +290,7 @@ def test_optimal_policy_uses_measured_cost_per_gamma():
 def test_optimal_policy_learns_the_verify_cost_slope():
     policy = OptimalGammaPolicy(gamma=2, max_gamma=8)
     for k in (1, 2, 3, 4, 5, 6) * 5:
-        policy.observe(drafted=k, accepted=k, draft_time_s=0.0, verify_time_s=(10 + 4 * k) * 1e-3,
-                       first_round=False)
+        policy.observe(drafted=k, accepted=k, draft_time_s=0.0, verify_time_s=(10 + 4 * k) * 1e-3, first_round=False)
     intercept, slope = policy.verify_line()
     assert intercept == pytest.approx(10e-3, rel=0.05) and slope == pytest.approx(4e-3, rel=0.05)
 
@@ -261,8 +301,9 @@ def test_optimal_policy_does_not_extrapolate_a_free_plain_step():
     policy = OptimalGammaPolicy(gamma=10, max_gamma=64)
     policy.observe(drafted=10, accepted=10, draft_time_s=1e-3, verify_time_s=0.2, first_round=True)
     for drafted, accepted, seconds in ((64, 20, 0.088), (64, 4, 0.079), (63, 14, 0.078)):
-        policy.observe(drafted=drafted, accepted=accepted, draft_time_s=1e-5 * drafted, verify_time_s=seconds,
-                       first_round=False)
+        policy.observe(
+            drafted=drafted, accepted=accepted, draft_time_s=1e-5 * drafted, verify_time_s=seconds, first_round=False
+        )
     intercept, slope = policy.verify_line()
     assert intercept >= 0.078 / 65 and slope <= 0.082 / 64
     if policy.next_gamma() == 0:
@@ -270,10 +311,16 @@ def test_optimal_policy_does_not_extrapolate_a_free_plain_step():
     assert policy.next_gamma() > 0  # a measured plain step costs 25 ms: drafting 20 tokens per 80 ms pays
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(speculative_gamma_policy="bogus"), r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['auto', 'constant', 'heuristic'"),
-    (dict(speculative_max_gamma=0), "`speculative_max_gamma` must be a positive int, got 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            dict(speculative_gamma_policy="bogus"),
+            r"Unknown γ policy 'bogus' for `speculative_gamma_policy`. Registered: \['auto', 'constant', 'heuristic'",
+        ),
+        (dict(speculative_max_gamma=0), "`speculative_max_gamma` must be a positive int, got 0"),
+    ],
+)
 def test_bad_policy_arguments(target, bad, match):
     with pytest.raises(ValueError, match=match):
         target.generate(prompt(), assistant_model=target, **bad)
@@ -301,8 +348,9 @@ def test_lenient_sampling_distribution_and_bound(lenience):
             torch.testing.assert_close(exact, p)  # l = 1 is exactly Algorithm 1
         samples = 40_000
         draft = torch.multinomial(q.expand(samples, -1), 1, replacement=True, generator=generator)
-        accepted, next_token = verify_sampling(draft, q.expand(samples, 1, -1), p.expand(samples, 2, -1),
-                                               lenience=lenience, generator=generator)
+        accepted, next_token = verify_sampling(
+            draft, q.expand(samples, 1, -1), p.expand(samples, 2, -1), lenience=lenience, generator=generator
+        )
         first = torch.where(accepted > 0, draft[:, 0], next_token)
         empirical = torch.bincount(first, minlength=6).double() / samples  # implementation, float64 throughout
         assert 0.5 * (empirical - exact).abs().sum() < 0.02  # the implementation matches the enumeration
@@ -312,15 +360,28 @@ def test_lenience_end_to_end(target):
     ids = prompt(8, seed=3)
     drafter = noisy_copy(target, 0.8)
     # constant γ: the default policy may stop drafting for both after their first rounds, and this compares acceptance
-    exact = run(target, ids, assistant_model=drafter, speculative_gamma=4,
-                speculative_gamma_policy="constant").speculative_stats
-    lenient = run(target, ids, assistant_model=drafter, speculative_gamma=4, speculative_lenience=0.3,
-                  speculative_gamma_policy="constant").speculative_stats
+    exact = run(
+        target, ids, assistant_model=drafter, speculative_gamma=4, speculative_gamma_policy="constant"
+    ).speculative_stats
+    lenient = run(
+        target,
+        ids,
+        assistant_model=drafter,
+        speculative_gamma=4,
+        speculative_lenience=0.3,
+        speculative_gamma_policy="constant",
+    ).speculative_stats
     assert lenient.lenience == 0.3 and exact.lenience == 1.0
     assert lenient.acceptance_rate > exact.acceptance_rate  # argmax variant: p(x) >= l max(p) accepts more
     torch.manual_seed(0)
-    sampled = target.generate(ids, assistant_model=drafter, do_sample=True, speculative_lenience=0.3,
-                              max_new_tokens=30, return_dict_in_generate=True).speculative_stats
+    sampled = target.generate(
+        ids,
+        assistant_model=drafter,
+        do_sample=True,
+        speculative_lenience=0.3,
+        max_new_tokens=30,
+        return_dict_in_generate=True,
+    ).speculative_stats
     assert sampled.lenience == 0.3
 
 
@@ -334,10 +395,12 @@ def test_speculative_metric_offline(target):
     assert result["alpha"] == pytest.approx(sum(s.beta_sum for s in stats) / sum(s.beta_count for s in stats))
     assert result["target_calls"] == sum(s.target_calls for s in stats)
     assert result["mean_accepted_length"] == pytest.approx(
-        (sum(s.accepted_tokens for s in stats) + result["target_calls"]) / result["target_calls"])
+        (sum(s.accepted_tokens for s in stats) + result["target_calls"]) / result["target_calls"]
+    )
     assert len(result["position_acceptance_rate"]) == 5 and result["measured_speedup"] > 0
     assert result["predicted_speedup"] == pytest.approx(
-        hf_specdec.expected_speedup(alpha=result["alpha"], gamma=round(result["mean_gamma"]), c=result["c"]))
+        hf_specdec.expected_speedup(alpha=result["alpha"], gamma=round(result["mean_gamma"]), c=result["c"])
+    )
     with pytest.raises(ValueError, match="Unknown hf_specdec metric 'nope'"):
         hf_specdec.metrics.load("nope")
 
@@ -362,8 +425,9 @@ def test_policies_take_rounds_measured_as_lasting_no_time(policy, accepted):
     for index in range(80):
         gamma = chosen_policy.next_gamma()
         chosen.append(gamma)
-        chosen_policy.observe(drafted=gamma, accepted=min(gamma, accepted), draft_time_s=0.0, verify_time_s=0.0,
-                              first_round=index == 0)
+        chosen_policy.observe(
+            drafted=gamma, accepted=min(gamma, accepted), draft_time_s=0.0, verify_time_s=0.0, first_round=index == 0
+        )
     assert all(0 <= gamma <= 16 for gamma in chosen)
     assert 0 in chosen or policy == "heuristic"  # costs all equal: drafting gains nothing, so it stops
 
@@ -372,8 +436,9 @@ def test_policies_take_rounds_measured_as_lasting_no_time(policy, accepted):
 def test_auto_stops_a_useless_drafter_within_a_few_rounds(stall_every):
     from hf_specdec.policies import AutoGammaPolicy
 
-    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 300, lambda position: 0.0, 0.15,
-                      lambda k: 1.0 + 0.05 * k, stall_every)
+    chosen = simulate(
+        AutoGammaPolicy(gamma=5, max_gamma=16), 300, lambda position: 0.0, 0.15, lambda k: 1.0 + 0.05 * k, stall_every
+    )
     # the first round drafts one token (nothing is known of the drafter yet); it accepted nothing, so one more
     # drafted token measures the cost (a round without the prefill)
     assert chosen[:2] == [1, 1]
@@ -388,8 +453,13 @@ def test_auto_drafts_the_gamma_that_pays_best_up_to_the_users():
     # accepts 2 drafts per round; verifying k tokens costs 1 + 0.1k, drafting 0.1 per token: γ = 2 emits 3 tokens per
     # 1.4 steps, the user's γ = 5 3 per 2.0. One token in the first round (before anything is measured), then the γ
     # that `optimal`'s estimates predict pays best, at most the user's
-    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 100, lambda position: 1.0 if position < 2 else 0.0,
-                      0.1, lambda k: 1.0 + 0.1 * k)
+    chosen = simulate(
+        AutoGammaPolicy(gamma=5, max_gamma=16),
+        100,
+        lambda position: 1.0 if position < 2 else 0.0,
+        0.1,
+        lambda k: 1.0 + 0.1 * k,
+    )
     assert chosen[0] == 1 and 0 not in chosen and max(chosen) <= 5
     assert chosen[8:].count(2) >= 0.75 * len(chosen[8:]), chosen
     # always right, a flat verify cost: the user's γ pays best, and auto never drafts more than it
@@ -406,8 +476,9 @@ def test_auto_reaches_the_best_constant_gamma_on_a_memory_bound_target():
     from hf_specdec.policies import AutoGammaPolicy
 
     costs = {0: 1.0, 1: 0.905, 2: 0.955, 3: 0.988, 4: 1.03, 5: 1.065}
-    regime = dict(acceptance=[0.5], verify_cost=lambda k: costs[min(k, 5)] + 0.03 * max(k - 5, 0),
-                  draft_cost=lambda k: 0.105 * k)
+    regime = dict(
+        acceptance=[0.5], verify_cost=lambda k: costs[min(k, 5)] + 0.03 * max(k - 5, 0), draft_cost=lambda k: 0.105 * k
+    )
     seeds = range(60)
     best = max(mean_rate(lambda: GammaPolicy(gamma, 16), seeds, **regime) for gamma in range(1, 6))
     assert mean_rate(lambda: GammaPolicy(2, 16), seeds, **regime) == best
@@ -420,8 +491,13 @@ def test_auto_finds_the_smaller_gamma_that_pays_on_a_compute_bound_target():
 
     # compute-bound: verifying 6 tokens costs 2 steps; only the first draft is ever right. γ = 1 emits 2 tokens per
     # 1.3 steps (1.5x plain); the user's γ = 5, 2 per 2.5 (a loss). One plain step is measured, and auto drafts 1
-    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 40, lambda position: 1.0 if position < 1 else 0.0,
-                      0.1, lambda k: 1.0 + k / 5)
+    chosen = simulate(
+        AutoGammaPolicy(gamma=5, max_gamma=16),
+        40,
+        lambda position: 1.0 if position < 1 else 0.0,
+        0.1,
+        lambda k: 1.0 + k / 5,
+    )
     assert chosen[0] == 1 and max(chosen) <= 5 and chosen[5:].count(0) == 0
     assert chosen[5:].count(1) >= 0.75 * len(chosen[5:]), chosen
 
@@ -431,8 +507,13 @@ def test_auto_stops_when_no_gamma_pays():
 
     # the same drafter where each drafted token costs one and a half steps: γ = 1 gives 2 tokens per 2.6 steps, so
     # drafting stops (plain steps, then backed-off probes), after a few rounds
-    chosen = simulate(AutoGammaPolicy(gamma=5, max_gamma=16), 120, lambda position: 1.0 if position < 1 else 0.0,
-                      0.1, lambda k: 1.0 + 1.5 * k)
+    chosen = simulate(
+        AutoGammaPolicy(gamma=5, max_gamma=16),
+        120,
+        lambda position: 1.0 if position < 1 else 0.0,
+        0.1,
+        lambda k: 1.0 + 1.5 * k,
+    )
     assert chosen[0] == 1 and chosen[10:].count(0) >= 0.9 * len(chosen[10:]), chosen
     # a probe accepts its token, so drafting resumes; what was measured before the stop still counts (at half
     # weight), so one more losing round stops it again; the probes back off, so a drafter that keeps losing costs
@@ -472,8 +553,13 @@ def test_auto_steps_down_in_modelled_batches():
     from hf_specdec.policies import AutoGammaPolicy
 
     seeds = range(60)
-    regime = dict(acceptance=[0.47], verify_cost=lambda k: 1.0 + 0.18 * k, draft_cost=lambda k: 0.1 * k,
-                  new_tokens=128, shadow_drafts=False)
+    regime = dict(
+        acceptance=[0.47],
+        verify_cost=lambda k: 1.0 + 0.18 * k,
+        draft_cost=lambda k: 0.1 * k,
+        new_tokens=128,
+        shadow_drafts=False,
+    )
     plain = mean_rate(lambda: GammaPolicy(0, 16), seeds, **regime)
     auto = mean_rate(lambda: AutoGammaPolicy(5, 16), seeds, **regime)
     assert mean_rate(lambda: GammaPolicy(5, 16), seeds, **regime) < 0.8 * plain  # the user's γ loses
@@ -490,8 +576,13 @@ def test_auto_resumes_when_a_probe_is_accepted():
     for index in range(200):
         gamma = policy.next_gamma()
         accepted = min(gamma, 3) if index >= 40 else 0  # useless at first, useful from round 40 on (found by a probe)
-        policy.observe(drafted=gamma, accepted=accepted, draft_time_s=0.15 * gamma,
-                       verify_time_s=1.0 + 0.05 * gamma, first_round=index == 0)
+        policy.observe(
+            drafted=gamma,
+            accepted=accepted,
+            draft_time_s=0.15 * gamma,
+            verify_time_s=1.0 + 0.05 * gamma,
+            first_round=index == 0,
+        )
         chosen.append(gamma)
     assert chosen[:2] == [1, 1] and chosen[2:18] == [0] * 16 and chosen[18] == 1  # a probe that fails
     assert chosen[19:51] == [0] * 32  # backs off
@@ -649,16 +740,22 @@ def test_auto_sampled_shadow_acceptance_draws_from_its_own_generator():
 
 
 # drafters for the auto policy: acceptance per position, costs in one-token forwards
-TREE_ON_A_MEMORY_BOUND_TARGET = dict(acceptance=[0.6, 0.5, 0.4], draft_cost=lambda k: 0.25,
-                                     verify_cost=lambda k: 1.2, guess_cost=0.07)  # an EAGLE tree in bf16
-USELESS_EARLY_EXIT = dict(acceptance=[0.01], draft_cost=lambda k: 0.3 * k, verify_cost=lambda k: 1.4 + 0.05 * k,
-                          guess_cost=0.35)  # on a compute-bound CPU
+TREE_ON_A_MEMORY_BOUND_TARGET = dict(
+    acceptance=[0.6, 0.5, 0.4], draft_cost=lambda k: 0.25, verify_cost=lambda k: 1.2, guess_cost=0.07
+)  # an EAGLE tree in bf16
+USELESS_EARLY_EXIT = dict(
+    acceptance=[0.01], draft_cost=lambda k: 0.3 * k, verify_cost=lambda k: 1.4 + 0.05 * k, guess_cost=0.35
+)  # on a compute-bound CPU
 
 
-@pytest.mark.parametrize("regime, tree, stalls, least_of_constant, least_of_plain", [
-    (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.02, 2.0, 4.0), 0.95, 1.25),
-    (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.1, 2.0, 6.0), 0.92, 1.25),
-    (USELESS_EARLY_EXIT, False, (0.02, 2.0, 4.0), None, 0.95)])
+@pytest.mark.parametrize(
+    "regime, tree, stalls, least_of_constant, least_of_plain",
+    [
+        (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.02, 2.0, 4.0), 0.95, 1.25),
+        (TREE_ON_A_MEMORY_BOUND_TARGET, True, (0.1, 2.0, 6.0), 0.92, 1.25),
+        (USELESS_EARLY_EXIT, False, (0.02, 2.0, 4.0), None, 0.95),
+    ],
+)
 def test_auto_in_modelled_generations(regime, tree, stalls, least_of_constant, least_of_plain):
     """Over 100 modelled calls (deterministic): a drafter that pays, but whose rounds accept 0, 1 or 3 tokens (a
     tree), keeps drafting through unlucky rounds (1.31x against the constant γ's 1.36x; the policy before, which
@@ -685,8 +782,7 @@ def test_batched_rounds_give_the_policy_every_row():
     """A padded batch's round tells the policy each row's accepted drafts: `optimal` learns per-position rates from
     all rows (not from their rounded mean), and a policy that only implements `observe` gets the rounded mean."""
     per_row = OptimalGammaPolicy(5, 8)
-    per_row.observe_rows(drafted=5, accepted_per_row=[0, 5], draft_time_s=1e-3, verify_time_s=1e-2,
-                         first_round=True)
+    per_row.observe_rows(drafted=5, accepted_per_row=[0, 5], draft_time_s=1e-3, verify_time_s=1e-2, first_round=True)
     mean_only = OptimalGammaPolicy(5, 8)
     mean_only.observe(drafted=5, accepted=2, draft_time_s=1e-3, verify_time_s=1e-2, first_round=True)
     assert per_row.reached[:5] == [1.0, 0.5, 0.5, 0.5, 0.5] and per_row.accepted[:5] == [0.5] * 5
@@ -698,8 +794,9 @@ def test_batched_rounds_give_the_policy_every_row():
         def observe(self, **kwargs):
             seen.append(kwargs)
 
-    Recording(3, 8).observe_rows(drafted=3, accepted_per_row=[0, 1, 3], draft_time_s=0.0, verify_time_s=1.0,
-                                 first_round=False)
+    Recording(3, 8).observe_rows(
+        drafted=3, accepted_per_row=[0, 1, 3], draft_time_s=0.0, verify_time_s=1.0, first_round=False
+    )
     assert seen == [dict(drafted=3, accepted=1, draft_time_s=0.0, verify_time_s=1.0, first_round=False)]
 
     auto = hf_specdec.policies.AutoGammaPolicy(4, 8)
@@ -720,8 +817,13 @@ def test_a_custom_policy_with_observe_only_still_serves_batches(target):
     hf_specdec.policies.register_gamma_policy("recording_rows_test", Recording)
     ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2)])
     plain = target.generate(ids, max_new_tokens=20)
-    out = target.generate(ids, max_new_tokens=20, assistant_model=noisy_copy(target, 0.2), speculative_gamma=3,
-                          speculative_gamma_policy="recording_rows_test")
+    out = target.generate(
+        ids,
+        max_new_tokens=20,
+        assistant_model=noisy_copy(target, 0.2),
+        speculative_gamma=3,
+        speculative_gamma_policy="recording_rows_test",
+    )
     assert torch.equal(out, plain) and seen and all(isinstance(a, int) for a in seen)
 
 

@@ -52,8 +52,10 @@ def test_verify_sampling_point_mass_drafts_follow_target_exactly():
 
 
 @settings(max_examples=25, deadline=None)
-@given(weights=st.lists(st.floats(0.0, 1.0), min_size=V, max_size=V).filter(lambda w: sum(w) > 0.05),
-       seed=st.integers(0, 2**16))
+@given(
+    weights=st.lists(st.floats(0.0, 1.0), min_size=V, max_size=V).filter(lambda w: sum(w) > 0.05),
+    seed=st.integers(0, 2**16),
+)
 def test_sample_tokens_follows_the_row_distribution(weights, seed):
     # unnormalized rows, zeros included; every row of the batch is its own draw
     w = torch.tensor(weights)
@@ -117,7 +119,9 @@ def test_distribution_check_has_power():
     draft = torch.multinomial(q.expand(samples, -1), 1, replacement=True, generator=generator)
     ratio = p[draft[:, 0]] / q[draft[:, 0]]
     accept = torch.rand(samples, generator=generator) < ratio
-    wrong = torch.where(accept, draft[:, 0], torch.multinomial(p.expand(samples, -1), 1, True, generator=generator)[:, 0])
+    wrong = torch.where(
+        accept, draft[:, 0], torch.multinomial(p.expand(samples, -1), 1, True, generator=generator)[:, 0]
+    )
     empirical = torch.bincount(wrong, minlength=V).double() / samples
     assert 0.5 * (empirical - p.double()).abs().sum() > 0.1
 
@@ -139,8 +143,9 @@ def test_accepted_counts_are_leading_matches(gamma, batch, seed):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, gamma + 1, V, generator=generator)
     targets = logits.argmax(-1)
-    draft = torch.where(torch.rand(batch, gamma, generator=generator) < 0.6, targets[:, :gamma],
-                        (targets[:, :gamma] + 1) % V)
+    draft = torch.where(
+        torch.rand(batch, gamma, generator=generator) < 0.6, targets[:, :gamma], (targets[:, :gamma] + 1) % V
+    )
     accepted, next_token = verify_greedy(draft, logits)
     for row in range(batch):
         n = 0

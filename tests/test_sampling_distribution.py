@@ -1,14 +1,12 @@
 """Sampling is exact: chi-square goodness of fit against the target's exactly enumerated distribution."""
 
-import itertools
-
 import pytest
 import torch
+from conftest import ScriptedDrafter, prompt, tiny_model
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList
 
 import hf_specdec
-from conftest import ScriptedDrafter, prompt, tiny_model
 
 SAMPLES = 2000
 P_THRESHOLD = 1e-3
@@ -107,7 +105,7 @@ def sample_pairs(model, ids, config, n, **kwargs):
     pairs = []
     for _ in range(n):
         out = model.generate(ids, do_sample=True, max_new_tokens=2, **config, **kwargs)
-        pairs.append(tuple(out[0, ids.shape[1]:].tolist()))
+        pairs.append(tuple(out[0, ids.shape[1] :].tolist()))
     return pairs
 
 
@@ -124,8 +122,7 @@ def test_model_drafter_samples_follow_target(models, config_name):
     drafter_samples = sample_pairs(hf_specdec.enable(drafter), ids, config, SAMPLES)
     drafter_outcomes_in_support = [s for s in drafter_samples if s in table]
     assert (
-        len(drafter_outcomes_in_support) < len(drafter_samples)
-        or goodness_of_fit(table, drafter_samples) < P_THRESHOLD
+        len(drafter_outcomes_in_support) < len(drafter_samples) or goodness_of_fit(table, drafter_samples) < P_THRESHOLD
     )
 
 
@@ -146,8 +143,17 @@ def test_deterministic_drafter_samples_follow_target(models):
 def test_always_right_drafter_accepts_everything_when_sampling(models):
     target, _ = models
     ids = prompt(6, seed=2)
-    out = target.generate(ids, do_sample=True, temperature=0.8, top_k=10, top_p=0.9, repetition_penalty=1.3,
-                          assistant_model=target, max_new_tokens=20, return_dict_in_generate=True)
+    out = target.generate(
+        ids,
+        do_sample=True,
+        temperature=0.8,
+        top_k=10,
+        top_p=0.9,
+        repetition_penalty=1.3,
+        assistant_model=target,
+        max_new_tokens=20,
+        return_dict_in_generate=True,
+    )
     # q == p at every position (same processors, same prefix), so r < p/q = 1 always holds
     assert out.speculative_stats.acceptance_rate == 1.0
     assert abs(out.speculative_stats.alpha - 1.0) < 1e-5

@@ -29,13 +29,22 @@ from hf_specdec.devices import execution_device
 TESTS = Path(__file__).parent
 NEW = 16
 # module name -> device: embeddings and head on "disk" make `model.device` `meta`, the case accelerate users hit
-MIXED_MAP = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
-             "model.rotary_emb": "cpu", "lm_head": "disk"}
+MIXED_MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def _free_port() -> int:
@@ -79,11 +88,18 @@ def test_dispatched_and_offloaded_targets_are_exact_with_any_drafter(saved, tmp_
         "prompt lookup": dict(drafter="prompt_lookup"),
     }
     for name, kwargs in drafters.items():
-        out = target.generate(ids, max_new_tokens=NEW, do_sample=False, speculative_gamma=4,
-                              return_dict_in_generate=True, **kwargs)
+        out = target.generate(
+            ids, max_new_tokens=NEW, do_sample=False, speculative_gamma=4, return_dict_in_generate=True, **kwargs
+        )
         assert torch.equal(out.sequences, plain), name
-    noisy = target.generate(ids, max_new_tokens=NEW, do_sample=False, speculative_gamma=4,
-                            return_dict_in_generate=True, assistant_model=offloaded_drafter)
+    noisy = target.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        speculative_gamma=4,
+        return_dict_in_generate=True,
+        assistant_model=offloaded_drafter,
+    )
     assert 0 < noisy.speculative_stats.accepted_tokens < noisy.speculative_stats.drafted_tokens  # partly right
 
 
@@ -96,8 +112,9 @@ def test_an_offloaded_target_samples_exactly_what_the_whole_model_samples(saved,
     target = hf_specdec.enable(_dispatched(folder / "target", MIXED_MAP, tmp_path / "target"))
     drafter = _dispatched(folder / "drafter", {"": "disk"}, tmp_path / "drafter")
     ids = prompt(8, seed=3)
-    kwargs = dict(max_new_tokens=NEW, do_sample=True, temperature=1.5, speculative_gamma=3,
-                  speculative_gamma_policy="constant")  # rounds that do not depend on measured timings
+    kwargs = dict(
+        max_new_tokens=NEW, do_sample=True, temperature=1.5, speculative_gamma=3, speculative_gamma_policy="constant"
+    )  # rounds that do not depend on measured timings
     torch.manual_seed(7)
     want = whole.generate(ids, assistant_model=AutoModelForCausalLM.from_pretrained(folder / "drafter"), **kwargs)
     torch.manual_seed(7)
@@ -121,8 +138,9 @@ def test_cpu_offload_and_left_padded_batches_through_dispatched_targets(saved, t
     drafter = cpu_offload(AutoModelForCausalLM.from_pretrained(folder / "drafter"), execution_device=cpu)
     dispatched = hf_specdec.enable(_dispatched(folder / "target", MIXED_MAP, tmp_path / "target"))
     for target in (offloaded, dispatched):
-        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW, do_sample=False,
-                              speculative_gamma=3)
+        out = target.generate(
+            ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW, do_sample=False, speculative_gamma=3
+        )
         assert torch.equal(out, plain)
 
 
@@ -139,8 +157,14 @@ def test_token_trees_on_a_dispatched_target(saved, tmp_path):
     ids = prompt(8)
     plain = GenerationMixin.generate(reference, ids, max_new_tokens=NEW, do_sample=False)
     target = hf_specdec.enable(_dispatched(folder / "target", MIXED_MAP, tmp_path / "target"))
-    out = target.generate(ids, drafter="prompt_lookup", max_new_tokens=NEW, do_sample=False, speculative_gamma=3,
-                          speculative_tree_budget=6)
+    out = target.generate(
+        ids,
+        drafter="prompt_lookup",
+        max_new_tokens=NEW,
+        do_sample=False,
+        speculative_gamma=3,
+        speculative_tree_budget=6,
+    )
     assert torch.equal(out, plain)
 
 
@@ -159,8 +183,16 @@ def test_an_eagle_head_on_a_dispatched_target(tmp_path):
 
 # ----- generation over a dataset ---------------------------------------------------------------------------------
 
-CODE_PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):", "x = 1", "while True:",
-                "for i in range(10):\n    print(i)\n", "# compute the mean\ndef mean(values):", "return"]
+CODE_PROMPTS = [
+    "def add(a, b):",
+    "import os\n",
+    "class Stack:\n    def __init__(self):",
+    "x = 1",
+    "while True:",
+    "for i in range(10):\n    print(i)\n",
+    "# compute the mean\ndef mean(values):",
+    "return",
+]
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +209,7 @@ def _write_jsonl(path, rows):
 def _plain_completion(target, tokenizer, text, max_new_tokens):
     ids = tokenizer(text, return_tensors="pt").input_ids
     out = GenerationMixin.generate(target, ids, max_new_tokens=max_new_tokens, do_sample=False)
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     ends = [i for i, token in enumerate(new) if token in eos]
@@ -191,9 +223,17 @@ def test_generate_dataset_matches_plain_generate_row_by_row_in_input_order(zoo_m
     rows = [{"id": f"r{i}", "prompt": text} for i, text in enumerate(CODE_PROMPTS)]
     rows[2]["generation_kwargs"] = {"max_new_tokens": 5}  # per-row options: its own batch
     out = tmp_path / "out.jsonl"
-    written = generate_dataset(target, tokenizer, _write_jsonl(tmp_path / "rows.jsonl", rows), out,
-                               assistant_model=drafter, speculative_gamma=3, max_new_tokens=12, batch_size=3,
-                               show_progress=False)
+    written = generate_dataset(
+        target,
+        tokenizer,
+        _write_jsonl(tmp_path / "rows.jsonl", rows),
+        out,
+        assistant_model=drafter,
+        speculative_gamma=3,
+        max_new_tokens=12,
+        batch_size=3,
+        show_progress=False,
+    )
     assert written == len(rows)
     records = read_jsonl(out)
     assert [record["index"] for record in records] == list(range(len(rows)))
@@ -209,10 +249,23 @@ def test_generate_dataset_matches_plain_generate_row_by_row_in_input_order(zoo_m
     assert sorted(record["batch_size"] for record in records) == [1, 1] + [3] * 6  # row 2, and 7 rows: 3 + 3 + 1
     # a `datasets` dataset, with the text in another field
     table = datasets.Dataset.from_list([{"text": text} for text in CODE_PROMPTS[:3]])
-    generate_dataset(target, tokenizer, table, tmp_path / "table.jsonl", text_field="text", completion_field="code",
-                     drafter="prompt_lookup", max_new_tokens=12, batch_size=2, show_progress=False)
-    want = [records[0]["completion"], records[1]["completion"],
-            _plain_completion(target, tokenizer, CODE_PROMPTS[2], 12)]
+    generate_dataset(
+        target,
+        tokenizer,
+        table,
+        tmp_path / "table.jsonl",
+        text_field="text",
+        completion_field="code",
+        drafter="prompt_lookup",
+        max_new_tokens=12,
+        batch_size=2,
+        show_progress=False,
+    )
+    want = [
+        records[0]["completion"],
+        records[1]["completion"],
+        _plain_completion(target, tokenizer, CODE_PROMPTS[2], 12),
+    ]
     assert [record["code"] for record in read_jsonl(tmp_path / "table.jsonl")] == want
 
 
@@ -220,8 +273,11 @@ def test_bad_dataset_rows_and_outputs_are_refused_before_anything_is_written(zoo
     target, _, tokenizer = zoo_models
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "a"}\n\n{"text": "b"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"row 1 \(line 3 of .*rows.jsonl'\) has no 'prompt' field.*\['text'\].*"
-                                         r"text_field"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 1 \(line 3 of .*rows.jsonl'\) has no 'prompt' field.*\['text'\].*"
+        r"text_field",
+    ):
         generate_dataset(target, tokenizer, data, tmp_path / "out.jsonl", drafter="prompt_lookup")
     data.write_text('{"prompt": "a"}\n{"prompt": "b",\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"line 2 of .*rows.jsonl' is not valid JSON"):
@@ -275,8 +331,13 @@ def test_cli_dataset_errors_are_one_line(tmp_path, capsys):
 
 
 def _cli(*argv):
-    return subprocess.run([sys.executable, "-m", "hf_specdec.cli", "generate", *argv], capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "hf_specdec.cli", "generate", *argv],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
 
 
 def _without_timings(records):
@@ -292,19 +353,55 @@ def code_dataset(tmp_path_factory):
     return _write_jsonl(folder / "prompts.jsonl", [{"id": i, "prompt": text} for i, text in enumerate(CODE_PROMPTS)])
 
 
-GENERATE = ("--drafter", "model", "--batch-size", "3", "--max-new-tokens", "12", "--gamma", "3", "--threads", "1",
-            "--gamma-policy", "constant")  # rounds (and so statistics) that do not depend on measured timings
+GENERATE = (
+    "--drafter",
+    "model",
+    "--batch-size",
+    "3",
+    "--max-new-tokens",
+    "12",
+    "--gamma",
+    "3",
+    "--threads",
+    "1",
+    "--gamma-policy",
+    "constant",
+)  # rounds (and so statistics) that do not depend on measured timings
 
 
 def test_two_process_accelerate_launch_writes_what_one_process_writes(code_dataset, tmp_path):
     assert main(["generate", "--dataset", str(code_dataset), "--output", str(tmp_path / "one.jsonl"), *GENERATE]) == 0
     # accelerate 1.15: `--cpu --num_processes 2` starts one process; `--multi_gpu` with ACCELERATE_USE_CPU starts two
     # (torchrun and gloo underneath)
-    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--main_process_port", str(_free_port()))
-    two = subprocess.run([*launcher, "-m", "hf_specdec.cli", "generate", "--dataset", str(code_dataset), "--output",
-                          str(tmp_path / "two.jsonl"), *GENERATE], capture_output=True, text=True,
-                         env=dict(_env(), ACCELERATE_USE_CPU="true"), timeout=300)
+    launcher = (
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--main_process_port",
+        str(_free_port()),
+    )
+    two = subprocess.run(
+        [
+            *launcher,
+            "-m",
+            "hf_specdec.cli",
+            "generate",
+            "--dataset",
+            str(code_dataset),
+            "--output",
+            str(tmp_path / "two.jsonl"),
+            *GENERATE,
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(_env(), ACCELERATE_USE_CPU="true"),
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stderr.count("row(s) generated") == 1  # one summary, from the main process
     records = read_jsonl(tmp_path / "two.jsonl")
@@ -315,13 +412,26 @@ def test_two_process_accelerate_launch_writes_what_one_process_writes(code_datas
 def test_resume_after_a_killed_run_loses_and_repeats_no_row(tmp_path):
     rows = [{"id": i, "prompt": text} for i, text in enumerate(CODE_PROMPTS * 2)]
     data = _write_jsonl(tmp_path / "prompts.jsonl", rows)
-    argv = ("--drafter", "prompt_lookup", "--batch-size", "1", "--max-new-tokens", "20", "--threads", "1",
-            "--gamma-policy", "constant")
+    argv = (
+        "--drafter",
+        "prompt_lookup",
+        "--batch-size",
+        "1",
+        "--max-new-tokens",
+        "20",
+        "--threads",
+        "1",
+        "--gamma-policy",
+        "constant",
+    )
     assert main(["generate", "--dataset", str(data), "--output", str(tmp_path / "full.jsonl"), *argv]) == 0
     output = tmp_path / "killed.jsonl"
-    process = subprocess.Popen([sys.executable, "-m", "hf_specdec.cli", "generate", "--dataset", str(data),
-                                "--output", str(output), *argv], env=_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hf_specdec.cli", "generate", "--dataset", str(data), "--output", str(output), *argv],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         if output.exists() and output.read_text().count("\n") >= 3:
@@ -385,12 +495,27 @@ def test_tensor_parallel_target_is_exact_with_a_replicated_drafter(saved, local_
     _write_jsonl(folder / "rows.jsonl", [{"prompt": text} for text in texts])
     script = folder / "tensor_parallel.py"
     script.write_text(TENSOR_PARALLEL)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), str(folder)], capture_output=True, text=True, env=_env(), timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
     results = [json.loads(path.read_text()) for path in sorted(folder.glob("result*.json"))]
     # a process that aborts (a collective mismatch in gloo) prints its reason first: show it with the end
-    assert len(results) == 2, "\n".join([line for line in result.stderr.splitlines() if "what()" in line]
-                                        + [result.stderr[-3000:]])
+    assert len(results) == 2, "\n".join(
+        [line for line in result.stderr.splitlines() if "what()" in line] + [result.stderr[-3000:]]
+    )
     for item in results:
         assert item["tp_size"] == 2 and item["sharded"] == "DTensor"
         assert item["agreed"] == [0.5, 1.0]

@@ -3,12 +3,12 @@ compiled a bounded number of times."""
 
 import pytest
 import torch
+from conftest import ScriptedDrafter, noisy_copy, prompt, source, tiny_model, tiny_seq2seq
+from test_sampling_distribution import CONFIGS, P_THRESHOLD, SAMPLES, exact_two_token_distribution, goodness_of_fit
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, StaticCache
 
 import hf_specdec
 from hf_specdec.caches import CACHE_KWARG, cache_of, cached_length, rewind_cache
-from conftest import ScriptedDrafter, noisy_copy, prompt, source, tiny_model, tiny_seq2seq
-from test_sampling_distribution import CONFIGS, P_THRESHOLD, SAMPLES, exact_two_token_distribution, goodness_of_fit
 
 NEW_TOKENS = 24
 
@@ -58,8 +58,15 @@ def test_greedy_identity_with_a_static_cache(arch, compiled):
     kwargs = dict(compile_config=compile_config()) if compiled else {}
     plain = static(model, ids, **kwargs)
     for name, drafter in drafters(model, ids, **kwargs).items():
-        out = static(model, ids, speculative_gamma=4, speculative_gamma_policy="constant", return_dict_in_generate=True,
-                     **kwargs, **drafter)
+        out = static(
+            model,
+            ids,
+            speculative_gamma=4,
+            speculative_gamma_policy="constant",
+            return_dict_in_generate=True,
+            **kwargs,
+            **drafter,
+        )
         assert torch.equal(out.sequences, plain), (arch, name)
         stats = out.speculative_stats
         assert (stats.compiled_rounds > 0) == compiled, (name, stats.compiled_rounds)
@@ -75,8 +82,16 @@ def test_token_trees_on_a_static_cache(llama, compiled):
     kwargs = dict(compile_config=compile_config()) if compiled else {}
     plain = static(llama, ids, **kwargs)
     for drafter in (dict(assistant_model=noisy_copy(llama, 0.3)), dict(drafter="prompt_lookup")):
-        out = static(llama, ids, speculative_gamma=3, speculative_tree_budget=6, return_dict_in_generate=True,
-                     speculative_gamma_policy="constant", **kwargs, **drafter)
+        out = static(
+            llama,
+            ids,
+            speculative_gamma=3,
+            speculative_tree_budget=6,
+            return_dict_in_generate=True,
+            speculative_gamma_policy="constant",
+            **kwargs,
+            **drafter,
+        )
         assert torch.equal(out.sequences, plain)
         assert out.speculative_stats.target_calls < NEW_TOKENS or "drafter" in drafter
 
@@ -86,8 +101,15 @@ def test_inductor_compiled_rounds_are_exact(llama):
     ids = prompt(seed=5)
     config = compile_config("inductor")
     plain = static(llama, ids, compile_config=config)
-    out = static(llama, ids, assistant_model=noisy_copy(llama, 0.05), speculative_gamma=3,
-                 speculative_gamma_policy="constant", compile_config=config, return_dict_in_generate=True)
+    out = static(
+        llama,
+        ids,
+        assistant_model=noisy_copy(llama, 0.05),
+        speculative_gamma=3,
+        speculative_gamma_policy="constant",
+        compile_config=config,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.compiled_rounds == out.speculative_stats.target_calls - 1  # all but the prompt's
 
@@ -98,8 +120,11 @@ def test_encoder_decoder_targets_with_a_static_cache(arch, compiled):
     ids = source(seed=2)
     kwargs = dict(compile_config=compile_config()) if compiled else {}
     plain = static(model, ids, **kwargs)
-    for drafter in (dict(assistant_model=model), dict(assistant_model=noisy_copy(model, 0.2)),
-                    dict(drafter=ScriptedDrafter(plain, period=2))):
+    for drafter in (
+        dict(assistant_model=model),
+        dict(assistant_model=noisy_copy(model, 0.2)),
+        dict(drafter=ScriptedDrafter(plain, period=2)),
+    ):
         out = static(model, ids, speculative_gamma=3, return_dict_in_generate=True, **kwargs, **drafter)
         assert torch.equal(out.sequences, plain)
         assert (out.speculative_stats.compiled_rounds > 0) == compiled
@@ -113,8 +138,15 @@ def test_batches_with_a_static_cache(llama, compiled):
     mask[1, :3] = 0  # left padding on the second row
     kwargs = dict(compile_config=compile_config()) if compiled else {}
     plain = static(llama, ids, attention_mask=mask, **kwargs)
-    out = static(llama, ids, attention_mask=mask, assistant_model=noisy_copy(llama, 0.05), speculative_gamma=3,
-                 return_dict_in_generate=True, **kwargs)
+    out = static(
+        llama,
+        ids,
+        attention_mask=mask,
+        assistant_model=noisy_copy(llama, 0.05),
+        speculative_gamma=3,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     assert torch.equal(out.sequences, plain)
     assert (out.speculative_stats.compiled_rounds > 0) == compiled
 
@@ -128,14 +160,27 @@ def test_sampling_with_a_static_cache_follows_the_target():
     torch.manual_seed(1234)
     samples = []
     for _ in range(SAMPLES):
-        out = target.generate(ids, do_sample=True, max_new_tokens=2, cache_implementation="static",
-                              assistant_model=drafter, speculative_gamma=2, **config)
-        samples.append(tuple(out[0, ids.shape[1]:].tolist()))
+        out = target.generate(
+            ids,
+            do_sample=True,
+            max_new_tokens=2,
+            cache_implementation="static",
+            assistant_model=drafter,
+            speculative_gamma=2,
+            **config,
+        )
+        samples.append(tuple(out[0, ids.shape[1] :].tolist()))
     assert goodness_of_fit(table, samples) > P_THRESHOLD
     # power: the same test rejects the drafter's own samples
     torch.manual_seed(1234)
-    drafter_samples = [tuple(hf_specdec.enable(drafter).generate(ids, do_sample=True, max_new_tokens=2, **config)[
-        0, ids.shape[1]:].tolist()) for _ in range(SAMPLES)]
+    drafter_samples = [
+        tuple(
+            hf_specdec.enable(drafter)
+            .generate(ids, do_sample=True, max_new_tokens=2, **config)[0, ids.shape[1] :]
+            .tolist()
+        )
+        for _ in range(SAMPLES)
+    ]
     assert any(s not in table for s in drafter_samples) or goodness_of_fit(table, drafter_samples) < P_THRESHOLD
 
 
@@ -147,9 +192,12 @@ def test_compilations_do_not_grow_with_the_rounds(llama):
     ids = prompt(seed=8)
     kwargs = dict(max_new_tokens=3 * NEW_TOKENS, do_sample=False, cache_implementation="static", compile_config=config)
     reference = llama.generate(ids, **kwargs)
-    calls = [llama.generate(ids, drafter=drafter, speculative_gamma=6, return_dict_in_generate=True,
-                            **kwargs).speculative_stats
-             for drafter in (ScriptedDrafter(reference, period=4), "prompt_lookup", ScriptedDrafter(reference, period=4))]
+    calls = [
+        llama.generate(
+            ids, drafter=drafter, speculative_gamma=6, return_dict_in_generate=True, **kwargs
+        ).speculative_stats
+        for drafter in (ScriptedDrafter(reference, period=4), "prompt_lookup", ScriptedDrafter(reference, period=4))
+    ]
     assert len({min(g, 6) for stats in calls for g in stats.drafted_history[1:]}) >= 2  # the drafted lengths varied
     assert all(stats.compiled_rounds >= 15 for stats in calls)
     assert calls[0].target_compilations >= 1
@@ -173,16 +221,27 @@ def test_static_cache_rewinds_in_place():
 
 
 def test_a_static_sliding_window_is_served_within_the_window_and_refused_past_it():
-    config = AutoConfig.for_model("mistral", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, sliding_window=40)
+    config = AutoConfig.for_model(
+        "mistral",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=40,
+    )
     torch.manual_seed(0)
     model = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = None
     ids = prompt(seed=10)
     plain = static(model, ids)  # 8 + 24 tokens: within the window
     assert torch.equal(static(model, ids, assistant_model=noisy_copy(model, 0.1), speculative_gamma=3), plain)
-    with pytest.raises(ValueError, match=r"static cache .* sliding-window layers keep 40 positions.*max_length=58.*"
-                                         r"`cache_implementation=None`"):
+    with pytest.raises(
+        ValueError,
+        match=r"static cache .* sliding-window layers keep 40 positions.*max_length=58.*"
+        r"`cache_implementation=None`",
+    ):
         model.generate(ids, max_new_tokens=50, cache_implementation="static", drafter="prompt_lookup")
 
 
@@ -200,11 +259,18 @@ def test_nothing_but_transformers_own_compiled_call_is_left_on_the_model():
 def test_a_static_cache_the_user_passes_is_served(llama):
     ids = prompt(seed=13)
     # the cache argument's name in this transformers: `cache` (>= 5.24) or `past_key_values`
-    plain = llama.generate(ids, max_new_tokens=NEW_TOKENS,
-                           **{CACHE_KWARG: StaticCache(config=llama.config, max_cache_len=40)})
+    plain = llama.generate(
+        ids, max_new_tokens=NEW_TOKENS, **{CACHE_KWARG: StaticCache(config=llama.config, max_cache_len=40)}
+    )
     cache = StaticCache(config=llama.config, max_cache_len=40)
-    out = llama.generate(ids, max_new_tokens=NEW_TOKENS, assistant_model=noisy_copy(llama, 0.05), speculative_gamma=4,
-                         return_dict_in_generate=True, **{CACHE_KWARG: cache})
+    out = llama.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        assistant_model=noisy_copy(llama, 0.05),
+        speculative_gamma=4,
+        return_dict_in_generate=True,
+        **{CACHE_KWARG: cache},
+    )
     assert torch.equal(out.sequences, plain)
     assert cache_of(out) is cache and cached_length(cache) == out.sequences.shape[1] - 1
 
@@ -232,15 +298,24 @@ def test_a_static_draft_cache_drafts_what_a_dynamic_one_drafts(llama, tree_budge
     by round, as the drafter's dynamic cache, eager or compiled (a rollback that left a stale key visible, lost an
     accepted one, or kept a padded forward's filler would change them)."""
     ids = prompt(seed=14)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache,
-                  speculative_gamma=4, speculative_gamma_policy="constant", speculative_tree_budget=tree_budget,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        cache_implementation=target_cache,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        speculative_tree_budget=tree_budget,
+        return_dict_in_generate=True,
+    )
     if compiled:
         kwargs["compile_config"] = compile_config()
     plain = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache)
     compilations = 0
-    for name, draft in [("always_right", noisy_copy(llama, 0.0)), ("partly_right", noisy_copy(llama, 0.3)),
-                        ("never_right", contrary_copy(llama))]:
+    for name, draft in [
+        ("always_right", noisy_copy(llama, 0.0)),
+        ("partly_right", noisy_copy(llama, 0.3)),
+        ("never_right", contrary_copy(llama)),
+    ]:
         # 3 children per node: depths of 1 to 3 nodes, padded to 3 when compiled
         static_run = llama.generate(ids, drafter=static_drafter(draft, tree_top_k=3), **kwargs)
         dynamic_run = llama.generate(ids, drafter=hf_specdec.ModelDrafter(draft, tree_top_k=3), **kwargs)
@@ -263,15 +338,25 @@ def test_a_static_draft_cache_compiles_a_bounded_number_of_times(llama):
     for a tree's depths (padded to `tree_top_k` nodes), not one per round or per size."""
     config = compile_config(dynamic=False)
     ids = prompt(seed=15)
-    kwargs = dict(max_new_tokens=3 * NEW_TOKENS, do_sample=False, compile_config=config, speculative_gamma=4,
-                  speculative_gamma_policy="constant", return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=3 * NEW_TOKENS,
+        do_sample=False,
+        compile_config=config,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+    )
     draft = noisy_copy(llama, 0.3)
     chains = [llama.generate(ids, drafter=static_drafter(draft), **kwargs).speculative_stats for _ in range(2)]
     assert all(len(stats.drafted_history) >= 15 for stats in chains)
     assert len({a for stats in chains for a, count in enumerate(stats.accepted_length_histogram) if count}) >= 3
     assert [stats.drafter_compilations for stats in chains] == [1, 0]
-    trees = [llama.generate(ids, drafter=static_drafter(draft, tree_top_k=3), speculative_tree_budget=6,
-                            **kwargs).speculative_stats for _ in range(2)]
+    trees = [
+        llama.generate(
+            ids, drafter=static_drafter(draft, tree_top_k=3), speculative_tree_budget=6, **kwargs
+        ).speculative_stats
+        for _ in range(2)
+    ]
     assert all(len(stats.drafted_history) >= 10 for stats in trees)
     # the depths' forward, and the 2-token one again for a cache with room for the tree's nodes (a cache of another
     # size is another graph, as for plain `generate` with another `max_length`)
@@ -309,23 +394,39 @@ def test_compiled_tree_drafting_computes_the_drafters_own_distributions(llama, m
     monkeypatch.setattr(model_drafter.DynamicTree, "grow", checked_grow)
     ids = prompt(seed=14)
     plain = llama.generate(ids, max_new_tokens=3 * NEW_TOKENS, do_sample=False)
-    out = llama.generate(ids, max_new_tokens=3 * NEW_TOKENS, do_sample=False, drafter=static_drafter(draft, tree_top_k=3),
-                         speculative_gamma=6, speculative_tree_budget=8, compile_config=compile_config(),
-                         return_dict_in_generate=True)
+    out = llama.generate(
+        ids,
+        max_new_tokens=3 * NEW_TOKENS,
+        do_sample=False,
+        drafter=static_drafter(draft, tree_top_k=3),
+        speculative_gamma=6,
+        speculative_tree_budget=8,
+        compile_config=compile_config(),
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.drafter_compilations > 0
     assert seen["checked"] >= 20 and seen["after_padded"] >= 3, seen
 
 
-def test_a_drafter_past_the_recompile_limit_drafts_eagerly(llama, monkeypatch):
+def test_a_drafter_past_the_recompile_limit_drafts_eagerly(llama):
     """`fullgraph=True` turns torch's recompile limit into an error: the drafter then drafts eagerly (with a warning)
     instead of failing the call, and the output is still plain `generate`'s."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     ids = prompt(seed=19)
     plain = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    out = llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, compile_config=compile_config(),
-                         drafter=static_drafter(noisy_copy(llama, 0.1)), speculative_gamma=3,
-                         speculative_tree_budget=5, return_dict_in_generate=True)
+    # torch's own context manager, not monkeypatch: pytest >= 9.2 undoes a setattr it found outside the module's
+    # `__dict__` by deleting it, which hides the config entry for the rest of the process
+    with torch._dynamo.config.patch(recompile_limit=1):
+        out = llama.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            compile_config=compile_config(),
+            drafter=static_drafter(noisy_copy(llama, 0.1)),
+            speculative_gamma=3,
+            speculative_tree_budget=5,
+            return_dict_in_generate=True,
+        )
     assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.drafter_compilations == 1  # the chain's graph; the tree's second one hit the limit
 
@@ -336,8 +437,14 @@ def test_a_deep_copy_of_a_compiled_model_drafts_with_its_own_weights(llama):
     import copy
 
     ids = prompt(seed=20)
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, speculative_gamma=4, speculative_gamma_policy="constant",
-                  compile_config=compile_config(), return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        compile_config=compile_config(),
+        return_dict_in_generate=True,
+    )
     static(llama, ids, compile_config=compile_config())  # transformers compiles the target's forward
     draft = copy.deepcopy(llama)
     assert draft._compiled_call is llama._compiled_call
@@ -361,14 +468,22 @@ def test_a_static_draft_cache_serves_batches_and_left_padding(llama):
     mask[1, :4] = 0
     draft = noisy_copy(llama, 0.1)
     for target_cache in (None, "static"):
-        kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache)
+        kwargs = dict(
+            attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=target_cache
+        )
         plain = llama.generate(ids, **kwargs)
         for compiled in (False, True):
             extra = dict(compile_config=compile_config()) if compiled else {}
             out = llama.generate(ids, drafter=static_drafter(draft), speculative_gamma=3, **kwargs, **extra)
             assert torch.equal(out, plain), (target_cache, compiled)
-            one = llama.generate(ids[1:], drafter=static_drafter(draft), speculative_gamma=3, speculative_tree_budget=5,
-                                 **{**kwargs, "attention_mask": mask[1:]}, **extra)
+            one = llama.generate(
+                ids[1:],
+                drafter=static_drafter(draft),
+                speculative_gamma=3,
+                speculative_tree_budget=5,
+                **{**kwargs, "attention_mask": mask[1:]},
+                **extra,
+            )
             assert torch.equal(one, plain[1:]), (target_cache, compiled)
 
 
@@ -379,33 +494,61 @@ def test_sampling_with_a_static_draft_cache_follows_the_target():
     ids = prompt(6, seed=11)
     table = exact_two_token_distribution(target, ids, config)
     torch.manual_seed(1234)
-    samples = [tuple(target.generate(ids, do_sample=True, max_new_tokens=2, drafter=drafter, speculative_gamma=2,
-                                     **config)[0, ids.shape[1]:].tolist()) for _ in range(SAMPLES)]
+    samples = [
+        tuple(
+            target.generate(ids, do_sample=True, max_new_tokens=2, drafter=drafter, speculative_gamma=2, **config)[
+                0, ids.shape[1] :
+            ].tolist()
+        )
+        for _ in range(SAMPLES)
+    ]
     assert goodness_of_fit(table, samples) > P_THRESHOLD
     # power: the same test rejects samples whose second token comes from the drafter's own distribution
     torch.manual_seed(1234)
     mixed = []
     for _ in range(SAMPLES):
         first = target.generate(ids, do_sample=True, max_new_tokens=1, **config)
-        mixed.append(tuple(hf_specdec.enable(drafter.model).generate(first, do_sample=True, max_new_tokens=1,
-                                                                      **config)[0, ids.shape[1]:].tolist()))
+        mixed.append(
+            tuple(
+                hf_specdec.enable(drafter.model)
+                .generate(first, do_sample=True, max_new_tokens=1, **config)[0, ids.shape[1] :]
+                .tolist()
+            )
+        )
     assert any(s not in table for s in mixed) or goodness_of_fit(table, mixed) < P_THRESHOLD
 
 
 def test_a_static_draft_cache_is_refused_where_it_cannot_serve(llama):
     ids = prompt(seed=18)
-    with pytest.raises(ValueError, match=r"`cache_implementation` of a `ModelDrafter` must be None, 'dynamic' or "
-                                         r"'static', got 'offloaded'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`cache_implementation` of a `ModelDrafter` must be None, 'dynamic' or "
+        r"'static', got 'offloaded'",
+    ):
         hf_specdec.ModelDrafter(llama, cache_implementation="offloaded")
     with pytest.raises(ValueError, match=r"beam search .* cannot use `ModelDrafter\(cache_implementation='static'\)`"):
         llama.generate(ids, num_beams=2, max_new_tokens=4, drafter=static_drafter(noisy_copy(llama, 0.1)))
     t5 = hf_specdec.enable(tiny_seq2seq("t5"))
-    with pytest.raises(ValueError, match=r"drafts for decoder-only targets, but the target \(T5ForConditionalGeneration"
-                                         r"\) is an encoder-decoder model"):
+    with pytest.raises(
+        ValueError,
+        match=r"drafts for decoder-only targets, but the target \(T5ForConditionalGeneration"
+        r"\) is an encoder-decoder model",
+    ):
         t5.generate(source(), max_new_tokens=4, drafter=static_drafter(tiny_seq2seq("t5", seed=1)))
-    config = AutoConfig.for_model("mistral", vocab_size=llama.config.vocab_size, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    config = AutoConfig.for_model(
+        "mistral",
+        vocab_size=llama.config.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
     windowed = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match=r"cannot roll the drafter's static cache of \d+ positions back: its "
-                                         r"sliding-window layers keep 16 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot roll the drafter's static cache of \d+ positions back: its "
+        r"sliding-window layers keep 16 positions",
+    ):
         llama.generate(ids, max_new_tokens=NEW_TOKENS, drafter=static_drafter(windowed))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_model, tiny_seq2seq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -13,7 +14,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import hf_specdec
 from hf_specdec.drafters.tree_builder import TokenTree
 from hf_specdec.trees import check_parents, tree_depths
-from conftest import VOCAB, tiny_model, tiny_seq2seq
 
 
 def as_table(proposal):
@@ -142,8 +142,14 @@ def test_prompt_lookup_chains_index_no_occurrence_lists():
     model = tiny_model("llama")
     ids = torch.tensor([THREE_MATCHES])
     for tree_budget, remembered in ((None, False), (8, True)):
-        context = hf_specdec.DraftContext(target=model, input_ids=ids, logits_processor=None, vocab_size=VOCAB,
-                                          generation_config=model.generation_config, tree_budget=tree_budget)
+        context = hf_specdec.DraftContext(
+            target=model,
+            input_ids=ids,
+            logits_processor=None,
+            vocab_size=VOCAB,
+            generation_config=model.generation_config,
+            tree_budget=tree_budget,
+        )
         call = drafter.for_call(context)
         call.propose(ids, 2)
         assert bool(call.rows[0].starts) == remembered
@@ -162,9 +168,16 @@ def test_prompt_lookup_tree_index_is_incremental():
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, 4, (1, 60), generator=generator)  # many repeats: more than 8 occurrences each
     model = tiny_model("llama")
-    call = drafter.for_call(hf_specdec.DraftContext(
-        target=model, input_ids=context[:, :3], logits_processor=None, generation_config=model.generation_config,
-        vocab_size=VOCAB, tree_budget=12))
+    call = drafter.for_call(
+        hf_specdec.DraftContext(
+            target=model,
+            input_ids=context[:, :3],
+            logits_processor=None,
+            generation_config=model.generation_config,
+            vocab_size=VOCAB,
+            tree_budget=12,
+        )
+    )
     for length in range(3, context.shape[1] + 1):
         grown = call.propose(context[:, :length], 4)
         fresh = drafter.propose_for(context[:, :length], 4, tree_budget=12)
@@ -176,9 +189,17 @@ def test_prompt_lookup_tree_copies_from_the_source_text_after_the_output():
     target = tiny_seq2seq("bart")
     source = torch.tensor([[1, 2, 30, 31, 1, 2, 40, 41]])  # [1, 2] goes on as 40 41, and earlier as 30 31
     output = torch.tensor([[0, 1, 2, 50, 51, 1, 2]])  # the output's own [1, 2] went on as 50 51
-    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=2).for_call(hf_specdec.DraftContext(
-        target=target, input_ids=output[:, :1], logits_processor=None, generation_config=target.generation_config,
-        vocab_size=VOCAB, tree_budget=8, inputs_tensor=source))
+    drafter = hf_specdec.PromptLookupDrafter(max_ngram_size=2, min_ngram_size=2).for_call(
+        hf_specdec.DraftContext(
+            target=target,
+            input_ids=output[:, :1],
+            logits_processor=None,
+            generation_config=target.generation_config,
+            vocab_size=VOCAB,
+            tree_budget=8,
+            inputs_tensor=source,
+        )
+    )
     # the output's occurrence is the main branch; then the source's, most recent first, cut at the source's end
     assert as_table(drafter.propose(output, 3)) == ([50, 51, 1, 40, 41, 30, 31, 1], [-1, 0, 1, -1, 3, -1, 5, 6])
 
@@ -210,9 +231,16 @@ CORPUS = [[1, 2, 3, 1, 2, 3, 1, 2, 4]]
 def ngram_call(corpus=CORPUS, n=3, vocab_size=8, tree_budget=None, logits_processor=(), **kwargs):
     table = hf_specdec.NGramDrafter.from_corpus(corpus, n=n, vocab_size=vocab_size, **kwargs)
     model = tiny_model("llama")
-    return table.for_call(hf_specdec.DraftContext(
-        target=model, input_ids=torch.tensor([[1]]), logits_processor=LogitsProcessorList(logits_processor),
-        generation_config=model.generation_config, vocab_size=vocab_size, tree_budget=tree_budget))
+    return table.for_call(
+        hf_specdec.DraftContext(
+            target=model,
+            input_ids=torch.tensor([[1]]),
+            logits_processor=LogitsProcessorList(logits_processor),
+            generation_config=model.generation_config,
+            vocab_size=vocab_size,
+            tree_budget=tree_budget,
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -287,7 +315,7 @@ def node_path(tokens, parents, node):
 
 def continuation_probabilities(table, context):
     """{token: q} after `context`, from the table's own (unprocessed) distribution."""
-    continuations, probs = table.distribution(context[-(table.n - 1):] if table.n > 1 else [])
+    continuations, probs = table.distribution(context[-(table.n - 1) :] if table.n > 1 else [])
     return dict(zip(continuations.tolist(), probs.tolist()))
 
 
@@ -308,7 +336,7 @@ def test_ngram_trees_are_valid_and_best_first(corpus, context, n, num_tokens, tr
     tokens, parents = as_table(tree)
     parents = parents if parents is not None else list(range(-1, len(tokens) - 1))
     probabilities = []  # the product of q along each node's path
-    for node, (token, parent) in enumerate(zip(tokens, parents)):
+    for token, parent in zip(tokens, parents):
         q = continuation_probabilities(table, context + node_path(tokens, parents, parent)).get(token, 0.0)
         probabilities.append((probabilities[parent] if parent >= 0 else 1.0) * q)
     assert all(p > 0 for p in probabilities)

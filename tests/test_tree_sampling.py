@@ -79,8 +79,9 @@ def test_verify_tree_sampling_on_a_chain_is_verify_sampling(sampled):
     target = torch.rand(batch, k + 1, vocab, generator=generator).pow(3).softmax(-1)
     draft = torch.rand(batch, k, vocab, generator=generator).pow(3).softmax(-1) if sampled else None
     drafts = torch.randint(0, vocab, (batch, k), generator=generator)
-    n, path, token = verify_tree_sampling(drafts, chain_parents(batch, k), draft, target,
-                                          generator=torch.Generator().manual_seed(7))
+    n, path, token = verify_tree_sampling(
+        drafts, chain_parents(batch, k), draft, target, generator=torch.Generator().manual_seed(7)
+    )
     expected_n, expected_token = verify_sampling(drafts, draft, target, generator=torch.Generator().manual_seed(7))
     # the same uniforms in the same order: not only the same law, the same tokens
     assert torch.equal(n, expected_n) and torch.equal(token, expected_token)
@@ -254,8 +255,11 @@ CASES = {
     "deterministic_siblings": (deterministic_target, DETERMINISTIC_PARENTS, lambda: dict(tokens=DETERMINISTIC_TOKENS)),
     "sampled_siblings": (lambda: Model(vocab=5, length=3, seed=4), SAMPLED_PARENTS, lambda: drafters(5, 3, 40, 6)),
     "three_levels": (lambda: Model(vocab=4, length=4, seed=5), THREE_LEVEL_PARENTS, lambda: drafters(4, 4, 50, 9)),
-    "same_concentrated_q": (lambda: root_rows(Model(vocab=4, length=2, seed=6), CONCENTRATED_P), [-1, -1],
-                            concentrated_drafters),
+    "same_concentrated_q": (
+        lambda: root_rows(Model(vocab=4, length=2, seed=6), CONCENTRATED_P),
+        [-1, -1],
+        concentrated_drafters,
+    ),
 }
 
 

@@ -3,11 +3,11 @@ every built-in drafter on several architectures, sampling in distribution, and t
 
 import pytest
 import torch
+from conftest import ARCHITECTURES, VOCAB, noisy_copy, prompt, tiny_model, tiny_seq2seq
+from test_sampling_distribution import exact_distribution, exact_two_token_distribution, goodness_of_fit, sample_pairs
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_specdec
-from conftest import ARCHITECTURES, VOCAB, noisy_copy, prompt, tiny_model, tiny_seq2seq
-from test_sampling_distribution import exact_distribution, exact_two_token_distribution, goodness_of_fit, sample_pairs
 from hf_specdec.caches import compact_cache
 from hf_specdec.rounds import TreeLayout
 from hf_specdec.trees import ancestor_mask, chain_parents, tree_attention_bias, tree_depths
@@ -38,11 +38,14 @@ class TreeScript(hf_specdec.Drafter):
                 tokens.append(token)
                 parents.append(parent)
                 parent = len(tokens) - 1
-        return hf_specdec.DraftProposal(tokens=torch.tensor([tokens], dtype=torch.long),
-                                        parents=torch.tensor([parents], dtype=torch.long).reshape(1, -1))
+        return hf_specdec.DraftProposal(
+            tokens=torch.tensor([tokens], dtype=torch.long),
+            parents=torch.tensor([parents], dtype=torch.long).reshape(1, -1),
+        )
 
 
 # ----- structure tables -----------------------------------------------------------------------------------------
+
 
 def test_depths_and_ancestors_of_a_hand_built_tree():
     #        root
@@ -96,8 +99,9 @@ def test_tree_layout_positions_and_prefixes():
 
 
 def test_compact_cache_moves_the_accepted_path_into_place():
-    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
-                                  num_key_value_heads=1, vocab_size=VOCAB)
+    config = AutoConfig.for_model(
+        "llama", num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB
+    )
     cache = DynamicCache(config=config)
     columns = torch.arange(9, dtype=torch.float32)  # 4 context columns, then 5 nodes
     for layer in range(2):
@@ -113,6 +117,7 @@ def test_compact_cache_moves_the_accepted_path_into_place():
 
 # ----- greedy identity ----------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def arch_target(request):
     target = hf_specdec.enable(tiny_model(request.param))
@@ -125,8 +130,15 @@ def generate_tree(target, ids, budget=12, gamma=4, **kwargs):
     # constant γ: these tests count rounds and drafts; tiny drafters on a CPU are often measured not to pay, which
     # the default "auto" policy would act on
     kwargs.setdefault("speculative_gamma_policy", "constant")
-    return target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, speculative_gamma=gamma,
-                           speculative_tree_budget=budget, return_dict_in_generate=True, **kwargs)
+    return target.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        speculative_gamma=gamma,
+        speculative_tree_budget=budget,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("right_branch, right_depth", [(0, 9), (1, 2), (2, 0), (2, 9)])
@@ -183,11 +195,20 @@ def test_builtin_drafters_greedy_identity_with_trees(arch_target, drafter_kind):
 def test_trees_keep_scores_and_logits_of_plain_generate():
     target = hf_specdec.enable(tiny_model("llama"))
     ids = prompt(8, seed=3)
-    plain = target.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
-                            output_scores=True, output_logits=True)
-    out = target.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True,
-                          output_logits=True, drafter=TreeScript(plain.sequences, 2, 9), speculative_gamma=3,
-                          speculative_tree_budget=9)
+    plain = target.generate(
+        ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    out = target.generate(
+        ids,
+        max_new_tokens=12,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        drafter=TreeScript(plain.sequences, 2, 9),
+        speculative_gamma=3,
+        speculative_tree_budget=9,
+    )
     assert torch.equal(out.sequences, plain.sequences)
     assert len(out.scores) == len(plain.scores) == 12
     for ours, theirs in zip(out.logits, plain.logits):
@@ -201,8 +222,14 @@ def test_left_padded_prompt_with_trees(arch):
     target = hf_specdec.enable(tiny_model(arch))
     ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt(6, seed=4)], dim=-1)
     mask = (torch.arange(9) >= 3).long()[None]
-    common = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
-                  return_dict_in_generate=True, output_logits=True)
+    common = dict(
+        attention_mask=mask,
+        pad_token_id=0,
+        max_new_tokens=12,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     plain = target.generate(ids, **common)
     for drafter in (dict(assistant_model=target), dict(drafter=TreeScript(plain.sequences, 1, 2))):
         out = target.generate(ids, speculative_gamma=3, speculative_tree_budget=9, **drafter, **common)
@@ -231,7 +258,7 @@ def test_point_mass_tree_samples_follow_target(sampling_target):
     for (x1, x2, _), p in table.items():
         pairs[(x1, x2)] = pairs.get((x1, x2), 0.0) + p
     firsts = {}
-    for (x1, x2), p in sorted(pairs.items(), key=lambda item: -item[1]):
+    for (x1, x2), _p in sorted(pairs.items(), key=lambda item: -item[1]):
         if x1 not in firsts and len(firsts) < 3:
             firsts[x1] = x2
     asked = []
@@ -246,9 +273,21 @@ def test_point_mass_tree_samples_follow_target(sampling_target):
             return hf_specdec.DraftProposal(tokens=torch.tensor([tokens]), parents=torch.tensor([parents]))
 
     torch.manual_seed(1234)
-    samples = [tuple(target.generate(ids, do_sample=True, max_new_tokens=3, drafter=Siblings(), speculative_gamma=2,
-                                     speculative_tree_budget=6, speculative_gamma_policy="constant", **SAMPLING)
-                     [0, ids.shape[1]:].tolist()) for _ in range(2000)]
+    samples = [
+        tuple(
+            target.generate(
+                ids,
+                do_sample=True,
+                max_new_tokens=3,
+                drafter=Siblings(),
+                speculative_gamma=2,
+                speculative_tree_budget=6,
+                speculative_gamma_policy="constant",
+                **SAMPLING,
+            )[0, ids.shape[1] :].tolist()
+        )
+        for _ in range(2000)
+    ]
     assert asked.count(2) == 2000  # every first round drafted the whole tree
     assert goodness_of_fit(table, samples) > 1e-3
     # power: accepting a drafted child whenever its parent was emitted (no ratio test below the root) fails the test
@@ -263,12 +302,18 @@ def test_model_drafter_tree_samples_follow_target(sampling_target):
     target = sampling_target
     ids = prompt(6, seed=11)
     table = exact_two_token_distribution(target, ids, SAMPLING)
-    samples = sample_pairs(target, ids, SAMPLING, 2000, assistant_model=noisy_copy(target, 0.2), speculative_gamma=2,
-                           speculative_tree_budget=6)
+    samples = sample_pairs(
+        target,
+        ids,
+        SAMPLING,
+        2000,
+        assistant_model=noisy_copy(target, 0.2),
+        speculative_gamma=2,
+        speculative_tree_budget=6,
+    )
     assert goodness_of_fit(table, samples) > 1e-3
     drafter_samples = sample_pairs(hf_specdec.enable(tiny_model("llama", seed=1)), ids, SAMPLING, 2000)
-    assert (any(sample not in table for sample in drafter_samples)
-            or goodness_of_fit(table, drafter_samples) < 1e-3)
+    assert any(sample not in table for sample in drafter_samples) or goodness_of_fit(table, drafter_samples) < 1e-3
 
 
 def test_sampled_tree_samples_follow_target(sampling_target):
@@ -288,15 +333,18 @@ def test_sampled_tree_samples_follow_target(sampling_target):
             logits = drafter_model(input_ids).logits[:, -1].float()
             q = self.processors(input_ids, logits).softmax(-1)  # [1, vocab]
             children = torch.multinomial(q, 3, replacement=True)  # [1, 3]: independent draws
-            return hf_specdec.DraftProposal(tokens=children, probs=q[:, None].expand(1, 3, -1).clone(),
-                                            parents=torch.full((1, 3), -1))
+            return hf_specdec.DraftProposal(
+                tokens=children, probs=q[:, None].expand(1, 3, -1).clone(), parents=torch.full((1, 3), -1)
+            )
 
-    samples = sample_pairs(target, ids, SAMPLING, 2000, drafter=IidSiblings(), speculative_gamma=1,
-                           speculative_tree_budget=3)
+    samples = sample_pairs(
+        target, ids, SAMPLING, 2000, drafter=IidSiblings(), speculative_gamma=1, speculative_tree_budget=3
+    )
     assert goodness_of_fit(table, samples) > 1e-3
 
 
 # ----- errors -----------------------------------------------------------------------------------------------------
+
 
 def test_tree_errors_are_clear():
     target = hf_specdec.enable(tiny_model("llama"))
@@ -311,8 +359,9 @@ def test_tree_errors_are_clear():
     with pytest.raises(ValueError, match=r"token tree \(`parents`\), but this call verifies chains only"):
         target.generate(ids, drafter=TreeScript(reference), max_new_tokens=6)
     with pytest.raises(ValueError, match=r"tree of 9 nodes, more than speculative_tree_budget=4"):
-        target.generate(ids, drafter=TreeScript(reference), speculative_gamma=3, speculative_tree_budget=4,
-                        max_new_tokens=6)
+        target.generate(
+            ids, drafter=TreeScript(reference), speculative_gamma=3, speculative_tree_budget=4, max_new_tokens=6
+        )
 
     class BadParents(hf_specdec.Drafter):
         def propose(self, input_ids, num_tokens):
@@ -340,9 +389,9 @@ def test_trees_refuse_encoder_decoder_sliding_windows_and_models_without_4d_mask
 def test_probe_refuses_a_model_that_takes_positions_from_cache_slots():
     """A model that ignores `position_ids` (positions from cache slots) would put every node after the last one:
     the functional check must see it even on a default-initialized model, whose logits move little with position."""
+    from conftest import tiny_config
     from transformers import LlamaForCausalLM
 
-    from conftest import tiny_config
     from hf_specdec.tree_attention import supports_tree_attention
 
     class SlotPositions(LlamaForCausalLM):
@@ -363,6 +412,12 @@ def test_a_target_that_ignores_its_context_serves_trees():
     target = hf_specdec.enable(copying_target(tiny_model("llama")))
     ids = prompt(8, seed=3)
     reference = target.generate(ids, max_new_tokens=12, do_sample=False)
-    out = target.generate(ids, drafter=TreeScript(reference, 1, 2), speculative_gamma=3, speculative_tree_budget=9,
-                          max_new_tokens=12, do_sample=False)
+    out = target.generate(
+        ids,
+        drafter=TreeScript(reference, 1, 2),
+        speculative_gamma=3,
+        speculative_tree_budget=9,
+        max_new_tokens=12,
+        do_sample=False,
+    )
     assert torch.equal(out, reference)

@@ -6,14 +6,14 @@ import re
 
 import pytest
 import torch
+from conftest import noisy_copy
+from test_sampling_distribution import P_THRESHOLD, goodness_of_fit, processors
 from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, pipeline
 from transformers.modeling_outputs import BaseModelOutput
+from whisper_setup import SAMPLING_RATE, build_tokenizer, decoder_of, feature_extractor, features, tone, whisper
 
 import hf_specdec
 from hf_specdec.pipelines import SpeechRecognitionPipeline
-from conftest import noisy_copy
-from test_sampling_distribution import P_THRESHOLD, goodness_of_fit, processors
-from whisper_setup import SAMPLING_RATE, build_tokenizer, decoder_of, feature_extractor, features, tone, whisper
 
 NEW_TOKENS = 24
 
@@ -39,8 +39,9 @@ def assert_exact(target, inputs, drafter_args, **kwargs):
     spec = target.generate(inputs, max_new_tokens=NEW_TOKENS, speculative_gamma=4, **drafter_args, **kwargs)
     assert torch.equal(spec, plain)
     plain_dict = target.generate(inputs, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, **kwargs)
-    out = target.generate(inputs, max_new_tokens=NEW_TOKENS, speculative_gamma=4, return_dict_in_generate=True,
-                          **drafter_args, **kwargs)
+    out = target.generate(
+        inputs, max_new_tokens=NEW_TOKENS, speculative_gamma=4, return_dict_in_generate=True, **drafter_args, **kwargs
+    )
     assert torch.equal(out["sequences"], plain_dict["sequences"])
     assert len(set(plain[0].tolist())) >= 4  # not degenerate: a wrong drafter would show
     return out["speculative_stats"]
@@ -72,11 +73,14 @@ def test_decoder_only_assistant_reads_the_target_encoder_outputs(target, clip):
     assert stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("features_kwargs", [
-    dict(language="fr", task="transcribe"),
-    dict(language="en", task="translate"),
-    dict(return_timestamps=True),
-])
+@pytest.mark.parametrize(
+    "features_kwargs",
+    [
+        dict(language="fr", task="transcribe"),
+        dict(language="en", task="translate"),
+        dict(return_timestamps=True),
+    ],
+)
 def test_whisper_generation_features(target, clip, features_kwargs):
     assert_exact(target, clip, dict(drafter="prompt_lookup"), **features_kwargs)
     assert_exact(target, clip, dict(assistant_model=target), **features_kwargs)
@@ -99,8 +103,14 @@ def test_batch_of_clips(target, tokenizer):
 def test_long_form_audio(target):
     # beyond 30 s: Whisper decodes segment after segment, each one a call to the speculative loop
     audio = tone(45.0, 500.0)
-    inputs = feature_extractor()(audio, sampling_rate=16_000, return_tensors="pt", truncation=False,
-                                 padding="longest", return_attention_mask=True)
+    inputs = feature_extractor()(
+        audio,
+        sampling_rate=16_000,
+        return_tensors="pt",
+        truncation=False,
+        padding="longest",
+        return_attention_mask=True,
+    )
     arguments = dict(attention_mask=inputs.attention_mask, return_timestamps=True, condition_on_prev_tokens=False)
     plain = target.generate(inputs.input_features, **arguments)
     spec = target.generate(inputs.input_features, drafter="prompt_lookup", speculative_gamma=4, **arguments)
@@ -139,7 +149,7 @@ def sampled_paths(model, prefix, inputs, **kwargs):
     torch.manual_seed(1234)
     out = model.generate(**inputs, max_new_tokens=FREE_TOKENS, return_dict_in_generate=True, **SAMPLING, **kwargs)
     assert (out.sequences[:, : prefix.shape[1]] == prefix).all()  # the forced tokens are Whisper's own
-    paths = [tuple(row) for row in out.sequences[:, prefix.shape[1]:].tolist()]
+    paths = [tuple(row) for row in out.sequences[:, prefix.shape[1] :].tolist()]
     assert len(paths) == SAMPLES
     return paths, getattr(out, "speculative_stats", None)
 
@@ -153,8 +163,9 @@ def sampling_setup(tokenizer):
     clip = extractor(tone(1.0, 440.0), sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features  # [1, 80, 100]
     with torch.no_grad():
         encoder_outputs = target.get_encoder()(clip)
-    prefix = torch.tensor([tokenizer.convert_tokens_to_ids(
-        ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"])])
+    prefix = torch.tensor(
+        [tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"])]
+    )
     table = exact_distribution(target, encoder_outputs, prefix, FREE_TOKENS, WARPING)
     assert len(table) == 2**FREE_TOKENS and max(table.values()) < 0.5  # not degenerate
     return target, clip, encoder_outputs, prefix, table
@@ -186,8 +197,9 @@ def test_sampling_follows_the_target_distribution(sampling_setup, tokenizer):
 
     # a decoder-only assistant on the target's encoder outputs (computed once and passed to generate)
     reader = noisy_copy(decoder_of(target), 0.15)
-    expanded = dict(encoder_outputs=BaseModelOutput(
-        last_hidden_state=encoder_outputs.last_hidden_state.expand(SAMPLES, -1, -1)))
+    expanded = dict(
+        encoder_outputs=BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state.expand(SAMPLES, -1, -1))
+    )
     samples, stats = sampled_paths(target, prefix, expanded, assistant_model=reader, **SPECULATION)
     assert 0.1 < stats.acceptance_rate < 0.9
     assert goodness_of_fit(table, samples) > P_THRESHOLD
@@ -195,18 +207,25 @@ def test_sampling_follows_the_target_distribution(sampling_setup, tokenizer):
 
 def test_speech_recognition_pipeline_takes_an_assistant(target, tokenizer):
     clips = [tone(2.0, 300.0), tone(3.0, 700.0, seed=1)]
-    plain_pipe = pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer,
-                          feature_extractor=feature_extractor())
+    plain_pipe = pipeline(
+        "automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=feature_extractor()
+    )
     # transformers' speech pipeline defaults to beam search (num_beams=5): checked last, with speculative beam search
     generate_kwargs = {"max_new_tokens": NEW_TOKENS, "num_beams": 1}
     plain = plain_pipe(clips, generate_kwargs=generate_kwargs)
     assistant = whisper(tokenizer, seed=1, decoder_layers=1)
-    pipe = pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer,
-                    feature_extractor=feature_extractor(), assistant_model=assistant)
+    pipe = pipeline(
+        "automatic-speech-recognition",
+        model=target,
+        tokenizer=tokenizer,
+        feature_extractor=feature_extractor(),
+        assistant_model=assistant,
+    )
     assert pipe(clips, generate_kwargs={**generate_kwargs, "speculative_gamma": 4}) == plain
     assert plain_pipe(clips, generate_kwargs={**generate_kwargs, "drafter": "prompt_lookup"}) == plain
     assert pipe(clips, generate_kwargs={"max_new_tokens": NEW_TOKENS}) == plain_pipe(
-        clips, generate_kwargs={"max_new_tokens": NEW_TOKENS})
+        clips, generate_kwargs={"max_new_tokens": NEW_TOKENS}
+    )
     assert all(len(record["text"]) > 0 for record in plain)
 
 
@@ -214,8 +233,9 @@ def test_speech_recognition_pipeline_loads_path_assistants_from_safetensors_only
     clips = [tone(2.0, 300.0), tone(3.0, 700.0, seed=1)]
     extractor = feature_extractor()
     generate_kwargs = {"max_new_tokens": NEW_TOKENS, "num_beams": 1}
-    plain_pipe = pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer,
-                          feature_extractor=extractor)
+    plain_pipe = pipeline(
+        "automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=extractor
+    )
     assert isinstance(plain_pipe, SpeechRecognitionPipeline)  # importing hf_specdec pointed the task at it
     plain = plain_pipe(clips, generate_kwargs=generate_kwargs)
     assistant = whisper(tokenizer, seed=1, decoder_layers=1)
@@ -223,8 +243,13 @@ def test_speech_recognition_pipeline_loads_path_assistants_from_safetensors_only
     assistant.save_pretrained(saved)
     tokenizer.save_pretrained(saved)
 
-    pipe = pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=extractor,
-                    assistant_model=str(saved))
+    pipe = pipeline(
+        "automatic-speech-recognition",
+        model=target,
+        tokenizer=tokenizer,
+        feature_extractor=extractor,
+        assistant_model=str(saved),
+    )
     loaded = pipe.assistant_model
     assert isinstance(loaded, WhisperForConditionalGeneration) and loaded is not assistant
     assert all(torch.equal(value, assistant.state_dict()[name]) for name, value in loaded.state_dict().items())
@@ -242,11 +267,18 @@ def test_speech_recognition_pipeline_loads_path_assistants_from_safetensors_only
     tokenizer.save_pretrained(pickled)
     (pickled / "model.safetensors").unlink()
     torch.save(assistant.state_dict(), pickled / "pytorch_model.bin")
-    refusal = (rf"`assistant_model` '{re.escape(str(pickled))}' holds no safetensors weights \(only the pickle "
-               r"checkpoint pytorch_model.bin\).*never unpickled.*save_pretrained")
+    refusal = (
+        rf"`assistant_model` '{re.escape(str(pickled))}' holds no safetensors weights \(only the pickle "
+        r"checkpoint pytorch_model.bin\).*never unpickled.*save_pretrained"
+    )
     with pytest.raises(ValueError, match=refusal):
-        pipeline("automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=extractor,
-                 assistant_model=str(pickled))
+        pipeline(
+            "automatic-speech-recognition",
+            model=target,
+            tokenizer=tokenizer,
+            feature_extractor=extractor,
+            assistant_model=str(pickled),
+        )
     with pytest.raises(ValueError, match=refusal):
         plain_pipe(clips, generate_kwargs={**generate_kwargs, "assistant_model": str(pickled)})
     # transformers' own loader reads it (so the refusal is this library's)

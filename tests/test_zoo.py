@@ -42,8 +42,13 @@ def test_manifest_excludes_and_keeps_packages_together(fake_stdlib):
     paths = [f.path for f in files]
     assert paths == sorted(paths)
     assert "email/parser.py" in paths and "textwrap.py" in paths
-    for excluded in ("test/test_json.py", "unittest/test_case.py", "site-packages/numpy/__init__.py", "empty.py",
-                     "huge.py"):
+    for excluded in (
+        "test/test_json.py",
+        "unittest/test_case.py",
+        "site-packages/numpy/__init__.py",
+        "empty.py",
+        "huge.py",
+    ):
         assert excluded not in paths
     email = {f.split for f in files if f.module == "email"}
     assert len(email) == 1
@@ -115,8 +120,9 @@ def test_prompts_are_held_out_and_rebuildable():
     for task in TASKS:
         assert len(prompts[task]) == 16
         assert all(item["id"].rsplit(":", 1)[0] in held_out for item in prompts[task])
-    source = "class A:\n    def method(self, x):\n        \"\"\"Doc.\"\"\"\n" + "        x = x + 1\n" * 40 + \
-        "        return x\n"
+    source = (
+        'class A:\n    def method(self, x):\n        """Doc."""\n' + "        x = x + 1\n" * 40 + "        return x\n"
+    )
     built = build_prompts([("a.py", source)], per_task=4)
     assert built == build_prompts([("a.py", source)], per_task=4)
     # prompts end before their last newline, which the tokenizer would merge with the next line's indentation
@@ -155,8 +161,11 @@ def test_embedded_models_load_and_are_small(default_models):
 @pytest.mark.parametrize("drafter_name", ["distilled", "ngram", "prompt_lookup"])
 def test_speculative_greedy_equals_plain_with_each_zoo_drafter(default_models, drafter_name):
     target, drafter, tokenizer = default_models
-    kwargs = {"distilled": dict(assistant_model=drafter), "ngram": dict(drafter=zoo.load_ngram()),
-              "prompt_lookup": dict(drafter="prompt_lookup")}[drafter_name]
+    kwargs = {
+        "distilled": dict(assistant_model=drafter),
+        "ngram": dict(drafter=zoo.load_ngram()),
+        "prompt_lookup": dict(drafter="prompt_lookup"),
+    }[drafter_name]
     prompt = load_prompts()["editing"][1]["prompt"]  # every drafter is partly right on it
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     common = dict(max_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(ids))

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
-import tempfile
 
 import numpy as np
 import torch
@@ -20,8 +18,17 @@ from transformers import (
 
 SAMPLING_RATE = 16_000
 LANGUAGES = ("en", "fr")
-SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{lang}|>" for lang in LANGUAGES), "<|translate|>",
-            "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    *(f"<|{lang}|>" for lang in LANGUAGES),
+    "<|translate|>",
+    "<|transcribe|>",
+    "<|startoflm|>",
+    "<|startofprev|>",
+    "<|nospeech|>",
+    "<|notimestamps|>",
+]
 TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
 CORPUS = [
     "the cat sat on the mat and the dog sat on the log",
@@ -41,9 +48,14 @@ def build_tokenizer(directory: str) -> WhisperTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(CORPUS, trainer)
     bpe.model.save(directory)
-    tokenizer = WhisperTokenizer(os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"),
-                                 bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>",
-                                 pad_token="<|endoftext|>")
+    tokenizer = WhisperTokenizer(
+        os.path.join(directory, "vocab.json"),
+        os.path.join(directory, "merges.txt"),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
     tokenizer.add_tokens(TIMESTAMPS)
     return tokenizer
@@ -59,11 +71,26 @@ def tone(seconds: float, frequency: float, seed: int = 0) -> np.ndarray:
 def whisper_config(tokenizer, decoder_layers: int = 2, **overrides) -> WhisperConfig:
     ids = tokenizer.convert_tokens_to_ids
     eot = ids("<|endoftext|>")
-    values = dict(vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=decoder_layers,
-                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                  num_mel_bins=80, max_source_positions=1500, max_target_positions=448, pad_token_id=eot,
-                  bos_token_id=eot, eos_token_id=eot, decoder_start_token_id=ids("<|startoftranscript|>"),
-                  suppress_tokens=[], begin_suppress_tokens=[eot], init_std=0.2)
+    values = dict(
+        vocab_size=len(tokenizer),
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=decoder_layers,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        max_target_positions=448,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=ids("<|startoftranscript|>"),
+        suppress_tokens=[],
+        begin_suppress_tokens=[eot],
+        init_std=0.2,
+    )
     values.update(overrides)
     return WhisperConfig(**values)
 

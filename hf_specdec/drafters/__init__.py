@@ -1,6 +1,6 @@
 """Drafters: what proposes the tokens the target verifies."""
 
-from .base import DraftContext, DraftProposal, Drafter, get_drafter_class, list_drafters, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, get_drafter_class, list_drafters, register_drafter
 from .cross_tokenizer import CrossTokenizerDrafter
 from .eagle import EagleDrafter
 from .model import ModelDrafter

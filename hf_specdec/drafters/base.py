@@ -85,7 +85,7 @@ class DraftProposal:
     Trees are verified only when `speculative_tree_budget` is set (then `DraftContext.tree_budget` is not `None`)."""
 
     @classmethod
-    def empty(cls, batch_size: int, device: torch.device | str) -> "DraftProposal":
+    def empty(cls, batch_size: int, device: torch.device | str) -> DraftProposal:
         return cls(tokens=torch.empty(batch_size, 0, dtype=torch.long, device=device))
 
 
@@ -146,13 +146,13 @@ class Drafter:
         """With `supports_padded_batches`: keep only these rows of the batch (the others have finished)."""
 
     @classmethod
-    def from_options(cls, **options) -> "Drafter":
+    def from_options(cls, **options) -> Drafter:
         """Builds the drafter for `generate(drafter=<registered name>, drafter_kwargs=options)`; unknown and missing
         options fail naming what the constructor takes."""
         check_options(cls, options)
         return cls(**options)
 
-    def for_call(self, context: DraftContext) -> "Drafter":
+    def for_call(self, context: DraftContext) -> Drafter:
         """A per-call copy of this drafter, reset for `context` (the user's object stays untouched)."""
         drafter = copy.copy(self)
         drafter.reset(context)
@@ -171,9 +171,11 @@ def check_options(cls: type, options: dict[str, Any], signature_of=None) -> None
                 f"Unknown `drafter_kwargs` key(s) {unknown} for {cls.__name__}, got drafter_kwargs={options!r}. "
                 f"{cls.__name__} accepts {accepted}."
             )
-    missing = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
-                                                                                 p.KEYWORD_ONLY)
-               and p.name not in options]
+    missing = [
+        p.name
+        for p in parameters
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in options
+    ]
     if missing:
         raise TypeError(
             f"{cls.__name__} needs {missing} in `drafter_kwargs`, got drafter_kwargs={options!r}. Pass "

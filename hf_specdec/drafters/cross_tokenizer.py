@@ -43,7 +43,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..caches import cache_argument
 from ..sampling import sample_tokens
-from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .model import logits_width
 
 __all__ = ["CrossTokenizerDrafter", "IncrementalDetokenizer", "IncrementalRetokenizer", "shared_vocabulary"]
@@ -69,11 +69,10 @@ def check_tokenizer(tokenizer, argument: str) -> None:
         # a text made of the tokenizer's own tokens encodes and decodes back to itself when it has a decoder
         special = set(tokenizer.all_special_ids)
         plain = [i for i in range(len(tokenizer)) if i not in special]
-        probe = [i for i in plain[:: max(1, len(plain) // 32)]
-                 if "\ufffd" not in _decode(tokenizer, [i])][:24]
+        probe = [i for i in plain[:: max(1, len(plain) // 32)] if "\ufffd" not in _decode(tokenizer, [i])][:24]
         text = _decode(tokenizer, probe)
         decoded = _decode(tokenizer, _encode(tokenizer, text))
-    except Exception as error:  # noqa: BLE001 - any failure means it cannot decode
+    except Exception as error:
         raise ValueError(
             f"`{argument}` ({type(tokenizer).__name__}) cannot encode and decode text ({type(error).__name__}: "
             f"{error}). Drafting across tokenizers moves text between the two: use a tokenizer with a decoder."
@@ -141,7 +140,7 @@ class IncrementalDetokenizer:
             return ""
         self.context = (self.context + pending[:cut])[-_CONTEXT_TOKENS:]
         self.held = pending[cut:]
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
 
 class IncrementalRetokenizer:
@@ -219,7 +218,7 @@ class IncrementalRetokenizer:
 
 
 # tokenizer -> list of each id's string as it reads inside a text (None: no plain string), computed once
-_TOKEN_STRINGS: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, list[str | None]]" = weakref.WeakKeyDictionary()
+_TOKEN_STRINGS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, list[str | None]] = weakref.WeakKeyDictionary()
 
 
 def token_strings(tokenizer) -> list[str | None]:
@@ -231,12 +230,13 @@ def token_strings(tokenizer) -> list[str | None]:
         anchor = _encode(tokenizer, "a")[-1:]
         anchor_text = _decode(tokenizer, anchor)
         size = len(tokenizer)
-        decoded = tokenizer.batch_decode([anchor + [i] for i in range(size)], skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
+        decoded = tokenizer.batch_decode(
+            [anchor + [i] for i in range(size)], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         special = set(tokenizer.all_special_ids)
         strings = [None] * size
         for i, text in enumerate(decoded):
-            piece = text[len(anchor_text):] if text.startswith(anchor_text) else None
+            piece = text[len(anchor_text) :] if text.startswith(anchor_text) else None
             if i not in special and piece and "\ufffd" not in piece:
                 strings[i] = piece
         _TOKEN_STRINGS[tokenizer] = strings
@@ -275,8 +275,11 @@ def shared_vocabulary(tokenizer, assistant_tokenizer) -> tuple[torch.LongTensor,
     """
     target_index = _string_index(tokenizer)
     assistant_index = _string_index(assistant_tokenizer)
-    pairs = sorted((target_index[string], assistant_id) for string, assistant_id in assistant_index.items()
-                   if string in target_index)
+    pairs = sorted(
+        (target_index[string], assistant_id)
+        for string, assistant_id in assistant_index.items()
+        if string in target_index
+    )
     if pairs and tokenizer.eos_token_id is not None and assistant_tokenizer.eos_token_id is not None:
         pairs.append((tokenizer.eos_token_id, assistant_tokenizer.eos_token_id))
     target_ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
@@ -284,7 +287,7 @@ def shared_vocabulary(tokenizer, assistant_tokenizer) -> tuple[torch.LongTensor,
     return target_ids, assistant_ids
 
 
-_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cached_shared_vocabulary(tokenizer, assistant_tokenizer):
@@ -340,8 +343,14 @@ class CrossTokenizerDrafter(Drafter):
     ```
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, assistant_tokenizer, max_draft_steps: int | None = None,
-                 window: int = 8):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        assistant_tokenizer,
+        max_draft_steps: int | None = None,
+        window: int = 8,
+    ):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"`assistant_model` must be a transformers `PreTrainedModel`, got {type(model).__name__}. Load it with "
@@ -356,8 +365,9 @@ class CrossTokenizerDrafter(Drafter):
                 f"({type(model).__name__}) scores only {width}: it is not the drafter's tokenizer. Pass the tokenizer "
                 "the assistant model was trained with."
             )
-        if max_draft_steps is not None and (isinstance(max_draft_steps, bool) or not isinstance(max_draft_steps, int)
-                                            or max_draft_steps < 1):
+        if max_draft_steps is not None and (
+            isinstance(max_draft_steps, bool) or not isinstance(max_draft_steps, int) or max_draft_steps < 1
+        ):
             raise ValueError(f"`max_draft_steps` must be a positive int or None, got {max_draft_steps!r}.")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"`window` must be a positive int, got {window!r}. Use the default, 8.")
@@ -418,8 +428,9 @@ class CrossTokenizerDrafter(Drafter):
                 )
             source_text = _decode(self.tokenizer, source[0].tolist())
             encoded = self.assistant_tokenizer(source_text, return_tensors="pt").to(self.device)
-            encoder_outputs = model.get_encoder()(input_ids=encoded.input_ids, attention_mask=encoded.attention_mask,
-                                                  return_dict=True)
+            encoder_outputs = model.get_encoder()(
+                input_ids=encoded.input_ids, attention_mask=encoded.attention_mask, return_dict=True
+            )
             self.encoder_inputs = {"encoder_outputs": encoder_outputs, "attention_mask": encoded.attention_mask}
             prefix = [model.config.decoder_start_token_id]
             self.cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
@@ -485,7 +496,7 @@ class CrossTokenizerDrafter(Drafter):
         from the first token that starts at the draft; empty when no spelling of the draft follows the anchor."""
         tail_text = _decode(self.assistant_tokenizer, tail)
         text = _decode(self.assistant_tokenizer, tail + drafted)
-        text = text[len(tail_text):] if text.startswith(tail_text) else _decode(self.assistant_tokenizer, drafted)
+        text = text[len(tail_text) :] if text.startswith(tail_text) else _decode(self.assistant_tokenizer, drafted)
         while text.endswith("\ufffd"):  # a character cut at the end of the draft
             text = text[:-1]
         if not text:
@@ -540,8 +551,9 @@ class CrossTokenizerDrafter(Drafter):
             self.cache.crop(-excess)
         new = torch.tensor([ids[keep:]], dtype=torch.long, device=self.device)  # [1, n]
         if self.encoder_inputs is not None:
-            outputs = self.model(decoder_input_ids=new, use_cache=True, **{self.cache_argument: self.cache},
-                                 **self.encoder_inputs)
+            outputs = self.model(
+                decoder_input_ids=new, use_cache=True, **{self.cache_argument: self.cache}, **self.encoder_inputs
+            )
         else:
             outputs = self.model(input_ids=new, use_cache=True, **{self.cache_argument: self.cache})
         self.fed = list(ids)

@@ -29,8 +29,8 @@ target's logits processors, so q(x) > 0 for every drafted token.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from transformers.models.llama.modeling_llama import (
 
 from ..devices import execution_device
 from ..sampling import sample_tokens
-from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .model import logits_width
 from .tree_builder import DynamicTree
 
@@ -109,8 +109,9 @@ class _Attention(nn.Module):
         if mask is None and past_keys is not None and past_keys.shape[2]:
             past = past_keys.shape[2]
             mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(past)[None, None]
-        out = F.scaled_dot_product_attention(q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask,
-                                             is_causal=mask is None and length > 1)
+        out = F.scaled_dot_product_attention(
+            q, repeat_kv(keys, groups), repeat_kv(values, groups), attn_mask=mask, is_causal=mask is None and length > 1
+        )
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
 
@@ -150,8 +151,17 @@ class Eagle3DraftModel(nn.Module):
         """`[draft_vocab]`: the target id of each draft id."""
         return self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.LongTensor, *,
-                project: bool, past_keys=None, past_values=None, mask=None):
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.LongTensor,
+        *,
+        project: bool,
+        past_keys=None,
+        past_values=None,
+        mask=None,
+    ):
         """One pass of the layer. `embeds` `[b, T, h]` (the next tokens' embeddings), `hidden` `[b, T, 3 h_target]`
         target features (`project=True`) or `[b, T, h]` the layer's own earlier outputs; returns the output before
         the final norm `[b, T, h]` and the new keys and values."""
@@ -175,8 +185,9 @@ class Eagle3DraftModel(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def eagle_config_for(target: PreTrainedModel, draft_vocab_size: int, layers: Sequence[int] | None = None,
-                     **overrides) -> LlamaConfig:
+def eagle_config_for(
+    target: PreTrainedModel, draft_vocab_size: int, layers: Sequence[int] | None = None, **overrides
+) -> LlamaConfig:
     """An EAGLE-3 config sized like `target`'s decoder layers (its hidden size, heads and MLP width)."""
     text = _text_config(target)
     num_heads = text.num_attention_heads
@@ -247,9 +258,16 @@ class EagleDrafter(Drafter):
 
     reads_target_hidden_states = True
 
-    def __init__(self, model: Eagle3DraftModel | None = None, *, pretrained: str | Path | None = None,
-                 target_name: str | None = None, tree_top_k: int = 4, training_info: dict | None = None,
-                 **hub_kwargs):
+    def __init__(
+        self,
+        model: Eagle3DraftModel | None = None,
+        *,
+        pretrained: str | Path | None = None,
+        target_name: str | None = None,
+        tree_top_k: int = 4,
+        training_info: dict | None = None,
+        **hub_kwargs,
+    ):
         _check_hub_options(hub_kwargs)
         if (model is None) == (pretrained is None):
             raise ValueError(
@@ -274,8 +292,14 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ building, saving and loading
     @classmethod
-    def from_target(cls, target: PreTrainedModel, draft_token_ids: Sequence[int] | torch.Tensor | None = None,
-                    layers: Sequence[int] | None = None, seed: int = 0, **config_overrides) -> "EagleDrafter":
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        draft_token_ids: Sequence[int] | torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+        seed: int = 0,
+        **config_overrides,
+    ) -> EagleDrafter:
         """A new (untrained) head for `target`: sized like its layers, the draft vocabulary `draft_token_ids` (all
         target ids by default, most useful first), `fc` starting as the high features alone, the head's rows and
         the final norm copied from the target's, so that it starts close to an early exit of the target."""
@@ -336,22 +360,32 @@ class EagleDrafter(Drafter):
         lines = ["---", "library_name: hf-specdec", "tags:", "- speculative-decoding", "- eagle3"]
         if self.target_name:
             lines.append(f"base_model: {self.target_name}")
-        lines += ["---", "", "# EAGLE-3 draft head", "",
-                  f"A draft head for `{self.target_name or 'its target'}` in the EAGLE-3 layout that SGLang and vLLM "
-                  "read (`LlamaForCausalLMEagle3`), for exact speculative decoding with `hf_specdec`:", "",
-                  "```python", "import hf_specdec",
-                  "drafter = hf_specdec.EagleDrafter.from_pretrained(path, target=model)",
-                  "out = hf_specdec.enable(model).generate(ids, drafter=drafter)", "```", "",
-                  f"- draft vocabulary: {config['draft_vocab_size']} of {config['vocab_size']} tokens",
-                  f"- target features: `output_hidden_states` entries "
-                  f"{[i + 1 for i in config['eagle_config']['eagle_aux_hidden_state_layer_ids']]}"]
+        lines += [
+            "---",
+            "",
+            "# EAGLE-3 draft head",
+            "",
+            f"A draft head for `{self.target_name or 'its target'}` in the EAGLE-3 layout that SGLang and vLLM "
+            "read (`LlamaForCausalLMEagle3`), for exact speculative decoding with `hf_specdec`:",
+            "",
+            "```python",
+            "import hf_specdec",
+            "drafter = hf_specdec.EagleDrafter.from_pretrained(path, target=model)",
+            "out = hf_specdec.enable(model).generate(ids, drafter=drafter)",
+            "```",
+            "",
+            f"- draft vocabulary: {config['draft_vocab_size']} of {config['vocab_size']} tokens",
+            f"- target features: `output_hidden_states` entries "
+            f"{[i + 1 for i in config['eagle_config']['eagle_aux_hidden_state_layer_ids']]}",
+        ]
         for key, value in info.items():
             lines.append(f"- {key.replace('_', ' ')}: {value}")
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_pretrained(cls, pretrained: str | Path, target: PreTrainedModel, *, tree_top_k: int = 4,
-                        **hub_kwargs) -> "EagleDrafter":
+    def from_pretrained(
+        cls, pretrained: str | Path, target: PreTrainedModel, *, tree_top_k: int = 4, **hub_kwargs
+    ) -> EagleDrafter:
         """Loads an EAGLE-3 head saved in the published layout (`model.safetensors`, or `pytorch_model.bin` read with
         `weights_only=True`) from a local directory or the Hub, and checks that it fits `target`."""
         _check_hub_options(hub_kwargs)
@@ -389,20 +423,26 @@ class EagleDrafter(Drafter):
         config.eagle_layers = _layers_of(config, text.num_hidden_layers)
         problems = []
         if config.target_hidden_size != text.hidden_size:
-            problems.append(f"it reads target hidden states of size {config.target_hidden_size}, the target's are "
-                            f"{text.hidden_size}")
+            problems.append(
+                f"it reads target hidden states of size {config.target_hidden_size}, the target's are "
+                f"{text.hidden_size}"
+            )
         if fc.shape[1] != len(config.eagle_layers) * text.hidden_size:
-            problems.append(f"its `fc` takes {fc.shape[1]} features, {len(config.eagle_layers)} layers of the target "
-                            f"give {len(config.eagle_layers) * text.hidden_size}")
+            problems.append(
+                f"its `fc` takes {fc.shape[1]} features, {len(config.eagle_layers)} layers of the target "
+                f"give {len(config.eagle_layers) * text.hidden_size}"
+            )
         if config.vocab_size != vocab:
             problems.append(f"it maps into a vocabulary of {config.vocab_size} tokens, the target has {vocab}")
         if max(config.eagle_layers) > text.num_hidden_layers:
-            problems.append(f"it reads layer outputs {config.eagle_layers}, the target has {text.num_hidden_layers} "
-                            "layers")
+            problems.append(
+                f"it reads layer outputs {config.eagle_layers}, the target has {text.num_hidden_layers} layers"
+            )
         if problems:
             raise ValueError(
                 f"The EAGLE-3 head at {pretrained} does not fit the target {type(target).__name__}: "
-                + "; ".join(problems) + ". Use a head trained for this target (or train one with "
+                + "; ".join(problems)
+                + ". Use a head trained for this target (or train one with "
                 "`hf_specdec.distill.train_eagle_drafter`)."
             )
         model = Eagle3DraftModel(config)
@@ -426,8 +466,10 @@ class EagleDrafter(Drafter):
 
     def _loaded_model(self, what: str) -> Eagle3DraftModel:
         if self.model is None:
-            raise ValueError(f"EagleDrafter.{what} needs a loaded head; load it with `EagleDrafter.from_pretrained("
-                             f"{self.pretrained!r}, target=model)` first.")
+            raise ValueError(
+                f"EagleDrafter.{what} needs a loaded head; load it with `EagleDrafter.from_pretrained("
+                f"{self.pretrained!r}, target=model)` first."
+            )
         return self.model
 
     # ------------------------------------------------------------------ drafting
@@ -489,20 +531,28 @@ class EagleDrafter(Drafter):
         features = self.pending.to(device=self.device, dtype=self.dtype)
         start = self.seen
         positions = torch.arange(start, length - 1, device=self.device)[None]
-        hidden, keys, values = self.model(self._embed(input_ids[:, start + 1 :]), features, positions, project=True,
-                                          past_keys=self.keys, past_values=self.values)
+        hidden, keys, values = self.model(
+            self._embed(input_ids[:, start + 1 :]),
+            features,
+            positions,
+            project=True,
+            past_keys=self.keys,
+            past_values=self.values,
+        )
         self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
         self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
         self.seen, self.pending = length - 1, None
         return hidden[:, -1:]
 
     @torch.no_grad()
-    def propose(self, input_ids: torch.LongTensor, num_tokens: int,
-                attention_mask: torch.LongTensor | None = None) -> DraftProposal:
+    def propose(
+        self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
+    ) -> DraftProposal:
         batch = input_ids.shape[0]
         if batch != 1:
-            raise ValueError("EagleDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row "
-                             "for it).")
+            raise ValueError(
+                "EagleDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row for it)."
+            )
         if num_tokens == 0:  # a plain step: the features wait, and are fed in one forward when drafts are asked
             return DraftProposal.empty(batch, input_ids.device)
         hidden = self._feed_context(input_ids)
@@ -530,9 +580,14 @@ class EagleDrafter(Drafter):
             if step + 1 == num_tokens:
                 break
             position += 1
-            hidden, new_keys, new_values = model(self._embed(token), hidden, torch.full((1, 1), position,
-                                                                                        device=self.device),
-                                                 project=False, past_keys=keys, past_values=values)
+            hidden, new_keys, new_values = model(
+                self._embed(token),
+                hidden,
+                torch.full((1, 1), position, device=self.device),
+                project=False,
+                past_keys=keys,
+                past_values=values,
+            )
             keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
         kept = int(torch.stack(usable).long().cumprod(0).sum())  # drafts before the first step with nothing left
         tokens = ids[:, input_ids.shape[1] : input_ids.shape[1] + kept]
@@ -542,8 +597,12 @@ class EagleDrafter(Drafter):
         """EAGLE-2's dynamic tree ([`DynamicTree`]) over the layer's outputs: `hidden` `[1, 1, h]` is the output at
         the last real position. Each expanded node is fed with the output that predicted it."""
         model, device = self.model, self.device
-        tree = DynamicTree(self._scores(model.logits(hidden[:, -1]).float(), input_ids).log_softmax(dim=-1),
-                           self.tree_budget, self.tree_top_k, device)
+        tree = DynamicTree(
+            self._scores(model.logits(hidden[:, -1]).float(), input_ids).log_softmax(dim=-1),
+            self.tree_budget,
+            self.tree_top_k,
+            device,
+        )
         if not len(tree):
             return tree.proposal()
         node_hidden = hidden[0].expand(len(tree), -1)  # [n, h]: the output that predicted each node
@@ -554,15 +613,21 @@ class EagleDrafter(Drafter):
             if expansion is None:
                 break
             size = expansion.tokens.shape[0]
-            allowed = torch.cat([torch.ones(size, real, dtype=torch.bool, device=device), expansion.mask],
-                                dim=1)  # [f, real + expanded]
+            allowed = torch.cat(
+                [torch.ones(size, real, dtype=torch.bool, device=device), expansion.mask], dim=1
+            )  # [f, real + expanded]
             keys = self.keys if fed_keys is None else torch.cat([self.keys, fed_keys], dim=2)
             values = self.values if fed_values is None else torch.cat([self.values, fed_values], dim=2)
             positions = torch.full((1, size), self.seen - 1 + depth, device=device)
-            out, new_keys, new_values = model(self._embed(expansion.tokens[None]),
-                                              node_hidden[expansion.nodes.to(device)][None], positions,
-                                              project=False, past_keys=keys, past_values=values,
-                                              mask=allowed[None, None])
+            out, new_keys, new_values = model(
+                self._embed(expansion.tokens[None]),
+                node_hidden[expansion.nodes.to(device)][None],
+                positions,
+                project=False,
+                past_keys=keys,
+                past_values=values,
+                mask=allowed[None, None],
+            )
             fed_keys = new_keys if fed_keys is None else torch.cat([fed_keys, new_keys], dim=2)
             fed_values = new_values if fed_values is None else torch.cat([fed_values, new_values], dim=2)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
@@ -570,17 +635,23 @@ class EagleDrafter(Drafter):
             node_hidden = torch.cat([node_hidden, out[0].repeat_interleave(tree.top_k, dim=0)])
         return tree.proposal()
 
-    def on_verified(self, input_ids: torch.LongTensor, num_accepted: torch.LongTensor,
-                    attention_mask: torch.LongTensor | None = None, accepted_nodes: torch.LongTensor | None = None,
-                    target_hidden_states: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self,
+        input_ids: torch.LongTensor,
+        num_accepted: torch.LongTensor,
+        attention_mask: torch.LongTensor | None = None,
+        accepted_nodes: torch.LongTensor | None = None,
+        target_hidden_states: torch.Tensor | None = None,
+    ) -> None:
         if target_hidden_states is None:
             raise ValueError(
                 "EagleDrafter needs the target's hidden states after each verification (`target_hidden_states`), "
                 "but the caller did not pass them. hf_specdec's loops do; a custom loop must capture them "
                 "(`hf_specdec.rounds.HiddenStateCapture`)."
             )
-        pending = target_hidden_states if self.pending is None else torch.cat([self.pending, target_hidden_states],
-                                                                              dim=1)
+        pending = (
+            target_hidden_states if self.pending is None else torch.cat([self.pending, target_hidden_states], dim=1)
+        )
         self.pending = pending
 
 
@@ -602,8 +673,11 @@ def _resolve(pretrained: str | Path, hub_kwargs: dict) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(pretrained), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.md"],
-                                      **hub_kwargs))
+        return Path(
+            snapshot_download(
+                str(pretrained), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.md"], **hub_kwargs
+            )
+        )
     except Exception as error:  # offline, unknown repo, gated...
         raise OSError(
             f"Could not load the EAGLE-3 head {str(pretrained)!r}: it is not a local directory, and the Hub download "

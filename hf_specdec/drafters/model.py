@@ -15,13 +15,22 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel, Sta
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import logging
 
-from ..caches import (CACHE_KWARG, cache_argument, cached_length, croppable_after_first_forward, is_static,
-                      realign_cache, rewind_cache, slice_cache, static_rewind_problem)
+from ..caches import (
+    CACHE_KWARG,
+    cache_argument,
+    cached_length,
+    croppable_after_first_forward,
+    is_static,
+    realign_cache,
+    rewind_cache,
+    slice_cache,
+    static_rewind_problem,
+)
 from ..devices import execution_device
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
-from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .tree_builder import DynamicTree
 
 __all__ = ["ModelDrafter"]
@@ -106,8 +115,13 @@ class ModelDrafter(Drafter):
 
     supports_padded_batches = True
 
-    def __init__(self, model: PreTrainedModel, tree_top_k: int = 4, same_tokenizer: bool = False,
-                 cache_implementation: str | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tree_top_k: int = 4,
+        same_tokenizer: bool = False,
+        cache_implementation: str | None = None,
+    ):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(
                 f"`assistant_model` must be a transformers `PreTrainedModel`, got {type(model).__name__}. "
@@ -182,7 +196,7 @@ class ModelDrafter(Drafter):
                     f"`ModelDrafter(cache_implementation='static')` drafts for decoder-only targets, but the target "
                     f"({type(target).__name__}) is an encoder-decoder model, whose drafter also keeps a "
                     "cross-attention cache over the source. Leave the drafter's cache dynamic "
-                    "(`cache_implementation=None`); the target itself may still use `cache_implementation=\"static\"`."
+                    '(`cache_implementation=None`); the target itself may still use `cache_implementation="static"`.'
                 )
             self.attention_mask = None  # decoder prompts (start tokens) are never padded
             self.encoder_inputs = self._encoder_inputs(context, forward_params)
@@ -218,8 +232,10 @@ class ModelDrafter(Drafter):
             # a single prompt may still carry left padding: its nodes must not see it, and positions skip it
             mask = self.attention_mask
             self.tree_padding = 0 if mask is None else int((mask == 0).sum())
-        if static and hasattr(model, "_valid_auto_compile_criteria") and model._valid_auto_compile_criteria(
-            {CACHE_KWARG: cache}, context.generation_config
+        if (
+            static
+            and hasattr(model, "_valid_auto_compile_criteria")
+            and model._valid_auto_compile_criteria({CACHE_KWARG: cache}, context.generation_config)
         ):
             # transformers' own compiled call, cached on the model by transformers as for plain decoding
             compiled = model.get_compiled_call(context.generation_config.compile_config)
@@ -287,14 +303,20 @@ class ModelDrafter(Drafter):
             source = context.inputs_tensor
             # without a source, generate passes a placeholder of -100s
             token_ids = source is not None and not source.is_floating_point()
-            if (input_name == "input_ids" and source is not None and not token_ids
-                    and source.shape[-1] == model.config.get_text_config(decoder=False).hidden_size
-                    and "inputs_embeds" in inspect.signature(encoder.forward).parameters):
+            if (
+                input_name == "input_ids"
+                and source is not None
+                and not token_ids
+                and source.shape[-1] == model.config.get_text_config(decoder=False).hidden_size
+                and "inputs_embeds" in inspect.signature(encoder.forward).parameters
+            ):
                 # a source given as embeddings (Pop2Piano's `generate` always passes `inputs_embeds`), of the
                 # width the drafter's encoder takes: encoded as embeddings
                 input_name = "inputs_embeds"
-            if source is None or (token_ids and bool((source < 0).any())) or (
-                input_name == "input_ids" and not token_ids
+            if (
+                source is None
+                or (token_ids and bool((source < 0).any()))
+                or (input_name == "input_ids" and not token_ids)
             ):
                 raise ValueError(
                     f"The encoder-decoder `assistant_model` ({type(model).__name__}) needs the source as "
@@ -311,8 +333,11 @@ class ModelDrafter(Drafter):
         takes_states = "encoder_hidden_states" in forward_params
         if not takes_states and "encoder_outputs" in forward_params and target_states.shape[-1] == hidden_size:
             # WhisperForCausalLM takes the encoder's output object itself
-            return {"encoder_outputs": BaseModelOutput(
-                last_hidden_state=target_states.to(device=self.device, dtype=model.dtype))}
+            return {
+                "encoder_outputs": BaseModelOutput(
+                    last_hidden_state=target_states.to(device=self.device, dtype=model.dtype)
+                )
+            }
         if not takes_states or getattr(model.config, "add_cross_attention", True) is False:
             raise ValueError(
                 f"`assistant_model` ({type(model).__name__}) is decoder-only without cross-attention, so it cannot "
@@ -394,8 +419,9 @@ class ModelDrafter(Drafter):
         in_cache = (columns >= 0) & (columns < self.fed_ids.shape[1])
         # a row's cached prefix stays valid up to its first column that is not what it now holds (padding is masked)
         same = (in_cache & (fed_here == input_ids[:, :width])) | (positions < new_pad[:, None])
-        kept, shift, alike = torch.stack([same.long().cumprod(-1).sum(-1).min(), moved[0],
-                                          (moved == moved[0]).all().long()]).tolist()  # one device sync
+        kept, shift, alike = torch.stack(
+            [same.long().cumprod(-1).sum(-1).min(), moved[0], (moved == moved[0]).all().long()]
+        ).tolist()  # one device sync
         if alike and shift <= 0:  # every row moved alike (left, or not at all): a slice of the cache
             slice_cache(self.cache, -shift, kept)
         else:
@@ -415,8 +441,9 @@ class ModelDrafter(Drafter):
         logits = self._next_logits(input_ids)  # [1, vocab]
         context_length = input_ids.shape[1]  # every context token is cached now
         self.tree_context_length = context_length
-        tree = DynamicTree(self.logits_processor(input_ids, logits).log_softmax(dim=-1), self.tree_budget,
-                           self.tree_top_k, device)
+        tree = DynamicTree(
+            self.logits_processor(input_ids, logits).log_softmax(dim=-1), self.tree_budget, self.tree_top_k, device
+        )
         root_position = context_length - 1 - self.tree_padding
         context_visible = torch.ones(context_length, dtype=torch.bool, device=device)  # [context_length]
         if self.tree_padding:
@@ -434,9 +461,14 @@ class ModelDrafter(Drafter):
             if filler:
                 # filler nodes after the real ones, invisible to them; each sees the context and itself, so that the
                 # keys it leaves in the cache's stale slots stay finite
-                rows = torch.cat([context_visible.expand(filler, -1),
-                                  allowed.new_zeros(filler, allowed.shape[1] - context_length),
-                                  torch.eye(filler, dtype=torch.bool, device=device)], dim=1)
+                rows = torch.cat(
+                    [
+                        context_visible.expand(filler, -1),
+                        allowed.new_zeros(filler, allowed.shape[1] - context_length),
+                        torch.eye(filler, dtype=torch.bool, device=device),
+                    ],
+                    dim=1,
+                )
                 allowed = torch.cat([torch.cat([allowed, allowed.new_zeros(size, filler)], dim=1), rows])
                 tokens = torch.cat([tokens, tokens[-1:].expand(filler)])
             if self.capacity is not None:  # a static cache attends over all its columns: those past the nodes hidden
@@ -444,8 +476,9 @@ class ModelDrafter(Drafter):
             inputs = {
                 "input_ids": self._drafter_ids(tokens[None]).to(device),
                 "attention_mask": additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
-                "position_ids": torch.full((1, size + filler), min(root_position + depth, self.max_position),
-                                           dtype=torch.long, device=device),
+                "position_ids": torch.full(
+                    (1, size + filler), min(root_position + depth, self.max_position), dtype=torch.long, device=device
+                ),
                 self.cache_argument: self.cache,
                 "use_cache": True,
             }
@@ -465,8 +498,11 @@ class ModelDrafter(Drafter):
         if self.compiled is not None and cached:
             return self._compiled_next_logits(ids, cached)
         batch, seq_len = ids.shape
-        inputs = {"input_ids": self._drafter_ids(ids[:, cached:]).to(self.device), self.cache_argument: self.cache,
-                  "use_cache": True}
+        inputs = {
+            "input_ids": self._drafter_ids(ids[:, cached:]).to(self.device),
+            self.cache_argument: self.cache,
+            "use_cache": True,
+        }
         if self.encoder_inputs is not None:
             inputs.update(self.encoder_inputs)
             if self.model.config.is_encoder_decoder:
@@ -513,12 +549,16 @@ class ModelDrafter(Drafter):
             count = min(_COMPILED_TOKENS, seq_len - start)
             chunk = ids[:, start : start + count]
             chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, _COMPILED_TOKENS - count)], dim=-1)
-            inputs = {"input_ids": self._drafter_ids(chunk).to(device), self.cache_argument: self.cache,
-                      "use_cache": True}
+            inputs = {
+                "input_ids": self._drafter_ids(chunk).to(device),
+                self.cache_argument: self.cache,
+                "use_cache": True,
+            }
             if self.accepts_position_ids:
                 inputs["position_ids"] = (
                     torch.arange(start, start + _COMPILED_TOKENS, device=device).clamp(max=self.max_position)[None]
-                    if mask is None else all_positions[:, start : start + _COMPILED_TOKENS]
+                    if mask is None
+                    else all_positions[:, start : start + _COMPILED_TOKENS]
                 )
             if mask is not None:
                 inputs["attention_mask"] = mask

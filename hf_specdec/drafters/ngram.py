@@ -17,7 +17,7 @@ from huggingface_hub.errors import HFValidationError
 from safetensors.torch import load_file, save_file
 
 from ..sampling import sample_tokens
-from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .tree_builder import TokenTree
 
 __all__ = ["NGramDrafter"]
@@ -114,7 +114,7 @@ class NGramDrafter(
         top_k: int = 8,
         draft_mode: str = "greedy",
         **metadata: Any,
-    ) -> "NGramDrafter":
+    ) -> NGramDrafter:
         """Counts every k-gram (k = 1 ... `n`) of `sequences` (lists or 1-D tensors of token ids).
 
         `metadata` (`tokenizer_name`, `target_name`, `corpus_description`, `alpha`) goes into the config and card.
@@ -125,7 +125,9 @@ class NGramDrafter(
         sequences = [torch.as_tensor(seq, dtype=torch.long).flatten() for seq in sequences]
         sequences = [seq for seq in sequences if seq.numel() > 0]
         if not sequences:
-            raise ValueError("The corpus is empty: `sequences` holds no token ids. Pass at least one non-empty sequence.")
+            raise ValueError(
+                "The corpus is empty: `sequences` holds no token ids. Pass at least one non-empty sequence."
+            )
         low = min(int(seq.min()) for seq in sequences)
         high = max(int(seq.max()) for seq in sequences)
         if low < 0 or high >= vocab_size:
@@ -153,7 +155,7 @@ class NGramDrafter(
         show_progress: bool | None = None,
         batch_size: int = 256,
         **metadata: Any,
-    ) -> "NGramDrafter":
+    ) -> NGramDrafter:
         """Tokenizes `texts` with `tokenizer` (a progress bar on long corpora) and counts them like `from_corpus`.
 
         `vocab_size` defaults to `len(tokenizer)`; pass the target's logits width when its embeddings are padded.
@@ -209,7 +211,7 @@ class NGramDrafter(
         local_files_only: bool = False,
         revision: str | None = None,
         **overrides: Any,
-    ) -> "NGramDrafter":
+    ) -> NGramDrafter:
         r"""
         Loads a table written by `save_pretrained`, from a local directory or a Hub repo id (nothing is unpickled).
 
@@ -239,31 +241,46 @@ class NGramDrafter(
                 "arguments `revision`, `cache_dir`, `force_download`, `local_files_only`, `token`)."
             )
         return cls._from_pretrained(
-            model_id=str(pretrained_model_name_or_path), revision=revision, cache_dir=cache_dir,
-            force_download=force_download, local_files_only=local_files_only, token=token, **overrides,
+            model_id=str(pretrained_model_name_or_path),
+            revision=revision,
+            cache_dir=cache_dir,
+            force_download=force_download,
+            local_files_only=local_files_only,
+            token=token,
+            **overrides,
         )
 
     @classmethod
     def _from_pretrained(
         cls, *, model_id: str, revision, cache_dir, force_download, local_files_only, token, **overrides
-    ) -> "NGramDrafter":
+    ) -> NGramDrafter:
         directory = _local_directory(model_id)
 
         def fetch(filename: str) -> Path:
             if directory is not None:
                 local = directory / filename
                 if local.is_symlink() and not local.exists():
-                    raise OSError(f"{local} is a broken link (to {os.readlink(local)!r}); restore the file or save "
-                                  "the drafter again with `save_pretrained`.")
+                    raise OSError(
+                        f"{local} is a broken link (to {os.readlink(local)!r}); restore the file or save "
+                        "the drafter again with `save_pretrained`."
+                    )
                 if local.exists() and not local.is_file():
                     raise OSError(f"{_describe(local)} is not a file; save the drafter again with `save_pretrained`.")
                 if not local.is_file():
                     raise OSError(f"{model_id} has no {filename}; is it a directory written by save_pretrained?")
                 return local
             try:
-                return Path(hf_hub_download(model_id, filename, revision=revision, cache_dir=cache_dir,
-                                            force_download=force_download, local_files_only=local_files_only,
-                                            token=token))
+                return Path(
+                    hf_hub_download(
+                        model_id,
+                        filename,
+                        revision=revision,
+                        cache_dir=cache_dir,
+                        force_download=force_download,
+                        local_files_only=local_files_only,
+                        token=token,
+                    )
+                )
             except HFValidationError as err:
                 raise OSError(f"{model_id!r} is neither a local directory nor a valid Hub repo id: {err}") from None
 
@@ -271,8 +288,10 @@ class NGramDrafter(
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise OSError(f"{_describe(config_path)} is not a readable JSON file ({err}); it is corrupt or "
-                          "truncated: save the drafter again with `save_pretrained`, or download it again.") from None
+            raise OSError(
+                f"{_describe(config_path)} is not a readable JSON file ({err}); it is corrupt or "
+                "truncated: save the drafter again with `save_pretrained`, or download it again."
+            ) from None
         if not isinstance(config, dict) or config.get("drafter_type") != "ngram":
             found = config.get("drafter_type") if isinstance(config, dict) else type(config).__name__
             raise ValueError(
@@ -281,17 +300,19 @@ class NGramDrafter(
         weights_path = fetch(WEIGHTS_NAME)
         try:
             tables = load_file(str(weights_path))  # safetensors: tensors only, never pickle
-        except Exception as err:  # noqa: BLE001 - safetensors raises its own error type for corrupt files
-            raise OSError(f"{_describe(weights_path)} is not a readable safetensors file ({_one_line(err)}); it is "
-                          "corrupt or truncated: save the drafter again with `save_pretrained`, or download it "
-                          "again.") from None
+        except Exception as err:
+            raise OSError(
+                f"{_describe(weights_path)} is not a readable safetensors file ({_one_line(err)}); it is "
+                "corrupt or truncated: save the drafter again with `save_pretrained`, or download it "
+                "again."
+            ) from None
         kwargs = {key: config.get(key) for key in ("n", "vocab_size", "top_k", *_OVERRIDABLE)}
         kwargs["draft_mode"] = kwargs["draft_mode"] or "greedy"
         stored_n, stored_top_k = kwargs["n"], kwargs["top_k"]
         try:
             for name in ("n", "vocab_size", "top_k"):
                 _check_positive(name, kwargs[name])
-            orders = sorted(int(key.split(".")[0][len("order_"):]) for key in tables if key.endswith(".contexts"))
+            orders = sorted(int(key.split(".")[0][len("order_") :]) for key in tables if key.endswith(".contexts"))
             if orders != list(range(1, stored_n + 1)):
                 raise ValueError(
                     f"config.json says n={stored_n}, but {WEIGHTS_NAME} holds the tables of orders {orders}: the two "
@@ -309,8 +330,11 @@ class NGramDrafter(
                     f"table keeps only what it counted. Pass `{name}` <= {stored}, or rebuild the table."
                 )
         # a smaller n drops the longest contexts; a smaller top_k keeps each context's most frequent continuations
-        tables = {key: tensor[:, : kwargs["top_k"]] if key.endswith((".tokens", ".probs")) else tensor
-                  for key, tensor in tables.items() if int(key.split(".")[0][len("order_"):]) <= kwargs["n"]}
+        tables = {
+            key: tensor[:, : kwargs["top_k"]] if key.endswith((".tokens", ".probs")) else tensor
+            for key, tensor in tables.items()
+            if int(key.split(".")[0][len("order_") :]) <= kwargs["n"]
+        }
         return cls(tables, **kwargs)
 
     def push_to_hub(self, repo_id: str, *, model_card_kwargs: dict | None = None, **kwargs) -> str:
@@ -384,8 +408,10 @@ class NGramDrafter(
                 token = scores.argmax(dim=-1, keepdim=True)
             drafted.append(token)
             ids = torch.cat([ids, token], dim=-1)
-            contexts = [(context + [t])[-(self.n - 1):] if self.n > 1 else [] for context, t in
-                        zip(contexts, token[:, 0].tolist())]
+            contexts = [
+                (context + [t])[-(self.n - 1) :] if self.n > 1 else []
+                for context, t in zip(contexts, token[:, 0].tolist())
+            ]
         if not drafted:
             return DraftProposal.empty(batch, input_ids.device)
         return DraftProposal(tokens=torch.cat(drafted, dim=-1), probs=torch.stack(probs, 1) if probs else None)
@@ -438,7 +464,7 @@ class NGramDrafter(
         return drafter.propose(torch.as_tensor(input_ids, dtype=torch.long), num_tokens)
 
     @classmethod
-    def from_options(cls, pretrained_model_name_or_path: str | None = None, **options) -> "NGramDrafter":
+    def from_options(cls, pretrained_model_name_or_path: str | None = None, **options) -> NGramDrafter:
         """`generate(drafter="ngram", drafter_kwargs={"pretrained_model_name_or_path": ...})` lands here."""
         if pretrained_model_name_or_path is None:
             raise ValueError(
@@ -458,12 +484,16 @@ def _local_directory(model_id: str) -> Path | None:
     if path.is_dir():
         return path
     if path.exists():
-        raise OSError(f"{model_id!r} is a file; `NGramDrafter.from_pretrained` takes the directory written by "
-                      "`save_pretrained` (holding config.json and model.safetensors), or a Hub repo id.")
+        raise OSError(
+            f"{model_id!r} is a file; `NGramDrafter.from_pretrained` takes the directory written by "
+            "`save_pretrained` (holding config.json and model.safetensors), or a Hub repo id."
+        )
     parts = model_id.split("/")
     if model_id.startswith((".", "/", "~", "\\")) or "\\" in model_id or len(parts) != 2 or not all(parts):
-        raise OSError(f"No such directory: {model_id!r} (and it is not a Hub repo id of the form 'user/name'). "
-                      "Pass the directory written by `save_pretrained`.")
+        raise OSError(
+            f"No such directory: {model_id!r} (and it is not a Hub repo id of the form 'user/name'). "
+            "Pass the directory written by `save_pretrained`."
+        )
     return None
 
 
@@ -527,7 +557,9 @@ def _validated_tables(tables: dict[str, torch.Tensor], *, n: int, vocab_size: in
         names = [f"order_{k}.{part}" for part in ("contexts", "tokens", "probs")]
         missing = [name for name in names if name not in tables]
         if missing:
-            raise ValueError(f"The n-gram table (n={n}) is missing tensors {missing}; it may be corrupt or for another n.")
+            raise ValueError(
+                f"The n-gram table (n={n}) is missing tensors {missing}; it may be corrupt or for another n."
+            )
         contexts, tokens, probs = (tables[name] for name in names)
         rows = contexts.shape[0] if contexts.dim() == 2 else -1
         expected = {names[0]: (rows, k - 1), names[1]: (rows, top_k), names[2]: (rows, top_k)}

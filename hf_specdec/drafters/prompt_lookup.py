@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import DraftContext, DraftProposal, Drafter, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .tree_builder import TokenTree
 
 __all__ = ["PromptLookupDrafter"]
@@ -34,8 +34,9 @@ class _SuffixIndex:
 
     confirm_after = 2  # tokens a copy must predict in a row before it may survive a mismatch or teach a substitution
 
-    def __init__(self, ngram_sizes: range, source: list[int] | None = None, follow_copies: bool = True,
-                 max_occurrences: int = 0):
+    def __init__(
+        self, ngram_sizes: range, source: list[int] | None = None, follow_copies: bool = True, max_occurrences: int = 0
+    ):
         self.ngram_sizes = ngram_sizes
         self.tokens: list[int] = []
         self.next_start: dict[tuple[int, ...], int] = {}
@@ -176,8 +177,12 @@ class _SuffixIndex:
         # a copy under way goes on, even where a more recent occurrence of the suffix repeats inside it; but when it
         # has just mismatched, a full-length match of the new suffix elsewhere says the text moved on (a loop,
         # another passage) rather than substituted one token
-        if (copy is not None and self.pending is not None and length == self.ngram_sizes[-1]
-                and not (match[0] is copy[0] and match[1] == copy[1])):
+        if (
+            copy is not None
+            and self.pending is not None
+            and length == self.ngram_sizes[-1]
+            and not (match[0] is copy[0] and match[1] == copy[1])
+        ):
             copy = None
         if copy is not None:
             draft = self._read(*copy, num_tokens)
@@ -267,8 +272,12 @@ class PromptLookupDrafter(Drafter):
         sources = None
         source = context.inputs_tensor  # [batch, src_len] token ids for text encoder-decoder targets
         # (generate passes a placeholder of -100s when called without a source)
-        if (context.target.config.is_encoder_decoder and source is not None and not source.is_floating_point()
-                and not bool((source < 0).any())):
+        if (
+            context.target.config.is_encoder_decoder
+            and source is not None
+            and not source.is_floating_point()
+            and not bool((source < 0).any())
+        ):
             mask = context.model_kwargs.get("attention_mask")  # [batch, src_len]; padding is not text
             sources = [
                 row[mask[i].bool()].tolist() if mask is not None else row.tolist() for i, row in enumerate(source)
@@ -279,8 +288,10 @@ class PromptLookupDrafter(Drafter):
     def _new_rows(self, batch_size: int, sources: list[list[int]] | None = None) -> list[_SuffixIndex]:
         sizes = range(self.min_ngram_size, self.max_ngram_size + 1)
         occurrences = self.max_occurrences if self.tree_budget is not None else 0
-        return [_SuffixIndex(sizes, sources[row] if sources else None, self.follow_copies, occurrences)
-                for row in range(batch_size)]
+        return [
+            _SuffixIndex(sizes, sources[row] if sources else None, self.follow_copies, occurrences)
+            for row in range(batch_size)
+        ]
 
     def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         if not hasattr(self, "rows"):
@@ -290,7 +301,7 @@ class PromptLookupDrafter(Drafter):
             return DraftProposal.empty(batch, input_ids.device)
         if self.tree_budget is not None and batch == 1:
             index = self.rows[0]
-            index.extend(input_ids[0, len(index.tokens):].tolist())
+            index.extend(input_ids[0, len(index.tokens) :].tolist())
             tree = TokenTree(self.tree_budget, num_tokens)
             if tree.insert(index.lookup(num_tokens)):  # the main branch: exactly the chain proposal
                 for continuation in index.continuations(num_tokens):
@@ -300,7 +311,7 @@ class PromptLookupDrafter(Drafter):
             return tree.proposal(input_ids.device)
         drafts = []  # chains (trees are proposed at batch size 1 only, the only size the loop verifies them at)
         for row, index in enumerate(self.rows):
-            index.extend(input_ids[row, len(index.tokens):].tolist())  # only the tokens added since last round
+            index.extend(input_ids[row, len(index.tokens) :].tolist())  # only the tokens added since last round
             drafts.append(index.lookup(num_tokens))
         # rows draft the same number of tokens: the shortest proposal bounds them all
         length = min(len(d) for d in drafts)

@@ -158,7 +158,7 @@ class DynamicTree:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def expand(self) -> "DynamicTree.Expansion | None":
+    def expand(self) -> DynamicTree.Expansion | None:
         """The next depth's nodes to expand, or None when none can be kept."""
         # only a node among the best `budget` so far can be kept (its children rank below it); taken in rank order,
         # the newest nodes that can are the best of their depth

@@ -36,8 +36,10 @@ ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo_models"
 def _path(name: str) -> Path:
     path = ZOO_DIR / name
     if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"The embedded zoo model {name!r} is missing from {ZOO_DIR}. Reinstall hf-specdec, "
-                                "or rebuild it with `python scripts/build_zoo.py` from a source checkout.")
+        raise FileNotFoundError(
+            f"The embedded zoo model {name!r} is missing from {ZOO_DIR}. Reinstall hf-specdec, "
+            "or rebuild it with `python scripts/build_zoo.py` from a source checkout."
+        )
     return path
 
 

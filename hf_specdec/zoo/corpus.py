@@ -71,15 +71,23 @@ def build_manifest(root: str | Path | None = None, *, test_fraction: float = TES
         if len(data) > MAX_FILE_BYTES or not data.strip():
             continue
         module = relative.parts[0].removesuffix(".py")
-        files.append(CorpusFile(relative.as_posix(), hashlib.sha256(data).hexdigest(), len(data), module,
-                                module_split(module, test_fraction)))
+        files.append(
+            CorpusFile(
+                relative.as_posix(),
+                hashlib.sha256(data).hexdigest(),
+                len(data),
+                module,
+                module_split(module, test_fraction),
+            )
+        )
     if not files:
         raise ValueError(f"No usable `.py` files under {str(root)!r}.")
     return files
 
 
-def write_manifest(files: list[CorpusFile], path: str | Path, *, root: str | Path | None = None,
-                   test_fraction: float = TEST_FRACTION) -> dict:
+def write_manifest(
+    files: list[CorpusFile], path: str | Path, *, root: str | Path | None = None, test_fraction: float = TEST_FRACTION
+) -> dict:
     manifest = {
         "source": "python stdlib (sysconfig.get_paths()['stdlib'])",
         "python_version": sys.version.split()[0],
@@ -87,7 +95,7 @@ def write_manifest(files: list[CorpusFile], path: str | Path, *, root: str | Pat
         "split_rule": "test iff int(sha256(top_level_module)[:8], 16) < test_fraction * 16**8",
         "test_fraction": test_fraction,
         "excluded": "site-packages, dist-packages, test/, tests/, idle_test/, test_*.py, "
-                    f"files over {MAX_FILE_BYTES} bytes, empty files",
+        f"files over {MAX_FILE_BYTES} bytes, empty files",
         "num_files": {split: sum(f.split == split for f in files) for split in ("train", "test")},
         "num_bytes": {split: sum(f.num_bytes for f in files if f.split == split) for split in ("train", "test")},
         "files": [f.__dict__ for f in files],
@@ -111,7 +119,9 @@ def read_split(manifest: dict, split: str, *, root: str | Path | None = None, ve
             continue
         data = (root / entry["path"]).read_bytes()
         if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise ValueError(f"{entry['path']} differs from the manifest (sha256 mismatch): a different Python "
-                             f"than {manifest['python_version']}? Rebuild the manifest or use that interpreter.")
+            raise ValueError(
+                f"{entry['path']} differs from the manifest (sha256 mismatch): a different Python "
+                f"than {manifest['python_version']}? Rebuild the manifest or use that interpreter."
+            )
         texts.append(data.decode("utf-8", errors="replace"))
     return texts

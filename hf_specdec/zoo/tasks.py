@@ -58,8 +58,11 @@ def _candidates(path: str, source: str) -> dict[str, list[dict]]:
         start, end = offsets[node.lineno - 1], offsets[node.end_lineno]
         function = source[start:end]
         body_start = node.body[0]
-        has_doc = isinstance(body_start, ast.Expr) and isinstance(getattr(body_start, "value", None), ast.Constant) \
+        has_doc = (
+            isinstance(body_start, ast.Expr)
+            and isinstance(getattr(body_start, "value", None), ast.Constant)
             and isinstance(body_start.value.value, str)
+        )
         key = f"{path}:{node.lineno}"
         if has_doc and len(node.body) > 1 and body_start.end_lineno is not None:
             doc_end = offsets[body_start.end_lineno]
@@ -77,16 +80,22 @@ def _candidates(path: str, source: str) -> dict[str, list[dict]]:
         for first_line in range(20, len(lines) - 60, 150):
             window = "".join(lines[first_line : first_line + 40])
             if len(window) > 600:
-                found["continuation"].append(_at_token_boundary(
-                    f"{path}:{first_line + 1}", window, "".join(lines[first_line + 40 : first_line + 80])))
+                found["continuation"].append(
+                    _at_token_boundary(
+                        f"{path}:{first_line + 1}", window, "".join(lines[first_line + 40 : first_line + 80])
+                    )
+                )
     return found
 
 
 def editing_documents(files: list[tuple[str, str]]) -> list[str]:
     """Whole copy-heavy editing documents (a function, then the same function renamed), in the benchmark's format,
     from `(relative_path, text)` pairs; the build uses the train split to teach the target the task."""
-    return [item["prompt"] + item["reference"] for path, source in sorted(files)
-            for item in _candidates(path, source)["editing"]]
+    return [
+        item["prompt"] + item["reference"]
+        for path, source in sorted(files)
+        for item in _candidates(path, source)["editing"]
+    ]
 
 
 def build_prompts(files: list[tuple[str, str]], *, per_task: int = 16) -> dict[str, list[dict]]:

@@ -24,7 +24,7 @@ import torch
 import hf_specdec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import VOCAB, mapping_types, tiny_model  # noqa: E402
+from tiny import VOCAB, mapping_types, tiny_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads
 
@@ -66,11 +66,13 @@ NOT_RUN = {
     # from a valid config (tiny.DEFAULTS). From 5.24 gemma4_assistant builds, and plain `generate` fails on its cache,
     # which holds no attention layer of its own. They only run inside a Gemma 4 target's `generate` anyway: their
     # forward requires the target's `inputs_embeds` and `shared_kv_states`.
-    "gemma4_assistant": [("build", 'ValueError: The set of layer types producing a cache is diff'),
-                         ("generate", "ValueError: `get_seq_length` can only be called on Attention layers")],
-    "gemma4_unified_assistant": ("build", 'ValueError: The set of layer types producing a cache is diff'),
+    "gemma4_assistant": [
+        ("build", "ValueError: The set of layer types producing a cache is diff"),
+        ("generate", "ValueError: `get_seq_length` can only be called on Attention layers"),
+    ],
+    "gemma4_unified_assistant": ("build", "ValueError: The set of layer types producing a cache is diff"),
     # its generate needs `diffusers`, not installed here
-    "vibevoice": ("generate", 'ImportError: The default VibeVoice noise scheduler (`DPMSolv'),
+    "vibevoice": ("generate", "ImportError: The default VibeVoice noise scheduler (`DPMSolv"),
 }
 
 # model type -> (drafter runs, start of the error): known crashes or refusals inside hf_specdec that it should not
@@ -109,13 +111,19 @@ def _streaming_audio_inputs(model, batch: int, generator):
     config = model.config
     ids = torch.randint(4, VOCAB, (batch, 8), generator=generator)
     frames = (ids.shape[1] + NEW_TOKENS) * config.audio_length_per_tok
-    return {"input_ids": ids,
-            "input_features": torch.randn(batch, config.audio_config.num_mel_bins, frames, generator=generator)}
+    return {
+        "input_ids": ids,
+        "input_features": torch.randn(batch, config.audio_config.num_mel_bins, frames, generator=generator),
+    }
 
 
 # the model's config type -> its inputs, for types whose `generate` takes more than (or other than) text ids
-INPUTS = {"musicgen_decoder": _codebook_inputs, "musicgen_melody_decoder": _codebook_inputs,
-          "pop2piano": _piano_inputs, "voxtral_realtime": _streaming_audio_inputs}
+INPUTS = {
+    "musicgen_decoder": _codebook_inputs,
+    "musicgen_melody_decoder": _codebook_inputs,
+    "pop2piano": _piano_inputs,
+    "voxtral_realtime": _streaming_audio_inputs,
+}
 
 
 def inputs_for(model, batch: int):
@@ -128,8 +136,11 @@ def inputs_for(model, batch: int):
         name = model.get_encoder().main_input_name
     features = getattr(config, "feature_projection_input_dim", None) or getattr(config, "input_feat_per_channel", None)
     if name == "input_features" and features:  # (batch, frames, features), as Speech2Text and SeamlessM4T take them
-        return {"input_features": torch.randn(batch, 64, features * getattr(config, "input_channels", 1),
-                                              generator=generator)}
+        return {
+            "input_features": torch.randn(
+                batch, 64, features * getattr(config, "input_channels", 1), generator=generator
+            )
+        }
     if name == "input_features":
         bins = getattr(config, "num_mel_bins", None) or 80
         frames = min(2 * getattr(config, "max_source_positions", 64), 3000)
@@ -151,12 +162,11 @@ def inputs_for(model, batch: int):
 def greedy(model, inputs, **kwargs):
     """`generate`'s output as a `ModelOutput` (with `speculative_stats` when speculating): its ids are `.sequences`
     (Whisper's keep the decoder start token there, not in its plain tensor output)."""
-    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
-                          **kwargs)
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, **kwargs)
 
 
 def outcome(model, inputs, plain, **drafter):
-    """"identical" (the same ids as plain `generate`, `plain`, with target calls booked by the speculative loop),
+    """ "identical" (the same ids as plain `generate`, `plain`, with target calls booked by the speculative loop),
     "identical, drafter ignored" (the same ids, but the class's `generate` never ran the loop), or the refusal."""
     try:
         spec = greedy(model, inputs, speculative_gamma=GAMMA, **drafter)
@@ -177,7 +187,7 @@ def test_architecture(model_type):
         stage = "generate"
         inputs = {1: inputs_for(model, 1), 2: inputs_for(model, 2)}
         plain = {batch: greedy(model, x).sequences for batch, x in inputs.items()}
-    except Exception as error:  # noqa: BLE001 - asserted against the list below
+    except Exception as error:
         stage = "build" if "model" not in locals() else "generate"
         assert expected_failure is not None, f"{model_type}: {stage} failed: {type(error).__name__}: {error}"
         message = f"{type(error).__name__}: {str(error).strip()}".splitlines()[0]
@@ -187,13 +197,25 @@ def test_architecture(model_type):
     assert expected_failure is None, f"{model_type} now builds and generates: move it out of NOT_RUN"
     hf_specdec.enable(model)
     assert torch.equal(greedy(model, inputs[1]).sequences, plain[1])
-    runs = {"self": (1, dict(assistant_model=model)), "prompt_lookup": (1, dict(drafter="prompt_lookup")),
-            "batch": (2, dict(drafter="prompt_lookup"))}
+    runs = {
+        "self": (1, dict(assistant_model=model)),
+        "prompt_lookup": (1, dict(drafter="prompt_lookup")),
+        "batch": (2, dict(drafter="prompt_lookup")),
+    }
     results = {}
     for label, (batch, drafter) in runs.items():
-        if raises_known_defect(model_type, label, functools.partial(
-                model.generate, **inputs[batch], max_new_tokens=NEW_TOKENS, do_sample=False,
-                speculative_gamma=GAMMA, **drafter)):
+        if raises_known_defect(
+            model_type,
+            label,
+            functools.partial(
+                model.generate,
+                **inputs[batch],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                speculative_gamma=GAMMA,
+                **drafter,
+            ),
+        ):
             continue
         results[label] = outcome(model, inputs[batch], plain[batch], **drafter)
     ignored = {label for label, result in results.items() if result == "identical, drafter ignored"}
@@ -217,7 +239,12 @@ def test_sparse_indexer_covering_the_context(model_type):
     assert inputs[1]["input_ids"].shape[1] + NEW_TOKENS <= model.config.index_topk
     plain = {batch: greedy(model, x).sequences for batch, x in inputs.items()}
     hf_specdec.enable(model)
-    results = {label: outcome(model, inputs[1], plain[1], **drafter) for label, drafter in
-               {"self": dict(assistant_model=model), "prompt_lookup": dict(drafter="prompt_lookup")}.items()}
+    results = {
+        label: outcome(model, inputs[1], plain[1], **drafter)
+        for label, drafter in {
+            "self": dict(assistant_model=model),
+            "prompt_lookup": dict(drafter="prompt_lookup"),
+        }.items()
+    }
     results["batch"] = outcome(model, inputs[2], plain[2], drafter="prompt_lookup")
     assert set(results.values()) == {"identical"}, results

@@ -22,11 +22,14 @@ import hf_specdec
 pytestmark = pytest.mark.sweep
 
 # a sliding window shorter than the generation: its static layers drop keys for good once full
-STATIC_REFUSALS = [*REFUSALS, r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
-                              r"its sliding-window layers keep \d+ positions",
-                   r"Speculative beam search needs the target's cache to be a croppable dynamic cache",
-                   # the drafter's own static cache (`ModelDrafter(..., cache_implementation="static")`)
-                   STATIC_DRAFTER := r"`ModelDrafter\(cache_implementation='static'\)`"]
+STATIC_REFUSALS = [
+    *REFUSALS,
+    r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
+    r"its sliding-window layers keep \d+ positions",
+    r"Speculative beam search needs the target's cache to be a croppable dynamic cache",
+    # the drafter's own static cache (`ModelDrafter(..., cache_implementation="static")`)
+    STATIC_DRAFTER := r"`ModelDrafter\(cache_implementation='static'\)`",
+]
 
 # model type -> start of the error plain static `generate` raises on the tiny model (not speculation's limits)
 STATIC_NOT_RUN = {
@@ -53,20 +56,25 @@ def test_architecture_with_a_static_cache(model_type):
     expected_failure = STATIC_NOT_RUN.get(model_type)
     try:
         plain = static_generate(model, inputs).sequences
-    except Exception as error:  # noqa: BLE001 - asserted against the list above
-        assert expected_failure is not None, f"{model_type}: plain static generate failed: {type(error).__name__}: {error}"
+    except Exception as error:
+        assert expected_failure is not None, (
+            f"{model_type}: plain static generate failed: {type(error).__name__}: {error}"
+        )
         assert f"{type(error).__name__}: {error}".splitlines()[0][:60] == expected_failure
         return
     assert expected_failure is None, f"{model_type} now generates with a static cache: move it out of STATIC_NOT_RUN"
     hf_specdec.enable(model)
     results = {}
     known_runs, known_error = KNOWN_DEFECTS.get(model_type, ((), None))
-    drafters = {"self": dict(assistant_model=model), "prompt_lookup": dict(drafter="prompt_lookup"),
-                "self_static": dict(drafter=hf_specdec.ModelDrafter(model, cache_implementation="static"))}
+    drafters = {
+        "self": dict(assistant_model=model),
+        "prompt_lookup": dict(drafter="prompt_lookup"),
+        "self_static": dict(drafter=hf_specdec.ModelDrafter(model, cache_implementation="static")),
+    }
     for label, drafter in drafters.items():
         try:
             spec = static_generate(model, inputs, speculative_gamma=GAMMA, **drafter)
-        except Exception as error:  # noqa: BLE001 - a refusal, or a crash listed in KNOWN_DEFECTS
+        except Exception as error:
             message = str(error)
             if isinstance(error, ValueError) and any(re.search(pattern, message) for pattern in STATIC_REFUSALS):
                 results[label] = "refused: " + message

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
@@ -18,22 +16,116 @@ HIDDEN = 64
 LAYERS = 2
 # config attribute names (across model families) and their tiny values
 SIZES = [
-    (64, ("hidden_size", "d_model", "n_embd", "embed_dim", "n_embed", "dim", "d_embed", "hidden_dim", "model_dim",
-         "word_embed_proj_dim", "embedding_size", "projection_dim", "output_dim", "input_dim", "text_hidden_size")),
-    (128, ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "dim_ff",
-          "ffn_hidden_size", "hidden_ffn_dim", "inner_dim")),
-    (32, ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-         "moe_ffn_hidden_size", "ffn_dim_moe")),
-    (LAYERS, ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "num_decoder_layers",
-             "n_layers", "num_encoder_layers", "depth")),
-    (4, ("num_attention_heads", "n_head", "encoder_attention_heads", "decoder_attention_heads", "num_heads", "n_heads",
-        "num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "index_n_heads",
-        "linear_num_heads")),
-    (2, ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "num_experts_per_tok", "moe_topk",
-        "top_k", "n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_experts_per_token",
-        "num_expert_group")),
-    (16, ("head_dim", "d_kv", "dim_head", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
-         "kv_lora_rank", "q_lora_rank", "attention_head_dim", "kv_channels", "linear_head_dim")),
+    (
+        64,
+        (
+            "hidden_size",
+            "d_model",
+            "n_embd",
+            "embed_dim",
+            "n_embed",
+            "dim",
+            "d_embed",
+            "hidden_dim",
+            "model_dim",
+            "word_embed_proj_dim",
+            "embedding_size",
+            "projection_dim",
+            "output_dim",
+            "input_dim",
+            "text_hidden_size",
+        ),
+    ),
+    (
+        128,
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "d_ff",
+            "n_inner",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "dim_ff",
+            "ffn_hidden_size",
+            "hidden_ffn_dim",
+            "inner_dim",
+        ),
+    ),
+    (
+        32,
+        (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "expert_intermediate_size",
+            "moe_ffn_hidden_size",
+            "ffn_dim_moe",
+        ),
+    ),
+    (
+        LAYERS,
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "n_layers",
+            "num_encoder_layers",
+            "depth",
+        ),
+    ),
+    (
+        4,
+        (
+            "num_attention_heads",
+            "n_head",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "num_heads",
+            "n_heads",
+            "num_experts",
+            "n_routed_experts",
+            "num_local_experts",
+            "moe_num_experts",
+            "index_n_heads",
+            "linear_num_heads",
+        ),
+    ),
+    (
+        2,
+        (
+            "num_key_value_heads",
+            "num_kv_heads",
+            "multi_query_group_num",
+            "num_experts_per_tok",
+            "moe_topk",
+            "top_k",
+            "n_group",
+            "topk_group",
+            "n_shared_experts",
+            "num_shared_experts",
+            "num_experts_per_token",
+            "num_expert_group",
+        ),
+    ),
+    (
+        16,
+        (
+            "head_dim",
+            "d_kv",
+            "dim_head",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "index_head_dim",
+            "kv_lora_rank",
+            "q_lora_rank",
+            "attention_head_dim",
+            "kv_channels",
+            "linear_head_dim",
+        ),
+    ),
     # sparse attention that matters within a short generation
     (8, ("index_topk", "sliding_window", "attention_window", "local_attention", "window_size")),
 ]
@@ -42,38 +134,74 @@ LAYER_NAMES = next(names for value, names in SIZES if "num_hidden_layers" in nam
 VOCAB_NAMES = ("vocab_size", "unpadded_vocab_size")
 # what a default config leaves undefined, or sets for its full size, for a tiny one (by model type, nested configs
 # included; applied after shrinking)
-_GEMMA3N_TEXT = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                     intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-                     num_kv_shared_layers=2)  # the last two layers read the first two's cache
+_GEMMA3N_TEXT = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    intermediate_size=[128] * 4,
+    activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    num_kv_shared_layers=2,
+)  # the last two layers read the first two's cache
 _SEAMLESS = dict(  # a one-layer speech encoder and text-to-unit model
-    speech_encoder_layers=1, speech_encoder_attention_heads=4, speech_encoder_intermediate_size=128,
-    num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, t2u_encoder_layers=1,
-    t2u_decoder_layers=1, t2u_encoder_ffn_dim=128, t2u_decoder_ffn_dim=128,
-    t2u_encoder_attention_heads=4, t2u_decoder_attention_heads=4, t2u_vocab_size=VOCAB,
-    unit_hifi_gan_vocab_size=VOCAB, upsample_initial_channel=32, unit_embed_dim=64)
+    speech_encoder_layers=1,
+    speech_encoder_attention_heads=4,
+    speech_encoder_intermediate_size=128,
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+    t2u_encoder_layers=1,
+    t2u_decoder_layers=1,
+    t2u_encoder_ffn_dim=128,
+    t2u_decoder_ffn_dim=128,
+    t2u_encoder_attention_heads=4,
+    t2u_decoder_attention_heads=4,
+    t2u_vocab_size=VOCAB,
+    unit_hifi_gan_vocab_size=VOCAB,
+    upsample_initial_channel=32,
+    unit_embed_dim=64,
+)
 OVERRIDES = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     # dory (transformers >= 5.24) loops its middle layers; its config lists each layer as an attention block and an
     # mlp block (halved on load): one input, one looped and one output layer
-    "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
-                 layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),
+    "dory": dict(
+        num_hidden_layers=6,
+        n_input_layers=2,
+        n_recurrent_layers=2,
+        n_output_layers=2,
+        layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"],
+    ),
     "deepseek_v2": dict(num_experts_per_tok=2),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                  use_mamba_kernels=False),
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False
+    ),
     # zamba's attention reads the hidden states and the embeddings concatenated; two shared-attention layers
-    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attn_layer_period=2,
-                  attn_layer_offset=1, attention_hidden_size=128, attention_head_dim=32, use_mamba_kernels=False,
-                  mamba_dt_rank=8),
-    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1], mamba_headdim=16,
-                   attention_hidden_size=128, num_query_groups=4, use_mamba_kernels=False, adapter_rank=8),
+    "zamba": dict(
+        num_hidden_layers=4,
+        layers_block_type=["linear_attention", "hybrid"] * 2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        attention_hidden_size=128,
+        attention_head_dim=32,
+        use_mamba_kernels=False,
+        mamba_dt_rank=8,
+    ),
+    "zamba2": dict(
+        layers_block_type=["linear_attention", "hybrid"],
+        hybrid_layer_ids=[1],
+        mamba_headdim=16,
+        attention_hidden_size=128,
+        num_query_groups=4,
+        use_mamba_kernels=False,
+        adapter_rank=8,
+    ),
     "gemma3n_text": _GEMMA3N_TEXT,
     "speech_to_text": dict(conv_channels=64, max_source_positions=256),
     "seamless_m4t": _SEAMLESS,
     "seamless_m4t_v2": _SEAMLESS,
     # mamba2 mixers: heads x head size must equal expand x hidden size (2 x 64)
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, use_mamba_kernels=False),
-    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
-                             mamba_d_state=16),
+    "granitemoehybrid": dict(
+        layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16
+    ),
     "mamba2": dict(num_heads=4, head_dim=32, n_groups=1, state_size=16, time_step_rank=8),
     "xlnet": dict(d_head=16),
     "codegen": dict(rotary_dim=16),
@@ -87,34 +215,54 @@ OVERRIDES = {
     "reformer": dict(axial_pos_embds_dim=[16, 48], attention_head_size=16, feed_forward_size=128),
     # defaults that transformers 5.23's own default config leaves out (its default model does not build either)
     "dbrx": dict(attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0, attn_pdrop=0.0)),
-    "cohere_compass_text": dict(rope_parameters={kind: dict(rope_type="default", rope_theta=10000.0)
-                                                 for kind in ("full_attention", "sliding_attention")}),
+    "cohere_compass_text": dict(
+        rope_parameters={
+            kind: dict(rope_type="default", rope_theta=10000.0) for kind in ("full_attention", "sliding_attention")
+        }
+    ),
     "moonshine_streaming": dict(num_key_value_heads=4),  # its attention views queries with this head count
     "speech-encoder-decoder": dict(decoder_start_token_id=2, pad_token_id=0),
     "qwen3_asr": dict(eos_token_id=3),  # required to be an integer (generation still runs without one)
-    "vibevoice": dict(eos_token_id=3, pad_token_id=3, audio_bos_token_id=VOCAB - 3, audio_eos_token_id=VOCAB - 2,
-                      audio_token_id=VOCAB - 1),
+    "vibevoice": dict(
+        eos_token_id=3,
+        pad_token_id=3,
+        audio_bos_token_id=VOCAB - 3,
+        audio_eos_token_id=VOCAB - 2,
+        audio_token_id=VOCAB - 1,
+    ),
     "dots3_note_text": dict(head_dim=32),  # its sliding-window layers' head: qk_nope_head_dim + qk_rope_head_dim
     # the audio pad token follows every codebook's tokens and the text vocabulary: 2049 x 32 + 128
     "kyutai_speech_to_text": dict(audio_pad_token_id=2049 * 32 + VOCAB),
     "mimi": dict(upsample_groups=64),  # Kyutai's audio codec: one group per channel of its hidden size
-    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64,
-                           indexer_compress_ratio=4),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64, indexer_compress_ratio=4
+    ),
     "hunyuan_v1_dense": dict(head_dim=16),
     "hunyuan_v1_moe": dict(head_dim=16),
     "ministral": dict(head_dim=16),
     "nemotron": dict(num_key_value_heads=2),
     # BLT's cache is built from the composite config, which transformers' own tests give the decoder's sizes; its
     # local decoder reads the global transformer's states, and the hash embeddings shrink as in those tests
-    "blt": dict(num_hidden_layers=LAYERS, num_attention_heads=4, hidden_size=HIDDEN,
-                encoder_hash_byte_group_size=[2, 3], encoder_hash_byte_group_vocab=64),
+    "blt": dict(
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        hidden_size=HIDDEN,
+        encoder_hash_byte_group_size=[2, 3],
+        encoder_hash_byte_group_vocab=64,
+    ),
     "blt_local_encoder": dict(hidden_size_global=HIDDEN),
     "blt_local_decoder": dict(hidden_size_global=HIDDEN),
     # Dia stops through its own EOS logits processors, which need an EOS id: the audio special tokens (EOS, pad, BOS)
     # follow the codebook entries at the top of its vocabulary; its cross-attention reads the text encoder
-    "dia_decoder": dict(eos_token_id=VOCAB - 4, pad_token_id=VOCAB - 3, bos_token_id=VOCAB - 2,
-                        cross_hidden_size=HIDDEN, cross_num_attention_heads=4, cross_head_dim=16,
-                        cross_num_key_value_heads=4),
+    "dia_decoder": dict(
+        eos_token_id=VOCAB - 4,
+        pad_token_id=VOCAB - 3,
+        bos_token_id=VOCAB - 2,
+        cross_hidden_size=HIDDEN,
+        cross_num_attention_heads=4,
+        cross_head_dim=16,
+        cross_num_key_value_heads=4,
+    ),
     # the vision and audio adapters map their tower's width onto the text model's
     "dots3_note_vision_encoder": dict(adapter_in_dim=HIDDEN, adapter_out_dim=HIDDEN),
     "dots3_note_audio_encoder": dict(adapter_input_size=HIDDEN, adapter_out_dim=HIDDEN),
@@ -134,8 +282,14 @@ OVERRIDES = {
 # arguments for a type's default config where transformers' own default does not validate: the Gemma 4 assistant's
 # text model has no per-layer inputs, MoE block or double-wide MLP
 DEFAULTS = {
-    "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                                              enable_moe_block=False, use_double_wide_mlp=False)),
+    "gemma4_assistant": dict(
+        text_config=dict(
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=0,
+            enable_moe_block=False,
+            use_double_wide_mlp=False,
+        )
+    ),
 }
 # generation-config values a type's checkpoints ship and its own `generate` reads
 GENERATION = {
@@ -156,9 +310,11 @@ CAUSAL_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 def mapping_types() -> dict[str, str]:
     """model type -> which auto class builds it ("causal", "seq2seq" or "speech")."""
     kinds = {}
-    for kind, names in (("speech", MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
-                        ("seq2seq", MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-                        ("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)):
+    for kind, names in (
+        ("speech", MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
+        ("seq2seq", MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        ("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+    ):
         for model_type in names:
             kinds.setdefault(model_type, kind)
     return dict(sorted(kinds.items()))
@@ -175,7 +331,7 @@ def _kept_layers(pattern: list, layers: int) -> list[int]:
     for index, kind in enumerate(map(str, pattern)):
         firsts.setdefault(kind, index)
     missing = [index for kind, index in firsts.items() if kind not in {str(pattern[i]) for i in kept}]
-    return sorted(kept[:max(len(kept) - len(missing), 1)] + missing)[:layers] if missing else kept
+    return sorted(kept[: max(len(kept) - len(missing), 1)] + missing)[:layers] if missing else kept
 
 
 def _is_pattern(name: str, value) -> bool:
@@ -202,7 +358,9 @@ def _per_layer(out: dict, full: int, layers: int) -> None:
         by_index = {int(key): (key, config) for key, config in per_layer.items()}
         out["per_layer_config"] = {
             str(new).zfill(len(by_index[old][0])): _shrink(by_index[old][1], top=False)
-            for new, old in enumerate(kept) if old in by_index}
+            for new, old in enumerate(kept)
+            if old in by_index
+        }
     for name in SIZES[1][1]:  # a feed-forward size per layer
         if isinstance(out.get(name), list):
             out[name] = [min(size, SIZES[1][0]) for size in out[name]]
@@ -228,7 +386,9 @@ def _shrink(values: dict, top: bool) -> dict:
         if isinstance(out.get("qk_head_dim"), int):
             out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     for name, sub in list(out.items()):
-        if isinstance(sub, dict) and ("model_type" in sub or name.endswith("_config") or name in ("encoder", "decoder")):
+        if isinstance(sub, dict) and (
+            "model_type" in sub or name.endswith("_config") or name in ("encoder", "decoder")
+        ):
             keyed = OVERRIDES.get(f"{out.get('model_type')}.{name}", {})  # for a sub-config without a type
             out[name] = _shrink(sub, top=False) | keyed
     # special token ids inside the tiny vocabulary; no EOS so that generations run their full length

@@ -15,8 +15,9 @@ class ExactMatch(evaluate.Metric):
             description=__doc__,
             citation="",
             inputs_description="predictions (list of str), references (list of str) -> {'exact_match': float}",
-            features=datasets.Features({"predictions": datasets.Value("string"),
-                                        "references": datasets.Value("string")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+            ),
         )
 
     def _compute(self, predictions, references):

@@ -43,34 +43,36 @@ _CITATION = """
 
 _INT = datasets.Value("int64")
 _FLOAT = datasets.Value("float64")
-_FEATURES = datasets.Features({
-    "stats": {
-        "target_calls": _INT,
-        "row_rounds": _INT,
-        "drafted_tokens": _INT,
-        "accepted_tokens": _INT,
-        "emitted_tokens": _INT,
-        "beta_sum": _FLOAT,
-        "beta_count": _INT,
-        "accepted_length_histogram": datasets.Sequence(_INT),
-        "position_drafted": datasets.Sequence(_INT),
-        "position_accepted": datasets.Sequence(_INT),
-        "gamma_history": datasets.Sequence(_INT),
-        "drafted_history": datasets.Sequence(_INT),
-        "beam_steps_history": datasets.Sequence(_INT),
-        "target_forward_tokens": datasets.Sequence(_INT),
-        "lenience": _FLOAT,
-        "draft_time_s": _FLOAT,
-        "verify_time_s": _FLOAT,
-        "compiled_rounds": _INT,
-        "target_compilations": _INT,
-        "drafter_compilations": _INT,
-        "acceptance_rate": _FLOAT,
-        "alpha": _FLOAT,
-        "mean_accepted_length": _FLOAT,
-        "position_acceptance_rate": datasets.Sequence(_FLOAT),
+_FEATURES = datasets.Features(
+    {
+        "stats": {
+            "target_calls": _INT,
+            "row_rounds": _INT,
+            "drafted_tokens": _INT,
+            "accepted_tokens": _INT,
+            "emitted_tokens": _INT,
+            "beta_sum": _FLOAT,
+            "beta_count": _INT,
+            "accepted_length_histogram": datasets.Sequence(_INT),
+            "position_drafted": datasets.Sequence(_INT),
+            "position_accepted": datasets.Sequence(_INT),
+            "gamma_history": datasets.Sequence(_INT),
+            "drafted_history": datasets.Sequence(_INT),
+            "beam_steps_history": datasets.Sequence(_INT),
+            "target_forward_tokens": datasets.Sequence(_INT),
+            "lenience": _FLOAT,
+            "draft_time_s": _FLOAT,
+            "verify_time_s": _FLOAT,
+            "compiled_rounds": _INT,
+            "target_compilations": _INT,
+            "drafter_compilations": _INT,
+            "acceptance_rate": _FLOAT,
+            "alpha": _FLOAT,
+            "mean_accepted_length": _FLOAT,
+            "position_acceptance_rate": datasets.Sequence(_FLOAT),
+        }
     }
-})
+)
 
 
 def _checked_stats(stats):
@@ -85,13 +87,16 @@ def _checked_stats(stats):
         if isinstance(item, SpeculativeStats):
             item = item.to_dict()
         if not isinstance(item, dict):
-            raise TypeError(f"`stats[{index}]` must be a dict from `SpeculativeStats.to_dict()`, got "
-                            f"{type(item).__name__}. {fix}")
+            raise TypeError(
+                f"`stats[{index}]` must be a dict from `SpeculativeStats.to_dict()`, got {type(item).__name__}. {fix}"
+            )
         item = {key: value for key, value in item.items() if key != "rows"}  # per-row detail: the totals aggregate
         missing, unknown = sorted(required - set(item)), sorted(set(item) - required)
         if missing or unknown:
-            raise ValueError(f"`stats[{index}]` is not a `SpeculativeStats.to_dict()`: missing keys {missing}, unknown "
-                             f"keys {unknown}. {fix}")
+            raise ValueError(
+                f"`stats[{index}]` is not a `SpeculativeStats.to_dict()`: missing keys {missing}, unknown "
+                f"keys {unknown}. {fix}"
+            )
         checked.append(item)
     return checked
 
@@ -122,10 +127,17 @@ class Speculative(evaluate.Metric):
             width = max((len(s[key]) for s in stats), default=0)
             return [sum(s[key][i] for s in stats if i < len(s[key])) for i in range(width)]
 
-        for name, value, low in (("c", c, "non-negative"), ("plain_seconds_per_token", plain_seconds_per_token,
-                                                             "positive")):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0 or (low == "positive" and value == 0)):
+        for name, value, low in (
+            ("c", c, "non-negative"),
+            ("plain_seconds_per_token", plain_seconds_per_token, "positive"),
+        ):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (low == "positive" and value == 0)
+            ):
                 raise ValueError(f"`{name}` must be a {low} number or None, got {value!r}.")
         calls, drafted, accepted = total("target_calls"), total("drafted_tokens"), total("accepted_tokens")
         if not calls:
