@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
+from harness import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 import hf_specdec

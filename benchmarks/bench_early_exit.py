@@ -12,13 +12,13 @@ each, the verify cost ratio v (a target forward over γ+1 tokens / over 1 token,
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from harness import assistant_with_gamma, timed  # run from the repository root or benchmarks/
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
@@ -40,23 +40,6 @@ def forward_ms(model, context: int, new_tokens: int, repeats: int = 15, batch: i
             times.append(time.perf_counter() - start)
             cache.crop(-new_tokens)
     return 1000 * statistics.median(times)
-
-
-def assistant_with_gamma(drafter, gamma: int):
-    """A shallow copy of `drafter` for transformers' assisted generation, which reads the draft length from the
-    assistant's own generation config: constant `gamma`, no confidence cut-off (the user's drafter is untouched)."""
-    assistant = copy.copy(drafter)
-    assistant.generation_config = copy.deepcopy(drafter.generation_config)
-    assistant.generation_config.num_assistant_tokens = gamma
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
-    return assistant
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
 
 
 def main() -> None:

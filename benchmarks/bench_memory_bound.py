@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import transformers
 from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
-from bench_early_exit import assistant_with_gamma
+from harness import assistant_with_gamma
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec

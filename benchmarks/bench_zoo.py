@@ -30,7 +30,7 @@ from pathlib import Path
 
 import evaluate
 import torch
-from bench_early_exit import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
+from harness import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 from transformers import GenerationMixin
 
 import hf_specdec

@@ -28,8 +28,13 @@ def _config_module_state(name: str):
     return {key: entry.hide for key, entry in module._config.items()}, module.get_config_copy()
 
 
-# set by pytest itself, and by `tokenizers` when a process that used its thread pool forks (pipelines' data loaders)
-_ENVIRONMENT_SET_BY_LIBRARIES = ("PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM")
+# set by pytest itself, by `tokenizers` when a process that used its thread pool forks (pipelines' data loaders), and
+# by torch's inductor for the compile workers it starts
+_ENVIRONMENT_SET_BY_LIBRARIES = (
+    "PYTEST_CURRENT_TEST",
+    "TOKENIZERS_PARALLELISM",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+)
 
 
 def _global_state() -> dict:

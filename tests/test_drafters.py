@@ -6,7 +6,17 @@ import pytest
 import torch
 from conftest import VOCAB, noisy_copy, prompt, tiny_model
 from safetensors.torch import load_file, save_file
-from test_sampling_distribution import P_THRESHOLD, SAMPLES, exact_two_token_distribution, goodness_of_fit, sample_pairs
+from scipy.stats import binomtest
+from test_sampling_distribution import (
+    CONFIGS,
+    P_THRESHOLD,
+    SAMPLES,
+    exact_two_token_distribution,
+    goodness_of_fit,
+    processors,
+    sample_pairs,
+)
+from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper
 
 import hf_specdec
 from hf_specdec.toy import copying_target
@@ -175,6 +185,7 @@ def test_prompt_lookup_renamed_copy_greedy_identity(gamma):
             ids,
             drafter="prompt_lookup",
             speculative_gamma=gamma,
+            speculative_gamma_policy="constant",
             max_new_tokens=40,
             drafter_kwargs={"follow_copies": follow},
             return_dict_in_generate=True,
@@ -342,15 +353,113 @@ def test_ngram_sampled_drafts_follow_target():
     assert stats.drafted_tokens == 1
 
 
+def sampling_call(drafter, logits_processor=()):
+    """`drafter` reset as `generate` resets it for a sampling call whose target has these processors."""
+    context = hf_specdec.DraftContext(
+        target=None,
+        input_ids=torch.empty(1, 0, dtype=torch.long),
+        logits_processor=LogitsProcessorList(logits_processor),
+        generation_config=GenerationConfig(do_sample=True),
+        vocab_size=drafter.vocab_size,
+    )
+    return drafter.for_call(context)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_ngram_sample_mode_proposes_the_tables_q(temperature):
+    # bigrams: after 1 come 2 (2 of 3) and 3 (1 of 3); after 2 and after 3 comes 1
+    table = hf_specdec.NGramDrafter.from_corpus([[1, 2, 1, 3, 1, 2, 1]], n=2, vocab_size=8, draft_mode="sample")
+    continuations = {1: {2: 2 / 3, 3: 1 / 3}, 2: {1: 1.0}, 3: {1: 1.0}}
+    # q is standardized like p: temperature T turns the table's q into q^(1/T), renormalized
+    warpers = [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+    torch.manual_seed(0)
+    first_tokens = set()
+    for _ in range(20):
+        proposal = sampling_call(table, warpers).propose(torch.tensor([[5, 1]]), 4)
+        assert proposal.tokens.shape == (1, 4) and proposal.probs is not None
+        assert proposal.probs.shape == (1, 4, 8)
+        previous = 1
+        for token, q in zip(proposal.tokens[0].tolist(), proposal.probs[0]):
+            weights = {t: w ** (1 / temperature) for t, w in continuations[previous].items()}
+            expected = torch.zeros(8)
+            expected[list(weights)] = torch.tensor(list(weights.values())) / sum(weights.values())
+            torch.testing.assert_close(q, expected)
+            assert q[token] > 0  # drawn from q
+            previous = token
+        first_tokens.add(proposal.tokens[0, 0].item())
+    assert first_tokens == {2, 3}  # both continuations of 1 are drawn: the tokens are sampled, not the argmax
+    greedy = hf_specdec.NGramDrafter.from_corpus([[1, 2, 1, 3, 1, 2, 1]], n=2, vocab_size=8)
+    assert sampling_call(greedy).propose(torch.tensor([[5, 1]]), 4).probs is None  # deterministic: a point mass
+
+
+class ReplacesQ(hf_specdec.Drafter):
+    """Proposes another drafter's sampled tokens with their q dropped (`probs=None`: point masses) or, with
+    `uniform=True`, misreported as uniform over the vocabulary."""
+
+    def __init__(self, inner: hf_specdec.Drafter, uniform: bool = False):
+        self.inner, self.uniform = inner, uniform
+
+    def reset(self, context):
+        self.inner = self.inner.for_call(context)
+
+    def propose(self, input_ids, num_tokens):
+        tokens = self.inner.propose(input_ids, num_tokens).tokens
+        probs = torch.full((*tokens.shape, VOCAB), 1 / VOCAB) if self.uniform else None  # [batch, k, vocab]
+        return hf_specdec.DraftProposal(tokens=tokens, probs=probs)
+
+
 def test_ngram_sample_mode_passes_q():
     target = hf_specdec.enable(tiny_model("llama", seed=0))
-    drafter = self_table(target, draft_mode="sample")
-    ids = prompt(6)
-    torch.manual_seed(0)
-    out = target.generate(ids, do_sample=True, drafter=drafter, max_new_tokens=20, return_dict_in_generate=True)
-    stats = out.speculative_stats
-    # alpha is sum_x min(p, q) over the table's q (not a point mass), so it differs from the acceptance counts
-    assert 0 < stats.alpha < 1 and stats.drafted_tokens > 0
+    config = CONFIGS["temperature_top_k"]
+    ids = prompt(6, seed=11)
+    # a table of the target's own samples with top_k=2: q lies on half of p's support, and differs from p there
+    corpus = [torch.cat([ids[0], torch.tensor(pair)]) for pair in sample_pairs(target, ids, dict(top_k=2), 200)]
+    table = hf_specdec.NGramDrafter.from_corpus(corpus, n=3, vocab_size=VOCAB, draft_mode="sample")
+    # the first draft's p and q, standardized by the call's processors; beta = sum_x min(p, q) is its acceptance rate
+    procs = processors(target, ids, config)
+    with torch.no_grad():
+        p = procs(ids, target(ids).logits[:, -1].float()).softmax(-1)[0]  # [vocab]
+    tokens, token_probs = table.distribution(ids[0, -2:].tolist())
+    q_logits = torch.full((1, VOCAB), float("-inf"))  # [1, vocab]
+    q_logits[0, tokens] = token_probs.log()
+    q = procs(ids, q_logits).softmax(-1)[0]  # [vocab]
+    beta = torch.minimum(p, q).sum().item()
+    assert len(q.nonzero()) == 2 and len(p.nonzero()) == 4 and beta < 0.8
+    pairs_table = exact_two_token_distribution(target, ids, config)
+
+    def sample(drafter, n):
+        torch.manual_seed(1234)
+        pairs, accepted, betas = [], 0, []
+        for _ in range(n):
+            out = target.generate(
+                ids,
+                do_sample=True,
+                max_new_tokens=2,  # one round drafts one token (γ is capped by max_new_tokens - 1)
+                drafter=drafter,
+                speculative_gamma_policy="constant",
+                return_dict_in_generate=True,
+                **config,
+            )
+            stats = out.speculative_stats
+            assert stats.drafted_tokens == stats.beta_count == 1
+            pairs.append(tuple(out.sequences[0, ids.shape[1] :].tolist()))
+            accepted += stats.accepted_tokens
+            betas.append(stats.beta_sum)
+        return pairs, binomtest(accepted, n, beta).pvalue, betas
+
+    pairs, acceptance_fit, betas = sample(table, 1000)
+    assert goodness_of_fit(pairs_table, pairs) > P_THRESHOLD
+    # the sampler got the table's q: every round's beta is sum_x min(p, q), and drafts are accepted that often
+    assert betas == pytest.approx([beta] * len(betas)) and acceptance_fit > P_THRESHOLD
+    # power: with q dropped the sampler tests each draft as a point mass, accepting it with p(x) (still exact, see
+    # `hf_specdec.sampling`), so the accepted drafts fall to sum_x q(x) p(x) and the acceptance test fails
+    pairs, acceptance_fit, betas = sample(ReplacesQ(table), 300)
+    assert goodness_of_fit(pairs_table, pairs) > P_THRESHOLD and acceptance_fit < P_THRESHOLD
+    assert betas != pytest.approx([beta] * len(betas))
+    # power: a q other than the one the drafts were drawn from is not exact, and the goodness of fit says so
+    constant = dict(speculative_gamma_policy="constant")
+    pairs = sample_pairs(target, ids, config, 300, drafter=ReplacesQ(table, uniform=True), **constant)
+    assert goodness_of_fit(pairs_table, pairs) < P_THRESHOLD
 
 
 def test_ngram_save_load_round_trip(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_model
 
 import hf_specdec
-from hf_specdec.policies import GammaPolicy, OptimalGammaPolicy
+from hf_specdec.policies import _POLICIES, GammaPolicy, OptimalGammaPolicy
 from hf_specdec.sampling import verify_sampling
 
 
@@ -817,13 +817,16 @@ def test_a_custom_policy_with_observe_only_still_serves_batches(target):
     hf_specdec.policies.register_gamma_policy("recording_rows_test", Recording)
     ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2)])
     plain = target.generate(ids, max_new_tokens=20)
-    out = target.generate(
-        ids,
-        max_new_tokens=20,
-        assistant_model=noisy_copy(target, 0.2),
-        speculative_gamma=3,
-        speculative_gamma_policy="recording_rows_test",
-    )
+    try:
+        out = target.generate(
+            ids,
+            max_new_tokens=20,
+            assistant_model=noisy_copy(target, 0.2),
+            speculative_gamma=3,
+            speculative_gamma_policy="recording_rows_test",
+        )
+    finally:
+        _POLICIES._classes.pop("recording_rows_test")  # the registry has no public unregister; leave it as found
     assert torch.equal(out, plain) and seen and all(isinstance(a, int) for a in seen)
 
 

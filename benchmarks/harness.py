@@ -1,0 +1,127 @@
+"""The benchmark harness: methods timed side by side in one process, interleaved and rotated, summarized by medians.
+
+Every benchmark compares callables that do the same job (plain `generate`, transformers' assisted generation, ours,
+a reference loop). Timing them one after another lets the machine's state (turbo, caches, a neighbour's load) favour
+one; here each repeat runs every method once, in an order rotated by one each repeat, and the summary is the median
+with its spread (min and max). Host reads (a tensor's value read on the host: `.item()`, `.tolist()`, `bool(t)`,
+`int(t)`, `float(t)`, `.cpu()`, `.numpy()`) are counted by `HostReads`: on a GPU each one waits for the device.
+
+    from harness import HostReads, assistant_with_gamma, interleaved, machine, summarize, timed, write_results
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["HostReads", "assistant_with_gamma", "interleaved", "machine", "summarize", "timed", "write_results"]
+
+# the Tensor methods that copy a value to the host and so wait for the device
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class HostReads:
+    """Counts reads of tensor values on the host while active (a context manager; restores the methods on exit).
+
+    A read of a CPU tensor counts too: the count is what the same code would do on a GPU. `.cpu()` of a tensor
+    already on the CPU is counted as well, since on a GPU it is the transfer.
+    """
+
+    def __init__(self):
+        self.count = 0
+        self._saved: dict[str, Callable] = {}
+
+    def __enter__(self) -> HostReads:
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+
+
+def assistant_with_gamma(drafter, gamma: int):
+    """A shallow copy of `drafter` for transformers' assisted generation, which reads the draft length from the
+    assistant's own generation config: constant `gamma`, no confidence cut-off (the user's drafter is untouched)."""
+    assistant = copy.copy(drafter)
+    assistant.generation_config = copy.deepcopy(drafter.generation_config)
+    assistant.generation_config.num_assistant_tokens = gamma
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def interleaved(methods: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each method per repeat: every repeat runs each method once, the order rotated by one each
+    repeat; `warmup` rounds first, untimed."""
+    names = list(methods)
+    for _ in range(warmup):
+        for name in names:
+            methods[name]()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            methods[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median, min and max of a list of measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def machine() -> dict[str, object]:
+    """What the results were measured on: processor, cores, threads, library versions, date."""
+    import transformers
+
+    import hf_specdec
+
+    return {
+        "machine": f"{platform.machine()} {platform.processor() or 'CPU'}, {os.cpu_count()} cores",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hf_specdec": hf_specdec.__version__,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_results(path: str | Path, payload: dict) -> Path:
+    """Writes `payload` with the `machine()` fields as indented JSON, through a new temporary file (created, never
+    followed if a link stands there) renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as temporary:
+        temporary.write(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    os.replace(temporary.name, path)
+    return path
