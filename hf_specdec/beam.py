@@ -57,14 +57,13 @@ __all__ = ["DEFAULT_BEAM_GAMMA", "DEFAULT_DRAFT_BEAMS_PER_BEAM", "speculative_be
 
 DEFAULT_BEAM_GAMMA = 2
 """γ when `speculative_gamma` is left at its default: every running beam must be among the drafter's for a step to
-be accepted, which happens far less often than one token matching, so fewer steps are drafted (`bench_beam.py`:
-γ = 2 beat γ = 3 on the memory-bound pair, and steps past the second were rarely accepted)."""
+be accepted, which happens far less often than one token matching, so steps past the second are rarely accepted and
+drafting them costs more than it returns (on a memory-bound Llama pair, γ = 2 is faster than γ = 3)."""
 
 DEFAULT_DRAFT_BEAMS_PER_BEAM = 2
-"""u = 2 w when `speculative_draft_beams` is not set: twice the target's beams took more beam steps per target
-forward than u = w on both pairs of `bench_beam.py` (memory-bound Llama: 1.71 against 1.33 at w = 2, 1.33 against
-1.04 at w = 4; T5: 1.33 against 1.04, 1.41 against 1.00), which is what pays where a forward over more positions
-costs little more."""
+"""u = 2 w when `speculative_draft_beams` is not set: twice the target's beams keep more of the target's beams among
+the drafter's, so each target forward takes more beam steps (on a memory-bound Llama pair at w = 2, about 1.7 against
+1.3 with u = w), which is what pays where a forward over more positions costs little more."""
 
 
 def speculative_beam_search(

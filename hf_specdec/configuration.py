@@ -137,19 +137,16 @@ class SpeculativeGenerationConfig(GenerationConfig):
             values accept more drafts and are lossy, with the guarantee that no token is sampled with probability
             above p(x) / l.
         speculative_gamma_policy (`str`, *optional*, defaults to `"auto"`):
-            How γ is chosen before each round: `"auto"` (one drafted token in the first round, before anything is
-            measured, then, while drafting pays, the γ in 1 ... `speculative_gamma` that `"optimal"`'s estimates
-            predict emits the most tokens per second, so `speculative_gamma` is the most a round drafts (a tree
-            drafts it as its depth); when the call's
-            own measurements over its last ten or so rounds show it emits fewer tokens per second than 95% of a
-            plain step's, a chain steps down to the smaller γ predicted to pay best (from the acceptance measured
-            per draft position and the rounds' cost taken as linear in their drafts), else takes plain steps,
-            probing the drafter again after 16, 32, 64, ... of them with one-token guesses, so a drafter that
-            accepts nothing costs a few rounds), `"constant"` (always
-            `speculative_gamma`), `"heuristic"` (+2 after a fully accepted round, -1 otherwise, starting from
-            `speculative_gamma`, never persisted), or `"optimal"`
-            (maximises Theorem 3.8's expected speedup from online estimates of acceptance per position and of the
-            drafting and verifying costs measured during the call; γ = 0 decodes a plain step).
+            How γ is chosen before each round. `"auto"` drafts one token in the first round, then, while drafting
+            pays, the γ in 1 ... `speculative_gamma` that `"optimal"`'s estimates predict emits the most tokens per
+            second (a tree drafts `speculative_gamma` as its depth); when the call's recent rounds emit fewer tokens
+            per second than 95% of a plain step's, a chain steps down to a smaller γ predicted to pay, or else takes
+            plain steps, probing the drafter again after 16, 32, 64, ... of them, so a drafter that accepts nothing
+            costs a few rounds. `"constant"` always drafts `speculative_gamma`. `"heuristic"` is transformers'
+            schedule: +2 after a fully accepted round, -1 otherwise, starting from `speculative_gamma`, for this call
+            only. `"optimal"` maximises Theorem 3.8's expected speedup from online estimates of acceptance per draft
+            position and of the drafting and verifying costs measured during the call (γ = 0 is a plain step). A
+            policy registered with `hf_specdec.policies.register_gamma_policy` is accepted by its name.
         speculative_max_gamma (`int`, *optional*):
             The largest γ a round may draft: the bound of the `"heuristic"` and `"optimal"` policies. Defaults to
             `max(16, speculative_gamma)`. A `speculative_gamma` set above an explicit `speculative_max_gamma` is an
@@ -176,6 +173,7 @@ class SpeculativeGenerationConfig(GenerationConfig):
     >>> config = hf_specdec.SpeculativeGenerationConfig(speculative_gamma=4, max_new_tokens=64)
     >>> config.speculative_gamma
     4
+
     ```
     """
 

@@ -268,7 +268,8 @@ def generate_dataset(
     Each output line holds the input row's fields, `index` (its position in the dataset), the completion (without
     the prompt), `num_new_tokens`, `speculative_stats` (the row's own `SpeculativeStats.to_dict()`: its entry of
     `speculative_stats.rows` when it was generated in a batch; a padded batch's round counts as one target call for
-    each of its rows) and `batch_size` (the rows generated together with it). The file ends in input order. An interrupted run continues with `resume=True`.
+    each of its rows) and `batch_size` (the rows generated together with it). The file ends in input order. An
+    interrupted run continues with `resume=True`.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
@@ -322,6 +323,7 @@ def generate_dataset(
     >>> rows = [json.loads(line) for line in open(f"{folder}/out.jsonl")]
     >>> [row["index"] for row in rows], rows[0]["num_new_tokens"]
     ([0, 1, 2], 8)
+
     ```
     """
     from accelerate.utils import gather_object

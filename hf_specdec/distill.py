@@ -29,6 +29,8 @@ from .eagle_training import eagle_agreement, train_eagle_drafter
 __all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement", "eagle_agreement", "train_eagle_drafter"]
 
 OBJECTIVES = ("kl", "tv")
+"""The losses `distill_drafter` takes as `objective`: forward KL(p || q), and total variation (1 - expected
+acceptance)."""
 
 
 def _distillation_loss(
@@ -138,25 +140,41 @@ def distill_drafter(
             A model (trained in place) or a config to build one from. It must have the target's vocabulary.
         objective (`str`, *optional*, defaults to `"kl"`):
             `"kl"` (forward KL(p || q)) or `"tv"` (total variation, 1 - expected acceptance).
-        tokenizer (*optional*): tokenizes `texts_or_token_ids` when it holds texts.
-        temperature (`float`, *optional*, defaults to 1.0): softmax temperature of both p and q in the loss.
-        seq_len (`int`, *optional*, defaults to 256): tokens per training window.
-        batch_size (`int`, *optional*, defaults to 8): windows per step and per process.
-        num_steps (`int`, *optional*): optimizer steps; defaults to `num_epochs` passes over the corpus.
-        num_epochs (`float`, *optional*, defaults to 1.0): used when `num_steps` is not given.
-        max_minutes (`float`, *optional*): a wall-clock budget for training; it stops when the budget or the steps
-            run out, whichever comes first (the learning-rate schedule follows the nearer of the two).
-        learning_rate (`float`, *optional*, defaults to 1e-3): AdamW peak learning rate (linear warm-up, cosine decay).
-        weight_decay (`float`, *optional*, defaults to 0.0): AdamW weight decay.
-        warmup_ratio (`float`, *optional*, defaults to 0.02): fraction of the steps spent warming up.
-        init_from_target (`bool`, *optional*, defaults to `True`): when `drafter` is a config, copy every tensor
-            the target has under the same name and shape (embeddings, first layers, final norm) before training.
-        seed (`int`, *optional*, defaults to 0): seeds the drafter's initialisation and the data order.
-        accelerator ([`~accelerate.Accelerator`], *optional*): defaults to `Accelerator()`; pass one to choose
-            mixed precision, gradient accumulation or a distributed setup.
-        output_dir (`str` or `Path`, *optional*): where the main process saves the drafter and `distill_log.json`.
-        show_progress (`bool`, *optional*, defaults to `True`): a tqdm bar on the main process.
-        log_every (`int`, *optional*, defaults to 10): steps between loss updates in the bar and the log.
+        tokenizer ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            Tokenizes `texts_or_token_ids` when it holds texts.
+        temperature (`float`, *optional*, defaults to 1.0):
+            Softmax temperature of both p and q in the loss.
+        seq_len (`int`, *optional*, defaults to 256):
+            Tokens per training window.
+        batch_size (`int`, *optional*, defaults to 8):
+            Windows per step and per process.
+        num_steps (`int`, *optional*):
+            Optimizer steps; defaults to `num_epochs` passes over the corpus.
+        num_epochs (`float`, *optional*, defaults to 1.0):
+            Passes over the corpus, when `num_steps` is not given.
+        max_minutes (`float`, *optional*):
+            A wall-clock budget for training; it stops when the budget or the steps run out, whichever comes first (the
+            learning-rate schedule follows the nearer of the two).
+        learning_rate (`float`, *optional*, defaults to 1e-3):
+            AdamW peak learning rate (linear warm-up, cosine decay).
+        weight_decay (`float`, *optional*, defaults to 0.0):
+            AdamW weight decay.
+        warmup_ratio (`float`, *optional*, defaults to 0.02):
+            Fraction of the steps spent warming up.
+        init_from_target (`bool`, *optional*, defaults to `True`):
+            When `drafter` is a config, copy every tensor the target has under the same name and shape (embeddings,
+            first layers, final norm) before training.
+        seed (`int`, *optional*, defaults to 0):
+            Seeds the drafter's initialisation and the data order.
+        accelerator ([`~accelerate.Accelerator`], *optional*):
+            Defaults to `Accelerator()`; pass one to choose mixed precision, gradient accumulation or a distributed
+            setup.
+        output_dir (`str` or `Path`, *optional*):
+            Where the main process saves the drafter and `distill_log.json`.
+        show_progress (`bool`, *optional*, defaults to `True`):
+            A tqdm bar on the main process.
+        log_every (`int`, *optional*, defaults to 10):
+            Steps between loss updates in the bar and the log.
 
     Returns:
         [`~transformers.PreTrainedModel`]: the distilled drafter, unwrapped, in eval mode. Its training log (loss per
@@ -171,11 +189,13 @@ def distill_drafter(
     >>> config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64,
     ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     >>> target = AutoModelForCausalLM.from_config(config)
-    >>> drafter_config = AutoConfig.for_model("llama", **{**config.to_dict(), "num_hidden_layers": 1})
+    >>> drafter_config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     >>> ids = torch.randint(0, 64, (16, 32), generator=torch.Generator().manual_seed(0))
     >>> drafter = distill_drafter(target, ids, drafter_config, objective="tv", num_steps=2, show_progress=False)
     >>> drafter.config.num_hidden_layers
     1
+
     ```
     """
     from accelerate import Accelerator

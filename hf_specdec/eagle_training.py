@@ -298,45 +298,73 @@ def train_eagle_drafter(
     Trains an EAGLE-3 head for `target` and returns it as an `EagleDrafter` (saved to `output_dir` when given).
 
     Args:
-        target ([`~transformers.PreTrainedModel`]): a decoder-only causal LM; only run forward (and `generate` to
-            answer `prompts`), never modified.
-        prompts (`list[str]`, *optional*): instructions the target answers first (with the tokenizer's chat template
-            when it has one); the head trains on the answers (self-distillation).
-        texts (`list[str]` or `list[list[int]]`, *optional*): texts (or token id sequences) to train on as they are
-            (every position). Give `prompts`, `texts`, `num_synthetic_prompts`, or several.
-        tokenizer: the target's tokenizer (needed for `prompts` and for texts given as strings).
-        max_minutes (`float`, *optional*): wall-clock budget of the whole call (answering, features, training);
-            training stops when it is spent. Give it, `num_steps`, or both (the first reached ends training).
-        num_steps (`int`, *optional*): optimizer steps.
-        accelerator ([`~accelerate.Accelerator`], *optional*): defaults to `Accelerator()`.
-        output_dir (`str` or `Path`, *optional*): the head (EAGLE-3 layout, with a model card), the generated data,
-            `checkpoint-<step>` folders every `save_every` steps and `training_log.json`.
-        resume_from_checkpoint (`str`, `Path` or `True`, *optional*): a `checkpoint-<step>` folder, or `True` for
-            the latest in `output_dir`; the saved data are reused (the target does not answer again).
-        draft_vocab_size (`int`, *optional*): tokens of the draft vocabulary, the most frequent in the data; defaults
-            to every token the data contain, at most 32000 (EAGLE-3's size).
-        layers (`list[int]`, *optional*): `output_hidden_states` entries read; defaults to EAGLE-3's three.
-        ttt_steps (`int`, *optional*, defaults to 7): training-time-test unroll (draft steps trained).
-        max_answer_tokens, answer_temperature, generation_batch_size: how the target answers `prompts`.
-        num_synthetic_prompts (`int`, *optional*, defaults to 0): instructions the target first writes itself
-            (Magpie, Xu et al. 2024: sampled after its chat template's user-turn prefix), then answers like `prompts`:
-            diverse self-distillation data without a prompt set. Needs a chat template.
-        answer_dtype (`torch.dtype` or `str`, *optional*): answer (and write prompts) with a copy of the target in
-            this dtype, for example `torch.bfloat16` on CPUs whose bfloat16 matrix kernels are several times faster.
-            The answers are only contexts: the features and the target distributions the head learns come from
-            `target` itself, in its own dtype, unless `feature_dtype` says otherwise.
-        feature_dtype (`torch.dtype` or `str`, *optional*): read the features and the target distributions the head
-            learns with a copy of the target in this dtype (by default `target` itself). `torch.bfloat16` makes this
-            ~4x faster on CPUs with bfloat16 matrix units; the head then learns from features rounded to bfloat16
-            (EAGLE trains with noise added to its features anyway) and drafts from the target's own at generation.
-        max_answer_minutes (`float`, *optional*): no answering batch starts after this many minutes (by default
-            half of `max_minutes`), so that features and training keep their share of the budget; prompts left
-            unanswered are not used.
-        batch_size, learning_rate, warmup_steps: AdamW with linear warm-up and cosine decay over the budget.
-        eval_fraction (`float`, *optional*, defaults to 0.05): sequences held out to measure agreement.
-        save_every (`int`, *optional*, defaults to 200): steps between checkpoints (with `output_dir`).
-        seed (`int`, *optional*, defaults to 0): seeds the answers, the head's initialisation and the data order.
-        show_progress (`bool`, *optional*, defaults to `True`): tqdm bars on the main process.
+        target ([`~transformers.PreTrainedModel`]):
+            A decoder-only causal LM; only run forward (and `generate` to answer `prompts`), never modified.
+        prompts (`list[str]`, *optional*):
+            Instructions the target answers first (with the tokenizer's chat template when it has one); the head trains
+            on the answers (self-distillation).
+        texts (`list[str]` or `list[list[int]]`, *optional*):
+            Texts (or token id sequences) to train on as they are (every position). Give `prompts`, `texts`,
+            `num_synthetic_prompts`, or several.
+        tokenizer ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            The target's tokenizer (needed for `prompts` and for texts given as strings).
+        max_minutes (`float`, *optional*):
+            Wall-clock budget of the whole call (answering, features, training); training stops when it is spent. Give
+            it, `num_steps`, or both (the first reached ends training).
+        num_steps (`int`, *optional*):
+            Optimizer steps.
+        accelerator ([`~accelerate.Accelerator`], *optional*):
+            Defaults to `Accelerator()`.
+        output_dir (`str` or `Path`, *optional*):
+            The head (EAGLE-3 layout, with a model card), the generated data, `checkpoint-<step>` folders every
+            `save_every` steps and `training_log.json`.
+        resume_from_checkpoint (`str`, `Path` or `True`, *optional*):
+            A `checkpoint-<step>` folder, or `True` for the latest in `output_dir`; the saved data are reused (the
+            target does not answer again).
+        draft_vocab_size (`int`, *optional*):
+            Tokens of the draft vocabulary, the most frequent in the data; defaults to every token the data contain, at
+            most 32000 (EAGLE-3's size).
+        layers (`list[int]`, *optional*):
+            `output_hidden_states` entries read; defaults to EAGLE-3's three.
+        ttt_steps (`int`, *optional*, defaults to 7):
+            Training-time-test unroll (draft steps trained).
+        max_answer_tokens (`int`, *optional*, defaults to 256):
+            The most tokens the target writes per answer to `prompts`.
+        answer_temperature (`float`, *optional*, defaults to 0.7):
+            The temperature the target answers at (0: greedy).
+        generation_batch_size (`int`, *optional*, defaults to 16):
+            Prompts answered (and synthetic prompts written) per `generate` call.
+        num_synthetic_prompts (`int`, *optional*, defaults to 0):
+            Instructions the target first writes itself (Magpie, Xu et al. 2024: sampled after its chat template's
+            user-turn prefix), then answers like `prompts`: diverse self-distillation data without a prompt set. Needs a
+            chat template.
+        answer_dtype (`torch.dtype` or `str`, *optional*):
+            Answer (and write prompts) with a copy of the target in this dtype, for example `torch.bfloat16` on CPUs
+            whose bfloat16 matrix kernels are several times faster. The answers are only contexts: the features and the
+            target distributions the head learns come from `target` itself, in its own dtype, unless `feature_dtype`
+            says otherwise.
+        feature_dtype (`torch.dtype` or `str`, *optional*):
+            Read the features and the target distributions the head learns with a copy of the target in this dtype (by
+            default `target` itself). `torch.bfloat16` makes this ~4x faster on CPUs with bfloat16 matrix units; the
+            head then learns from features rounded to bfloat16 (EAGLE trains with noise added to its features anyway)
+            and drafts from the target's own at generation.
+        max_answer_minutes (`float`, *optional*):
+            No answering batch starts after this many minutes (by default half of `max_minutes`), so that features and
+            training keep their share of the budget; prompts left unanswered are not used.
+        batch_size (`int`, *optional*, defaults to 8):
+            Sequences per training step and per process.
+        learning_rate (`float`, *optional*, defaults to 1e-3):
+            AdamW peak learning rate (linear warm-up, then cosine decay over the steps or the budget).
+        warmup_steps (`int`, *optional*, defaults to 20):
+            Steps of linear learning-rate warm-up.
+        eval_fraction (`float`, *optional*, defaults to 0.05):
+            Sequences held out to measure agreement.
+        save_every (`int`, *optional*, defaults to 200):
+            Steps between checkpoints (with `output_dir`).
+        seed (`int`, *optional*, defaults to 0):
+            Seeds the answers, the head's initialisation and the data order.
+        show_progress (`bool`, *optional*, defaults to `True`):
+            A tqdm bar per phase on the main process.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed

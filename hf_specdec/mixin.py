@@ -57,6 +57,7 @@ class SpeculativeGenerationMixin:
     True
     >>> out.speculative_stats.acceptance_rate
     1.0
+
     ```
     """
 
@@ -64,6 +65,8 @@ class SpeculativeGenerationMixin:
     def generate(
         self, *args, assistant_model=None, drafter=None, drafter_kwargs: dict[str, Any] | None = None, **kwargs
     ):
+        """The model class's own `generate`, speculative when `assistant_model` or `drafter` is given (see the class
+        docstring for the arguments it adds)."""
         # every other argument goes to the class's own `generate` exactly as given, by position or by name: classes
         # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
         parent_generate = super().generate
@@ -525,6 +528,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     >>> model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2))
     >>> hf_specdec.enable(model) is hf_specdec.enable(model)
     True
+
     ```
     """
     if isinstance(model, SpeculativeGenerationMixin):

@@ -57,6 +57,7 @@ class SpeculativeBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
     True
     >>> out.speculative_stats.beam_steps_history  # the prefill's step, then 1 + 3 steps per target forward
     [1, 4, 4]
+
     ```
     """
 

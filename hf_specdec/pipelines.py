@@ -9,10 +9,12 @@ included:
 ```python
 >>> import hf_specdec, hf_specdec.pipelines
 >>> from transformers import AutoModelForSeq2SeqLM, pipeline
->>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
->>> pipe = pipeline("text2text-generation", model=t5, tokenizer="google-t5/t5-base")
->>> pipe("translate English to German: How old are you?", assistant_model="google-t5/t5-small", speculative_gamma=5)
+>>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))  # doctest: +SKIP
+>>> pipe = pipeline("text2text-generation", model=t5, tokenizer="google-t5/t5-base")  # doctest: +SKIP
+>>> pipe("translate English to German: How old are you?",  # doctest: +SKIP
+...      assistant_model="google-t5/t5-small", speculative_gamma=5)
 [{'generated_text': ...}]
+
 ```
 
 The speculative arguments (`assistant_model`, `drafter`, `drafter_kwargs`, `speculative_*`) need a model enabled with
@@ -138,12 +140,14 @@ class Text2TextGenerationPipeline(_PathAssistants, Pipeline):
     ```python
     >>> import hf_specdec, hf_specdec.pipelines
     >>> from transformers import AutoModelForSeq2SeqLM, pipeline
-    >>> model = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
-    >>> pipe = pipeline("text2text-generation", model=model, tokenizer="google-t5/t5-base")
+    >>> model = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))  # doctest: +SKIP
+    >>> pipe = pipeline("text2text-generation", model=model, tokenizer="google-t5/t5-base")  # doctest: +SKIP
     >>> text = "question: What is 42? context: 42 is the answer to life, the universe and everything"
-    >>> plain = pipe(text, max_new_tokens=20)
-    >>> plain == pipe(text, max_new_tokens=20, assistant_model="google-t5/t5-small", speculative_gamma=5)
+    >>> plain = pipe(text, max_new_tokens=20)  # doctest: +SKIP
+    >>> plain == pipe(text, max_new_tokens=20,  # doctest: +SKIP
+    ...               assistant_model="google-t5/t5-small", speculative_gamma=5)
     True
+
     ```
     """
 
@@ -318,12 +322,13 @@ class SummarizationPipeline(Text2TextGenerationPipeline):
     ```python
     >>> import hf_specdec, hf_specdec.pipelines
     >>> from transformers import AutoModelForSeq2SeqLM, pipeline
-    >>> bart = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("facebook/bart-large-cnn"))
-    >>> summarizer = pipeline("summarization", model=bart, tokenizer="facebook/bart-large-cnn")
-    >>> article = open("article.txt").read()
+    >>> bart = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("facebook/bart-large-cnn"))  # doctest: +SKIP
+    >>> summarizer = pipeline("summarization", model=bart, tokenizer="facebook/bart-large-cnn")  # doctest: +SKIP
+    >>> article = open("article.txt").read()  # doctest: +SKIP
     >>> # summaries copy from the article, so prompt lookup drafts well; the checkpoint asks for beam search
-    >>> summarizer(article, drafter="prompt_lookup", num_beams=1)
+    >>> summarizer(article, drafter="prompt_lookup", num_beams=1)  # doctest: +SKIP
     [{'summary_text': ...}]
+
     ```
     """
 
@@ -345,11 +350,12 @@ class TranslationPipeline(Text2TextGenerationPipeline):
     ```python
     >>> import hf_specdec, hf_specdec.pipelines
     >>> from transformers import AutoModelForSeq2SeqLM, pipeline
-    >>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))
-    >>> translator = pipeline("translation_en_to_de", model=t5, tokenizer="google-t5/t5-base")
+    >>> t5 = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-base"))  # doctest: +SKIP
+    >>> translator = pipeline("translation_en_to_de", model=t5, tokenizer="google-t5/t5-base")  # doctest: +SKIP
     >>> # T5's settings for this task add the "translate English to German: " prefix, and beam search
-    >>> translator("How old are you?", assistant_model="google-t5/t5-small", num_beams=1)
+    >>> translator("How old are you?", assistant_model="google-t5/t5-small", num_beams=1)  # doctest: +SKIP
     [{'translation_text': ...}]
+
     ```
     """
 
@@ -488,11 +494,13 @@ class SpeechRecognitionPipeline(_PipelineWithPathAssistants, AutomaticSpeechReco
     ```python
     >>> import hf_specdec
     >>> from transformers import WhisperForConditionalGeneration, pipeline
-    >>> whisper = hf_specdec.enable(WhisperForConditionalGeneration.from_pretrained("openai/whisper-large-v2"))
-    >>> asr = pipeline("automatic-speech-recognition", model=whisper, tokenizer="openai/whisper-large-v2",
-    ...                feature_extractor="openai/whisper-large-v2", assistant_model="distil-whisper/distil-large-v2")
-    >>> asr("clip.wav", generate_kwargs={"num_beams": 1, "speculative_gamma": 4})
+    >>> checkpoint = "openai/whisper-large-v2"
+    >>> whisper = hf_specdec.enable(WhisperForConditionalGeneration.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> asr = pipeline("automatic-speech-recognition", model=whisper, tokenizer=checkpoint,  # doctest: +SKIP
+    ...                feature_extractor=checkpoint, assistant_model="distil-whisper/distil-large-v2")
+    >>> asr("clip.wav", generate_kwargs={"num_beams": 1, "speculative_gamma": 4})  # doctest: +SKIP
     {'text': ...}
+
     ```
     """
 
@@ -509,10 +517,13 @@ class TextGenerationPipeline(_PipelineWithPathAssistants, transformers_pipelines
     ```python
     >>> import hf_specdec
     >>> from transformers import AutoModelForCausalLM, pipeline
-    >>> model = hf_specdec.enable(AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-1.7B-Instruct"))
-    >>> pipe = pipeline("text-generation", model=model, tokenizer="HuggingFaceTB/SmolLM2-1.7B-Instruct")
-    >>> pipe("The capital of France is", assistant_model="HuggingFaceTB/SmolLM2-135M-Instruct", max_new_tokens=20)
+    >>> checkpoint = "HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    >>> model = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> pipe = pipeline("text-generation", model=model, tokenizer=checkpoint)  # doctest: +SKIP
+    >>> pipe("The capital of France is",  # doctest: +SKIP
+    ...      assistant_model="HuggingFaceTB/SmolLM2-135M-Instruct", max_new_tokens=20)
     [{'generated_text': ...}]
+
     ```
     """
 
@@ -531,13 +542,15 @@ class TextToAudioPipeline(_PipelineWithPathAssistants, transformers_pipelines.Te
     ```python
     >>> import hf_specdec
     >>> from transformers import AutoModelForTextToWaveform, pipeline
-    >>> model = hf_specdec.enable(AutoModelForTextToWaveform.from_pretrained("facebook/musicgen-small"))
-    >>> pipe = pipeline("text-to-audio", model=model, tokenizer="facebook/musicgen-small")
-    >>> pipe("lo-fi beat", generate_kwargs={"max_new_tokens": 64})
+    >>> checkpoint = "facebook/musicgen-small"
+    >>> model = hf_specdec.enable(AutoModelForTextToWaveform.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> pipe = pipeline("text-to-audio", model=model, tokenizer=checkpoint)  # doctest: +SKIP
+    >>> pipe("lo-fi beat", generate_kwargs={"max_new_tokens": 64})  # doctest: +SKIP
     {'audio': ..., 'sampling_rate': ...}
-    >>> pipe("lo-fi beat", generate_kwargs={"drafter": "prompt_lookup", "max_new_tokens": 64})
+    >>> pipe("lo-fi beat", generate_kwargs={"drafter": "prompt_lookup", "max_new_tokens": 64})  # doctest: +SKIP
     Traceback (most recent call last):
     ValueError: MusicgenForConditionalGeneration cannot run speculative decoding: its own `generate` decodes with ...
+
     ```
     """
 
@@ -557,11 +570,13 @@ class TableQuestionAnsweringPipeline(
     ```python
     >>> import hf_specdec
     >>> from transformers import AutoModelForSeq2SeqLM, pipeline
-    >>> tapex = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained("microsoft/tapex-large-finetuned-wtq"))
-    >>> pipe = pipeline("table-question-answering", model=tapex, tokenizer="microsoft/tapex-large-finetuned-wtq")
-    >>> pipe(table={"city": ["Paris", "Rome"], "country": ["France", "Italy"]}, query="Where is Rome?",
-    ...      drafter="prompt_lookup")
+    >>> checkpoint = "microsoft/tapex-large-finetuned-wtq"
+    >>> tapex = hf_specdec.enable(AutoModelForSeq2SeqLM.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> pipe = pipeline("table-question-answering", model=tapex, tokenizer=checkpoint)  # doctest: +SKIP
+    >>> table = {"city": ["Paris", "Rome"], "country": ["France", "Italy"]}
+    >>> pipe(table=table, query="Where is Rome?", drafter="prompt_lookup")  # doctest: +SKIP
     {'answer': ...}
+
     ```
     """
 
@@ -578,12 +593,13 @@ class DocumentQuestionAnsweringPipeline(
     ```python
     >>> import hf_specdec
     >>> from transformers import VisionEncoderDecoderModel, pipeline
-    >>> donut = hf_specdec.enable(VisionEncoderDecoderModel.from_pretrained("naver-clova-ix/donut-base-finetuned-docvqa"))
-    >>> pipe = pipeline("document-question-answering", model=donut,
-    ...                 image_processor="naver-clova-ix/donut-base-finetuned-docvqa",
-    ...                 tokenizer="naver-clova-ix/donut-base-finetuned-docvqa")
-    >>> pipe("invoice.png", "What is the total?", drafter="prompt_lookup")
+    >>> checkpoint = "naver-clova-ix/donut-base-finetuned-docvqa"
+    >>> donut = hf_specdec.enable(VisionEncoderDecoderModel.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> pipe = pipeline("document-question-answering", model=donut,  # doctest: +SKIP
+    ...                 image_processor=checkpoint, tokenizer=checkpoint)
+    >>> pipe("invoice.png", "What is the total?", drafter="prompt_lookup")  # doctest: +SKIP
     [{'answer': ...}]
+
     ```
     """
 
@@ -606,10 +622,13 @@ class ImageTextToTextPipeline(_PipelineWithPathAssistants, transformers_pipeline
     ```python
     >>> import hf_specdec
     >>> from transformers import AutoModelForImageTextToText, pipeline
-    >>> vlm = hf_specdec.enable(AutoModelForImageTextToText.from_pretrained("HuggingFaceTB/SmolVLM-256M-Instruct"))
-    >>> pipe = pipeline("image-text-to-text", model=vlm, processor="HuggingFaceTB/SmolVLM-256M-Instruct")
-    >>> pipe("photo.png", text="<image> Describe the picture.", drafter="prompt_lookup", max_new_tokens=40)
+    >>> checkpoint = "HuggingFaceTB/SmolVLM-256M-Instruct"
+    >>> vlm = hf_specdec.enable(AutoModelForImageTextToText.from_pretrained(checkpoint))  # doctest: +SKIP
+    >>> pipe = pipeline("image-text-to-text", model=vlm, processor=checkpoint)  # doctest: +SKIP
+    >>> pipe("photo.png", text="<image> Describe the picture.",  # doctest: +SKIP
+    ...      drafter="prompt_lookup", max_new_tokens=40)
     [{'generated_text': ...}]
+
     ```
     """
 
@@ -625,10 +644,11 @@ class AnyToAnyPipeline(_PipelineWithPathAssistants, transformers_pipelines.AnyTo
     ```python
     >>> import hf_specdec
     >>> from transformers import AutoModelForMultimodalLM, pipeline
-    >>> model = hf_specdec.enable(AutoModelForMultimodalLM.from_pretrained("google/gemma-3n-E4B-it"))
-    >>> pipe = pipeline("any-to-any", model=model, processor="google/gemma-3n-E4B-it")
-    >>> pipe(text="Name three colours.", drafter="prompt_lookup", max_new_tokens=20)
+    >>> model = hf_specdec.enable(AutoModelForMultimodalLM.from_pretrained("google/gemma-3n-E4B-it"))  # doctest: +SKIP
+    >>> pipe = pipeline("any-to-any", model=model, processor="google/gemma-3n-E4B-it")  # doctest: +SKIP
+    >>> pipe(text="Name three colours.", drafter="prompt_lookup", max_new_tokens=20)  # doctest: +SKIP
     [{'generated_text': ...}]
+
     ```
     """
 
@@ -711,6 +731,7 @@ def register_pipelines(registry=None, removed_tasks: dict[str, str] | None = Non
     >>> from hf_specdec.pipelines import register_pipelines
     >>> register_pipelines(PipelineRegistry({"summarization": {"impl": object, "pt": ()}}, {}), {})
     ['text2text-generation', 'translation']
+
     ```
     """
     import transformers.pipelines

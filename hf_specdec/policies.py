@@ -103,6 +103,7 @@ class GammaPolicy:
         self.max_gamma = max_gamma
 
     def next_gamma(self) -> int:
+        """How many tokens the next round drafts (0: a plain decoding step)."""
         return self.gamma
 
     def observe_shadow(self, acceptance: float | None) -> None:
@@ -145,17 +146,17 @@ class AutoGammaPolicy(GammaPolicy):
     position, drafting and verifying costs measured per γ; `OptimalGammaPolicy.drafting_gamma`) predict emits the most
     tokens per second, so the user's γ is the most a round drafts; unless what the call measures says drafting loses to
     plain steps, then plain steps (γ = 0), with a probe after 16, 32, 64, ... of them (a stop decided on noisy timings,
-    or a drafter that becomes useful later in the text, is found again). A useless drafter costs a few rounds. Drafting
-    the user's γ whenever it did not lose, as this policy did before, ran at 0.86 of the best constant γ on the
-    memory-bound pair of `bench_memory_bound.py`, whose cost curve makes γ = 2 best and γ = 5 a loss of 10%.
+    or a drafter that becomes useful later in the text, is found again). A useless drafter costs a few rounds. The γ
+    is chosen rather than always the user's because verify cost grows with γ: on a memory-bound pair whose best γ is 2
+    and where γ = 5 loses 10%, drafting the user's γ = 5 whenever it does not lose runs at 0.86 of the best constant γ.
 
     Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over
     drafting plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less
     (about the last ten rounds; what was measured before a stop counts at half weight after a resume), and it is
     judged from the third drafting round on, half a standard error of its mean tokens per round more optimistic than
     measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on average yet has runs of unlucky rounds, and a
-    decision on the last three rounds alone stopped such a drafter (an EAGLE tree that paid 1.4x) for most of its
-    call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, as a plain step's
+    decision on the last three rounds alone would stop such a drafter (e.g. an EAGLE tree that pays 1.4x) for most of
+    its call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, as a plain step's
     cost is a median: stalls of another process, on a loaded machine every few steps, must not stop a drafter that
     pays. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
     forward stops without a plain step to compare; when the two are close, one plain step is measured. Once plain
@@ -171,9 +172,9 @@ class AutoGammaPolicy(GammaPolicy):
     without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted draft.
 
     The first round drafts one token (`first_gamma`), the next ones the user's γ: nothing is known yet of the
-    drafter, and a first round of γ drafts cost a useless drafter (an early exit of SmolLM2-135M in bfloat16) γ - 1
-    drafting steps and a wider prefill, 1.5-2.5 plain steps: 9% of a 26-token answer. Its times include the prompt's
-    prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once.
+    drafter, and a first round of γ drafts costs a useless drafter (e.g. an early exit of a 135M model in bfloat16)
+    γ - 1 drafting steps and a wider prefill, 1.5-2.5 plain steps, about 9% of a 26-token answer. Its times include
+    the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once.
 
     Before it stops, a chain steps down: where a verify forward's cost grows with its tokens (a batch on a CPU, where
     γ = 5 loses and γ = 1 pays), a smaller γ may pay where the user's does not. From the measured acceptance rate of
@@ -182,7 +183,7 @@ class AutoGammaPolicy(GammaPolicy):
     drafts), it predicts the tokens per second of each smaller γ; the best is tried, afresh, when predicted to beat a
     plain step by `step_down_gain` (it caps γ until drafting is measured to pay again; then the chooser may go back up
     to the user's γ), otherwise drafting stops (and a probe that resumes it resumes the smaller γ). A useless drafter
-    is predicted to lose at every γ and stops as before. Trees do not step down, and their depth is not chosen: their
+    is predicted to lose at every γ and stops. Trees do not step down, and their depth is not chosen: their
     cost is set by the tree budget, not by the depth; a tree drafts the user's γ as its depth."""
 
     decay = 0.9  # weight of the drafting round before, per drafting round, in the drafting rate
@@ -444,6 +445,8 @@ class OptimalGammaPolicy(GammaPolicy):
         self.probe_after = self.first_probe_after
 
     def acceptance_rates(self) -> list[float]:
+        """The acceptance rate at each draft position given that it was reached, smoothed towards the pooled rate
+        by `prior_strength` pseudo-rounds."""
         total_reached, total_accepted = sum(self.reached), sum(self.accepted)
         pooled = (total_accepted + 1.0) / (total_reached + 2.0)
         s = self.prior_strength

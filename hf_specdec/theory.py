@@ -38,6 +38,7 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
     >>> import hf_specdec
     >>> round(hf_specdec.expected_speedup(alpha=0.8, gamma=5, c=0.05), 2)
     2.95
+
     ```
     """
     _check(alpha, gamma, c)
@@ -55,6 +56,7 @@ def expected_operations(alpha: float, gamma: int, c_hat: float = 0.0) -> float:
     >>> import hf_specdec
     >>> round(hf_specdec.expected_operations(alpha=0.8, gamma=5), 2)
     1.63
+
     ```
     """
     _check(alpha, gamma, c_hat)
@@ -70,6 +72,7 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     >>> import hf_specdec
     >>> hf_specdec.optimal_gamma(alpha=0.8, c=0.05)
     8
+
     ```
     """
     _check(alpha, None, c)

@@ -34,8 +34,8 @@ def build_early_exit_pair(
     `intermediate_size`, `num_attention_heads` and `num_key_value_heads` default to `hidden_size * 11 // 4`,
     `hidden_size // 64` and `hidden_size // 128`. The head is multiplied by 6 to sharpen the next-token
     distributions; with `head_logit_std` it is instead rescaled so that the target's logits, measured on one forward
-    over seeded random tokens, have that standard deviation (a sharpness that does not depend on the shape: e.g.
-    `head_logit_std=4.0` for the TinyLlama-shaped pair of `benchmarks/bench_memory_bound.py`).
+    over seeded random tokens, have that standard deviation (a sharpness that does not depend on the shape, e.g.
+    `head_logit_std=4.0` for a TinyLlama-shaped pair).
     """
     config = AutoConfig.for_model(
         "llama",

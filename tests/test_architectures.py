@@ -280,7 +280,12 @@ def test_target_forwards_run_in_plain_decodings_kernel_switch_as_transformers_do
     for name, drafter in drafters.items():
         seen.clear()
         out = model.generate(
-            ids, drafter=drafter, speculative_gamma=3, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True
+            ids,
+            drafter=drafter,
+            speculative_gamma=3,
+            speculative_gamma_policy="constant",
+            max_new_tokens=NEW_TOKENS,
+            return_dict_in_generate=True,
         )
         assert torch.equal(out.sequences, plain), name
         assert seen[0][1] == "grouped_mm", name  # the probe's and the first round's forwards carry the prompt

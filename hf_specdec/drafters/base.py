@@ -70,6 +70,7 @@ class DraftContext:
 
     @property
     def do_sample(self) -> bool:
+        """Whether the call samples (`generation_config.do_sample`) rather than decoding greedily."""
         return bool(self.generation_config.do_sample)
 
 
@@ -86,6 +87,8 @@ class DraftProposal:
 
     @classmethod
     def empty(cls, batch_size: int, device: torch.device | str) -> DraftProposal:
+        """A proposal of no tokens for `batch_size` rows (`tokens` of shape `[batch_size, 0]`): "nothing to propose"
+        is always this, never `None`."""
         return cls(tokens=torch.empty(batch_size, 0, dtype=torch.long, device=device))
 
 
@@ -200,6 +203,9 @@ def register_drafter(name: str, cls: type[Drafter]) -> type[Drafter]:
     >>> _ = hf_specdec.register_drafter("echo-doc-example", EchoDrafter)
     >>> "echo-doc-example" in hf_specdec.list_drafters()
     True
+    >>> # names stay registered for the life of the process; this example removes its own again
+    >>> del hf_specdec.drafters.base._REGISTRY._classes["echo-doc-example"]
+
     ```
     """
     return _REGISTRY.register(name, cls)

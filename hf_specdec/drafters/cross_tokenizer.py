@@ -114,6 +114,7 @@ class IncrementalDetokenizer:
     >>> detokenizer = IncrementalDetokenizer(tokenizer)
     >>> detokenizer.advance(ids[:3]) + detokenizer.advance(ids[3:]) == tokenizer.decode(ids)
     True
+
     ```
     """
 
@@ -165,6 +166,7 @@ class IncrementalRetokenizer:
     ...     retokenizer.extend(text[start : start + 7])
     >>> retokenizer.ids() == tokenizer(text).input_ids
     True
+
     ```
     """
 
@@ -271,6 +273,7 @@ def shared_vocabulary(tokenizer, assistant_tokenizer) -> tuple[torch.LongTensor,
     >>> target_ids, assistant_ids = shared_vocabulary(tokenizer, tokenizer)
     >>> bool((target_ids == assistant_ids).all()) and len(target_ids) > 8000
     True
+
     ```
     """
     target_index = _string_index(tokenizer)
@@ -340,6 +343,7 @@ class CrossTokenizerDrafter(Drafter):
     >>> out = target.generate(ids, drafter=drafter, max_new_tokens=8, do_sample=False)
     >>> torch.equal(out, target.generate(ids, max_new_tokens=8, do_sample=False))
     True
+
     ```
     """
 

@@ -235,10 +235,20 @@ class EagleDrafter(Drafter):
     draft forward; the proposal keeps the budget's best nodes). Greedy and sampled decoding are both exact.
 
     Args:
-        model (`Eagle3DraftModel`): the draft network (from `from_pretrained`, `from_target` or training).
-        target_name (`str`, *optional*): the target it was trained for, recorded in the saved model card.
-        tree_top_k (`int`, *optional*, defaults to 4): children per expanded tree node, and nodes expanded per depth.
-        training_info (`dict`, *optional*): what training recorded (data, time, acceptance), for the model card.
+        model (`Eagle3DraftModel`, *optional*):
+            The draft network (from `from_pretrained`, `from_target` or training). Give it or `pretrained`.
+        pretrained (`str` or `Path`, *optional*):
+            A local directory or Hub repo id of an EAGLE-3 head, loaded with `from_pretrained` at the start of each
+            call, for the call's target. Give it or `model`.
+        target_name (`str`, *optional*):
+            The target it was trained for, recorded in the saved model card.
+        tree_top_k (`int`, *optional*, defaults to 4):
+            Children per expanded tree node, and nodes expanded per depth.
+        training_info (`dict`, *optional*):
+            What training recorded (data, time, acceptance), for the model card.
+        hub_kwargs:
+            Hub download options for `pretrained`: `revision`, `token`, `cache_dir`, `local_files_only`,
+            `force_download`, `proxies`.
 
     Example:
 
@@ -253,6 +263,7 @@ class EagleDrafter(Drafter):
     >>> fast = target.generate(torch.tensor([[1, 2, 3]]), drafter=drafter, max_new_tokens=8, do_sample=False)
     >>> bool((plain == fast).all())
     True
+
     ```
     """
 

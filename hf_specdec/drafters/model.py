@@ -110,6 +110,7 @@ class ModelDrafter(Drafter):
     >>> out = target.generate(torch.tensor([[1, 2, 3]]), drafter=hf_specdec.ModelDrafter(target), max_new_tokens=5)
     >>> out.shape
     torch.Size([1, 8])
+
     ```
     """
 

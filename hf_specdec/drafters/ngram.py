@@ -69,6 +69,7 @@ class NGramDrafter(
     >>> tree = table.propose_for([[1, 2]], num_tokens=2, tree_budget=3)
     >>> tree.tokens, tree.parents  # after [1, 2]: 3 (q = 2/3), then its child 1 (2/3 * 1), then 4 (1/3)
     (tensor([[3, 1, 4]]), tensor([[-1,  0, -1]]))
+
     ```
     """
 
@@ -181,6 +182,8 @@ class NGramDrafter(
     # ----- Hub format -----------------------------------------------------------------------------------------
 
     def config_dict(self) -> dict[str, Any]:
+        """The table's settings and provenance, as `save_pretrained` writes them to `config.json` (with the
+        hf_specdec version)."""
         from .. import __version__
 
         return {
@@ -231,6 +234,7 @@ class NGramDrafter(
         >>> from hf_specdec.zoo import load_ngram
         >>> load_ngram(n=2, draft_mode="sample").n
         2
+
         ```
         """
         unknown = sorted(set(overrides) - set(_OVERRIDABLE))
@@ -343,6 +347,7 @@ class NGramDrafter(
         return super().push_to_hub(repo_id, model_card_kwargs=model_card_kwargs, **kwargs)
 
     def generate_model_card(self, *args, **kwargs) -> ModelCard:
+        """The model card (`README.md`) that `save_pretrained` and `push_to_hub` write beside the table."""
         card_data = ModelCardData(
             library_name="hf_specdec",
             tags=["hf_specdec", "speculative-decoding", "ngram-drafter"],

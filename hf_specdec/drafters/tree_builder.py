@@ -34,6 +34,7 @@ class TokenTree:
     (3, 2, 0)
     >>> tree.tokens, tree.parents
     ([7, 8, 9, 5, 6], [-1, 0, 1, 0, 3])
+
     ```
     """
 
@@ -130,6 +131,7 @@ class DynamicTree:
     >>> proposal = tree.proposal()
     >>> proposal.tokens.tolist(), proposal.parents.tolist()
     ([[0, 1, 0]], [[-1, -1, 0]])
+
     ```
     """
 

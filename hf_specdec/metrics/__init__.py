@@ -26,6 +26,7 @@ def load(name: str, **kwargs):
     ...     beta_sum=3.5, beta_count=4, position_drafted=[2, 2], position_accepted=[2, 1], gamma_history=[2, 2])
     >>> metric.compute(stats=[stats.to_dict()])["alpha"]
     0.875
+
     ```
     """
     import evaluate

@@ -13,12 +13,20 @@
 Example:
 
 ```python
->>> import hf_specdec
+>>> import torch, hf_specdec
 >>> from hf_specdec.zoo import load_default
 >>> target, drafter, tokenizer = load_default()
 >>> target = hf_specdec.enable(target)
->>> ids = tokenizer("def add(a, b):\\n    ", return_tensors="pt").input_ids
+>>> ids = tokenizer("import os\\nimport", return_tensors="pt").input_ids
 >>> out = target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+>>> print(tokenizer.decode(out[0]))
+import os
+import sys
+import sys
+import sys
+>>> torch.equal(out, target.generate(ids, max_new_tokens=8, do_sample=False))  # plain greedy's tokens, exactly
+True
+
 ```
 """
 
@@ -31,6 +39,7 @@ import torch
 __all__ = ["ZOO_DIR", "load_default", "load_ngram", "load_tokenizer"]
 
 ZOO_DIR = Path(__file__).resolve().parent.parent / "zoo_models"
+"""The folder of the embedded zoo's files (`hf_specdec/zoo_models/` in the installed package)."""
 
 
 def _path(name: str) -> Path:
