@@ -279,65 +279,56 @@ def _spread(times: list[float]) -> float:
 # ----- commands --------------------------------------------------------------------------------------------------
 
 
+DEMO_LABELS = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
+DEMO_TOKENS = 96  # tokens generated for a prompt the demo did not pick (--task/--index, --model)
+
+
 def demo(args: argparse.Namespace) -> int:
-    """Plain greedy vs speculative on a held-out prompt with the embedded trained models, same process."""
-    import torch
-    from transformers import GenerationMixin
+    """Plain greedy vs speculative `generate` streamed side by side on the demo's held-out prompts (or a local
+    model), then the summary table over all of them."""
+    from hf_specdec.demo import Console
 
-    from hf_specdec.zoo.tasks import load_prompts
-
+    console = Console()
     threads = _set_threads(args.threads)
     if args.model is not None:
-        return _demo_model(args, threads)
-    if args.gguf_file is not None:
-        raise CLIError("--gguf-file names a file inside --model DIR; pass --model too")
-    target, tokenizer = _load_target(None)
-    gamma = 4 if args.gamma is None else args.gamma  # the embedded drafters' tuned draft length
-    names = ["prompt_lookup", "ngram", "model"] if args.drafter == "all" else [args.drafter]
-    drafters = {name: _load_drafter([name], embedded_target=True) for name in names}
-    example = load_prompts()[args.task][args.index]
-    ids = tokenizer(example["prompt"], return_tensors="pt").input_ids
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    methods = {"plain": lambda: GenerationMixin.generate(target, ids, **common)}
-    for name, drafter_kwargs in drafters.items():
-        methods[name] = (
-            lambda kwargs: (
-                lambda: target.generate(ids, speculative_gamma=gamma, return_dict_in_generate=True, **kwargs, **common)
-            )
-        )(drafter_kwargs)
-    warm = dict(max_new_tokens=4, do_sample=False)  # first calls pay one-off costs (allocations, lazy init)
-    GenerationMixin.generate(target, ids[:, :8], **warm)
-    for drafter_kwargs in drafters.values():
-        target.generate(ids[:, :8], speculative_gamma=gamma, **drafter_kwargs, **warm)
-    seconds, outputs = _interleaved(methods, args.repeats, "demo")
-    median = {name: statistics.median(times) for name, times in seconds.items()}
-    plain = outputs["plain"]
-    print("Embedded zoo: 5.6M-parameter Llama code model trained on the Python standard library (train split).")
-    print(f"Held-out {args.task} prompt {example['id']} ({ids.shape[1]} tokens), ending:")
-    print("\n".join(example["prompt"].rstrip("\n").splitlines()[-5:]))
-    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens, plain greedy generate: {median['plain']:.2f} s) ---")
-    print(tokenizer.decode(plain[0, ids.shape[1] :]))
-    print("---")
-    print(f"{threads}; times are medians of {args.repeats} interleaved run(s), spread = (max - min) / median")
-    labels = {"prompt_lookup": "prompt lookup", "ngram": "n-gram table (n=3)", "model": "distilled 1-layer drafter"}
-    all_same = True
-    print(
-        f"{'drafter (gamma=' + str(gamma) + ')':28s} {'seconds':>8} {'spread':>7} {'speedup':>8} "
-        f"{'alpha':>6} {'tokens/call':>11} {'identical':>9}"
+        return _demo_model(args, threads, console)
+    for flag, value in (("--gguf-file", args.gguf_file), ("--eagle", args.eagle), ("--prompt", args.prompt)):
+        if value is not None:
+            raise CLIError(f"{flag} goes with --model DIR (the demo on a local model); pass --model too")
+    if args.prompts is not None and (args.task is not None or args.index is not None):
+        raise CLIError("--prompts counts the demo's own prompts; --task/--index run one held-out prompt instead")
+    with console.status("loading the embedded zoo model and its drafters"):
+        from hf_specdec import zoo
+        from hf_specdec.zoo.tasks import load_prompts
+
+        target, tokenizer = _load_target(None)
+        picked = json.loads((zoo.ZOO_DIR / "demo_prompts.json").read_text())
+        held_out = load_prompts()
+        if args.task is None and args.index is None:
+            examples = [
+                (
+                    f"held-out {item['task']} prompt {item['id']}",
+                    held_out[item["task"]][item["index"]]["prompt"],
+                    args.max_new_tokens or item["sensible_tokens"],
+                )
+                for item in picked["prompts"][: args.prompts]
+            ]
+        else:
+            task, index = args.task or "completion", args.index or 0
+            example = held_out[task][index]
+            examples = [
+                (f"held-out {task} prompt {example['id']}", example["prompt"], args.max_new_tokens or DEMO_TOKENS)
+            ]
+        # "all": the drafters that beat plain generate on these prompts (prompt lookup, if ever none did)
+        names = (picked["drafters"] or ["prompt_lookup"]) if args.drafter == "all" else [args.drafter]
+        drafters = {DEMO_LABELS[name]: _load_drafter([name], embedded_target=True) for name in names}
+    console.print(
+        f"{console.bold('hf-specdec demo')}: the embedded 5.6M-parameter code model, on code from files it never saw"
     )
-    print(f"{'none (plain generate)':28s} {median['plain']:8.2f} {_spread(seconds['plain']):6.0%} {1:7.2f}x")
-    for name in drafters:
-        out = outputs[name]
-        stats = out.speculative_stats
-        same = torch.equal(out.sequences, plain)
-        all_same &= same
-        print(
-            f"{labels[name]:28s} {median[name]:8.2f} {_spread(seconds[name]):6.0%} "
-            f"{median['plain'] / median[name]:7.2f}x {stats.alpha:6.3f} {stats.mean_accepted_length:11.2f} "
-            f"{str(same):>9}"
-        )
-    print(f"output identical to plain generate: {all_same}")
-    return 0 if all_same else 1
+    inputs = [
+        (title, prompt, tokenizer(prompt, return_tensors="pt").input_ids, tokens) for title, prompt, tokens in examples
+    ]
+    return _demo_run(console, target, tokenizer, inputs, drafters, args, threads)
 
 
 DEMO_INSTRUCTION = (
@@ -346,15 +337,23 @@ DEMO_INSTRUCTION = (
 )
 
 
-def _demo_model(args: argparse.Namespace, threads: str) -> int:
+def _demo_model(args: argparse.Namespace, threads: str, console) -> int:
     """The demo on any local model: plain greedy `generate` against prompt lookup (and an EAGLE-3 head with
     `--eagle DIR`), with the tokenizer's chat template when it has one."""
-    import torch
-    from transformers import GenerationMixin
-
     from hf_specdec import EagleDrafter
 
-    target, tokenizer = _load_target(args.model, gguf_file=args.gguf_file)
+    for flag, value in (("--task", args.task), ("--index", args.index), ("--prompts", args.prompts)):
+        if value is not None:
+            raise CLIError(f"{flag} picks the embedded zoo's prompts; with --model DIR pass --prompt TEXT instead")
+    if args.drafter not in ("all", "prompt_lookup"):
+        raise CLIError(
+            f"--drafter {args.drafter} is an embedded zoo drafter; with --model DIR the demo runs prompt lookup"
+        )
+    with console.status(f"loading {args.model}"):
+        target, tokenizer = _load_target(args.model, gguf_file=args.gguf_file)
+        drafters = {"prompt lookup": {"drafter": "prompt_lookup"}}
+        if args.eagle is not None:
+            drafters["EAGLE-3 head"] = {"drafter": EagleDrafter.from_pretrained(args.eagle, target=target)}
     text = args.prompt or DEMO_INSTRUCTION
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
@@ -362,39 +361,92 @@ def _demo_model(args: argparse.Namespace, threads: str) -> int:
         )["input_ids"]
     else:
         ids = tokenizer(text, return_tensors="pt").input_ids
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
-    methods = {
-        "plain generate": lambda: GenerationMixin.generate(target, ids, **common),
-        "prompt lookup": lambda: target.generate(
-            ids, drafter="prompt_lookup", return_dict_in_generate=True, speculative_gamma=args.gamma, **common
-        ),
-    }
-    if args.eagle is not None:
-        head = EagleDrafter.from_pretrained(args.eagle, target=target)
-        methods["EAGLE-3 head"] = lambda: target.generate(
-            ids, drafter=head, return_dict_in_generate=True, speculative_gamma=args.gamma, **common
+    console.print(f"{console.bold('hf-specdec demo')}: {type(target).__name__} from {args.model}")
+    inputs = [("the prompt", text, ids, args.max_new_tokens or DEMO_TOKENS)]
+    return _demo_run(console, target, tokenizer, inputs, drafters, args, threads)
+
+
+def _demo_run(console, target, tokenizer, inputs: list[tuple], drafters: dict, args, threads: str) -> int:
+    """Streams plain vs the first drafter on the first prompt side by side, then times every method on every prompt
+    (interleaved repeats) and prints the table; exit status 1 when any output differs from plain `generate`.
+    `inputs`: (title, prompt text, input ids, max new tokens) per prompt; `drafters`: label -> `generate` kwargs."""
+    import torch
+    from transformers import GenerationMixin
+
+    from hf_specdec.demo import Row, print_prompt, print_stream_summary, print_table, stream_pair
+    from hf_specdec.stats import SpeculativeStats
+
+    def plain(ids, tokens, **extra):
+        return GenerationMixin.generate(
+            target, ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, **extra
         )
-    for method in methods.values():  # warm-up: first calls pay one-off costs
-        method()
-    seconds, outputs = _interleaved(methods, args.repeats, "demo")
-    plain = outputs["plain generate"]
+
+    def speculative(drafter_kwargs, ids, tokens, **extra):
+        return target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            do_sample=False,
+            speculative_gamma=args.gamma,
+            return_dict_in_generate=True,
+            **drafter_kwargs,
+            **extra,
+        )
+
+    with console.status("warming up"):  # first calls pay one-off costs (allocations, lazy init)
+        first_ids = inputs[0][2]
+        plain(first_ids, 8)
+        for drafter_kwargs in drafters.values():
+            speculative(drafter_kwargs, first_ids, 8)
+    title, text, ids, tokens = inputs[0]
+    streamed = next(iter(drafters))
+    print_prompt(console, title, text, ids.shape[1])
+    (left, right), view = stream_pair(
+        console,
+        target,
+        tokenizer,
+        lambda streamer: plain(ids, tokens, streamer=streamer),
+        lambda streamer: speculative(drafters[streamed], ids, tokens, streamer=streamer),
+        ("plain generate", f"speculative: {streamed}"),
+    )
+    streamed_same = torch.equal(right.sequences, left)
+    print_stream_summary(console, view, streamed_same)
+
+    methods = {"plain generate": lambda: [plain(ids, tokens) for _, _, ids, tokens in inputs]}
+    for label, drafter_kwargs in drafters.items():
+        methods[label] = (
+            lambda drafter_kwargs: lambda: [speculative(drafter_kwargs, ids, tokens) for _, _, ids, tokens in inputs]
+        )(drafter_kwargs)
+    seconds, outputs = _interleaved(methods, args.repeats, "measuring")
     median = {name: statistics.median(times) for name, times in seconds.items()}
-    print(f"{type(target).__name__} from {args.model}; prompt ({ids.shape[1]} tokens):\n{text}")
-    print(f"--- generated ({plain.shape[1] - ids.shape[1]} tokens) ---")
-    print(tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True))
-    print("---")
-    print(f"{threads}; times are medians of {args.repeats} interleaved run(s)")
-    all_same = True
-    for name in methods:
-        out = outputs[name]
-        sequences = out if name == "plain generate" else out.sequences
-        same = torch.equal(sequences, plain)
-        all_same &= same
-        extra = "" if name == "plain generate" else (f" {out.speculative_stats.mean_accepted_length:5.2f} tokens/call")
-        print(
-            f"{name:16s} {median[name]:7.2f} s {median['plain generate'] / median[name]:6.2f}x{extra}  identical: "
-            f"{same}"
+    reference = outputs["plain generate"]
+    generated = sum(out.shape[1] - ids.shape[1] for out, (_, _, ids, _) in zip(reference, inputs))
+    rows = [Row("plain generate", median["plain generate"], _spread(seconds["plain generate"]), 1.0, None, 1.0, True)]
+    for label in drafters:
+        stats = SpeculativeStats()
+        for out in outputs[label]:
+            stats.merge(out.speculative_stats)
+        same = all(torch.equal(out.sequences, plain_out) for out, plain_out in zip(outputs[label], reference))
+        rows.append(
+            Row(
+                label,
+                median[label],
+                _spread(seconds[label]),
+                median["plain generate"] / median[label],
+                stats.alpha,
+                stats.mean_accepted_length,
+                same,
+            )
         )
+    console.print()
+    console.print(f"{len(inputs)} prompt(s), {generated} tokens per method; {threads}")
+    console.print(
+        f"seconds: medians of {args.repeats} interleaved run(s) (spread: (max - min) / median); default "
+        f"{console.gamma} policy (auto)"
+    )
+    print_table(console, rows)
+    all_same = streamed_same and all(row.identical for row in rows)
+    console.print(f"output identical to plain generate: {all_same}")
     return 0 if all_same else 1
 
 
@@ -1053,30 +1105,50 @@ def _parser() -> argparse.ArgumentParser:
         threads(sub)
 
     tasks = ["completion", "editing", "continuation"]
-    sub = command("demo", "speculative vs plain generate with the embedded trained code model")
+    sub = command("demo", "plain vs speculative generate, streamed side by side, with the embedded code model")
     sub.add_argument(
         "--drafter",
         default="all",
         choices=["all", "prompt_lookup", "ngram", "model"],
-        help="which embedded drafter(s) to run against plain generate",
+        help="which embedded drafter to run against plain generate (all: those that beat plain generate on the "
+        "demo's prompts, as measured by scripts/pick_demo_prompts.py)",
     )
-    sub.add_argument("--task", default="completion", choices=tasks, help="which kind of held-out prompt")
+    sub.add_argument(
+        "--prompts",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="time the first N of the demo's prompts (default: all of them)",
+    )
+    sub.add_argument(
+        "--task",
+        default=None,
+        choices=tasks,
+        help="run on a held-out prompt of this task instead of the demo's prompts (with --index; default completion)",
+    )
     sub.add_argument(
         "--index",
         type=int,
-        default=0,
+        default=None,
         choices=range(TASK_PROMPTS),
         metavar=f"0-{TASK_PROMPTS - 1}",
-        help="which held-out prompt of the task",
+        help="run on this held-out prompt of --task instead of the demo's prompts (default 0)",
     )
-    sub.add_argument("--max-new-tokens", type=_positive_int, default=96, metavar="N", help="tokens to generate")
+    sub.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"tokens to generate per prompt (default: for each demo prompt, the tokens the model writes before it "
+        f"starts repeating itself; else {DEMO_TOKENS})",
+    )
     sub.add_argument(
         "--gamma",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="draft length (default: 4 with the embedded zoo; with --model, each drafter's own default: "
-        "10 for prompt lookup, 5 for an EAGLE head)",
+        help="the draft length the default γ policy (auto) starts from and adapts (default: each drafter's own: 10 "
+        "for prompt lookup, else 5)",
     )
     sub.add_argument(
         "--repeats",
@@ -1275,6 +1347,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import torch
+
+    threads = torch.get_num_threads()  # the commands set their own; a caller in the same process keeps its own
     # weight-loading bars would bury the one line that matters (the commands' own bars use tqdm directly)
     from transformers.utils import logging as transformers_logging
 
@@ -1284,6 +1359,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, ValueError, TypeError, OSError) as err:
         print(f"hf-specdec: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":
