@@ -1,8 +1,8 @@
 """The decoding loop's own cost: ms per round and host reads per round on a nearly free forward.
 
 A tiny fp32 Llama (hidden 64, 2 layers) on one thread makes each forward cost next to nothing, so what is left is
-the loop: bookkeeping, checks, and the reads of tensor values on the host (`harness.HostReads`), each of which
-waits for the device on a GPU. The drafter is an exact copy of the target, so every draft is accepted and every
+the loop: bookkeeping, checks, and the reads of tensor values on the host (`HostReads`, outside the models'
+forwards), each of which waits for the device on a GPU. The drafter is an exact copy of the target, so every draft is accepted and every
 round emits γ + 1 tokens. Greedy, constant γ, batch 1, one process, every method interleaved and repeated:
 
 - plain `GenerationMixin.generate` (one forward per token: its per-token cost is the floor);
@@ -139,7 +139,7 @@ def run(args) -> dict:
     for name, method in methods.items():  # outputs, target forwards and host reads, outside the timed runs
         method()  # first calls probe the model once (capabilities): count a warm call, as the timed ones are
         counter = ForwardCounter(target)
-        with HostReads() as reads:
+        with HostReads(outside_of=[target, drafter]) as reads:  # the loop's reads, not the forwards' own
             out = method()
         counter.close()
         results[name] = {

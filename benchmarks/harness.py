@@ -24,39 +24,9 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec.devices import HostReads  # re-exported: benchmarks count reads with it
+
 __all__ = ["HostReads", "assistant_with_gamma", "interleaved", "machine", "summarize", "timed", "write_results"]
-
-# the Tensor methods that copy a value to the host and so wait for the device
-_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-
-
-class HostReads:
-    """Counts reads of tensor values on the host while active (a context manager; restores the methods on exit).
-
-    A read of a CPU tensor counts too: the count is what the same code would do on a GPU. `.cpu()` of a tensor
-    already on the CPU is counted as well, since on a GPU it is the transfer.
-    """
-
-    def __init__(self):
-        self.count = 0
-        self._saved: dict[str, Callable] = {}
-
-    def __enter__(self) -> HostReads:
-        for name in _READS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = original
-
-            def counted(tensor, *args, _original=original, **kwargs):
-                self.count += 1
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, counted)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
-        self._saved.clear()
 
 
 def assistant_with_gamma(drafter, gamma: int):

@@ -50,7 +50,17 @@ from .caches import CACHE_KWARG, realign_cache, slice_cache
 from .devices import seconds_agreement
 from .drafters.base import Drafter, DraftProposal
 from .drafters.model import logits_width
-from .rounds import checked_proposal, compiled_graphs, draft_context, standardize, target_logits, verify_round
+from .rounds import (
+    ProposalCheck,
+    checked_proposal,
+    compiled_graphs,
+    draft_context,
+    first_stops,
+    read_verdict,
+    standardize,
+    target_logits,
+    verify_round,
+)
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 
@@ -157,6 +167,7 @@ def _decode_padded(
     row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
     stats.rows.extend(row_stats)
     done_length: dict[int, int] = {}  # row -> its length when its stopping criteria fired
+    padding = dict(enumerate(text_start))  # row -> its left padding columns in `ids` (known here, never read back)
     ids = input_ids
     do_sample = bool(generation_config.do_sample)
     max_length = generation_config.max_length
@@ -176,12 +187,14 @@ def _decode_padded(
         if batch_drafter is not None:
             for processor in padding_aware:
                 processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
-            proposal = checked_proposal(
+            proposal, check = checked_proposal(
                 batch_drafter.propose(ids, gamma, attention_mask=mask), batch_drafter, ids, gamma, vocab_size
             )
         else:
             row_ids = [torch.cat([prompts[r, text_start[r] :], generated[r]])[None] for r in rows]
-            proposal = _row_proposals([row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device)
+            proposal, check = _row_proposals(
+                [row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device
+            )
         draft_tokens = proposal.tokens  # [rows, k]
         num_drafted = draft_tokens.shape[1]
         stats.drafter_compilations += compiled_graphs() - graphs
@@ -215,33 +228,38 @@ def _decode_padded(
                 check_stateless=first_round,
             )
 
-        # 3. verify every row (Algorithm 1)
-        verdict = verify_round(do_sample, proposal, scores, options)
-        accepted, next_tokens, betas = verdict.accepted, verdict.next_tokens, verdict.betas
+        # 3. verify every row (Algorithm 1); one host read for all rows' verdicts and the proposal's check
+        verdict = read_verdict(verify_round(do_sample, proposal, scores, options), check)
+        accepted, next_tokens = verdict.accepted, verdict.next_tokens
         new_tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(rows), 1)], dim=-1)  # [rows, k + 1]
         new_tokens[torch.arange(len(rows)), accepted] = next_tokens
 
-        # 4. each row appends token by token through the stopping criteria
-        emitted = []
-        accepted_list, betas_list = accepted.tolist(), betas.tolist()  # one device sync for all rows
+        # 4. each row appends through the stopping criteria, checked after every token as plain generate checks
+        # them; one host read for every row's checks
+        accepted_list = verdict.accepted_counts
+        views = []
         for i, r in enumerate(rows):
             n = accepted_list[i]
-            row_betas = betas_list[i][: min(n + 1, num_drafted)]
+            row_betas = verdict.beta_values[i][: min(n + 1, num_drafted)]
             stats.record_round(chosen_gamma, num_drafted, n, row_betas, new_forward=i == 0)
             row_stats[r].record_round(chosen_gamma, num_drafted, n, row_betas)
-            view = torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None]
-            count = 0
-            while count < n + 1:
-                count += 1
-                if r not in done_length and bool(stopping_criteria(view[:, : lengths[i] + count], None).any()):
-                    done_length[r] = lengths[i] + count
-                    if rows_leave_when_done:
-                        break
-            generated[r] = view[0, prompt_len : lengths[i] + count]
-            emitted.append(count)
+            views.append(torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None])
+        # a row already done (it grows on with the batch) checks nothing more
+        checked = [i for i, r in enumerate(rows) if r not in done_length]
+        stops = first_stops(stopping_criteria, [(views[i], lengths[i], accepted_list[i] + 1) for i in checked])
+        emitted = [n + 1 for n in accepted_list]
+        for i, stop in zip(checked, stops):
+            if stop is not None:
+                done_length[rows[i]] = lengths[i] + stop
+                if rows_leave_when_done:
+                    emitted[i] = stop
+        for i, r in enumerate(rows):
+            generated[r] = views[i][0, prompt_len : lengths[i] + emitted[i]]
 
         # 5. realign: rows end together again; the cache keeps everything but each row's newest token
         most = max(emitted)
+        for i, r in enumerate(rows):
+            padding[r] += most - emitted[i]
         shift = torch.tensor([most - e for e in emitted], device=device)  # [rows]: extra left padding per row
         columns = torch.arange(width + most, device=device)[None, :] - shift[:, None]  # [rows, width + most]
         source_ids = torch.cat([ids, new_tokens], dim=-1)
@@ -266,7 +284,9 @@ def _decode_padded(
                 batch_drafter.select_rows(index)
             rows = [rows[i] for i in keep]
         if rows:
-            lead = int((mask == 0).sum(-1).min())  # all-padding columns on the left (padding is left only)
+            lead = min(padding[r] for r in rows)  # all-padding columns on the left (padding is left only)
+            for r in rows:
+                padding[r] -= lead
             ids, mask = ids[:, lead:], mask[:, lead:]
             # one move of the target's cache: each row to its new columns, the all-padding ones dropped, the newest
             # token (never cached) left out; a slice, not a copy, when every row moved alike
@@ -373,7 +393,8 @@ def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
     `DraftProposal` for the batch."""
     proposals = []
     for drafter, ids in zip(row_drafters, row_ids):
-        proposal = checked_proposal(drafter.propose(ids, gamma), drafter, ids, gamma, vocab_size)
+        proposal, check = checked_proposal(drafter.propose(ids, gamma), drafter, ids, gamma, vocab_size)
+        check.read()
         proposals.append((proposal.tokens, proposal.probs))
     length = max(tokens.shape[1] for tokens, _ in proposals)
     tokens = torch.full((len(row_ids), length), filler, dtype=torch.long, device=device)
@@ -386,7 +407,8 @@ def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
             probs[i] = torch.nn.functional.one_hot(tokens[i], vocab_size).float()
             if row_probs is not None:
                 probs[i, : row_tokens.shape[1]] = row_probs[0]
-    return DraftProposal(tokens=tokens, probs=probs)
+    proposal = DraftProposal(tokens=tokens, probs=probs)
+    return proposal, ProposalCheck(None, "row drafters", tokens, probs, vocab_size)  # each row read its own
 
 
 def _assemble(prompts, generated, pad_token_id: int):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["decode_step", "execution_device", "seconds_agreement"]
+__all__ = ["HostReads", "decode_step", "execution_device", "seconds_agreement"]
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:
@@ -68,3 +69,60 @@ def seconds_agreement(model: torch.nn.Module):
         return tuple(values.tolist())
 
     return agree
+
+
+# the Tensor methods that copy a value to the host and so wait for the device
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class HostReads:
+    """Counts reads of tensor values on the host while active (a context manager; restores the methods on exit).
+
+    A read of a CPU tensor counts too: the count is what the same code would do on a GPU. `.cpu()` of a tensor
+    already on the CPU is counted as well, since on a GPU it is the transfer. It patches `torch.Tensor` for the whole
+    process while active: a diagnostic for tests and benchmarks, not for concurrent use.
+
+    Args:
+        outside_of (`list[torch.nn.Module]`, *optional*):
+            Modules whose forwards' own reads are not counted (a model's forward reads what plain `generate` reads
+            too, e.g. whether a padding mask can be skipped): only the reads of the loop around them count.
+    """
+
+    def __init__(self, outside_of: list[torch.nn.Module] = ()):
+        self.count = 0
+        self._saved: dict[str, Callable | None] = {}  # None: the method was inherited, not set on torch.Tensor
+        self._modules = list(outside_of)
+        self._handles = []
+        self._inside = 0  # how many of the skipped forwards are running
+
+    def __enter__(self) -> HostReads:
+        for name in _READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += self._inside == 0
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        for module in self._modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter_forward))
+            self._handles.append(module.register_forward_hook(self._leave_forward, always_call=True))
+        return self
+
+    def _enter_forward(self, module, args):
+        self._inside += 1
+
+    def _leave_forward(self, module, args, output):
+        self._inside -= 1
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+        self._saved.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -32,6 +32,7 @@ from .trees import ancestor_mask, check_parents, tree_attention_bias
 __all__ = [
     "ChainLayout",
     "HiddenStateCapture",
+    "ProposalCheck",
     "TargetForward",
     "TreeLayout",
     "Verdict",
@@ -39,8 +40,10 @@ __all__ = [
     "checked_proposal",
     "compiled_graphs",
     "draft_context",
+    "first_stops",
     "layout_for",
     "per_token_prefix",
+    "read_verdict",
     "standardize",
     "target_logits",
     "verify_round",
@@ -62,6 +65,29 @@ def draft_context(
     )
 
 
+@dataclasses.dataclass
+class ProposalCheck:
+    """The check of a proposal's values (token ids in the vocabulary; q a distribution giving each drafted token
+    q(x) > 0), still on the device: a round reads it in the same transfer as its verdict (`read_verdict`), so
+    validation costs no host read of its own. Until then the proposal carries safe stand-ins (ids clamped into the
+    vocabulary, a uniform q where the check failed), so nothing downstream fails inside torch or on the device."""
+
+    failed: torch.Tensor | None  # a 0-dim bool tensor; None when there is nothing to check (no drafts)
+    drafter_name: str
+    tokens: torch.Tensor  # [batch, k]: the tokens as the drafter returned them
+    probs: torch.Tensor | None  # [batch, k, vocab] as returned
+    vocab_size: int
+
+    def raise_if(self, failed: bool) -> None:
+        """Raises the error that says what is wrong, once the flag has been read as `failed`."""
+        if failed:
+            _reject_proposal(self.drafter_name, self.tokens, self.probs, self.vocab_size)
+
+    def read(self) -> None:
+        """Reads the flag on its own (one host read) and raises if the proposal failed."""
+        self.raise_if(self.failed is not None and bool(self.failed))
+
+
 def checked_proposal(
     proposal: DraftProposal,
     drafter: Drafter,
@@ -69,9 +95,10 @@ def checked_proposal(
     gamma: int,
     vocab_size: int,
     tree_budget: int | None = None,
-) -> DraftProposal:
-    """Validates a proposal at the boundary, so a faulty drafter fails here rather than deep inside torch; returns
-    it with its tokens (and parents) as long tensors on the target's device."""
+) -> tuple[DraftProposal, ProposalCheck]:
+    """Validates a proposal at the boundary, so a faulty drafter fails with a clear error rather than deep inside
+    torch; returns it with its tokens (and parents) as long tensors on the target's device, and the check of its
+    values (`ProposalCheck`), to be read with the round's verdict. Shapes and trees are checked here, on the host."""
     name = type(drafter).__name__
     if not isinstance(proposal, DraftProposal):
         raise TypeError(
@@ -89,9 +116,10 @@ def checked_proposal(
             f"{name}.propose returned probs of shape {shape}, expected {(*tokens.shape, vocab_size)} "
             "([batch, k, vocab]) or None."
         )
+    check = ProposalCheck(None, name, tokens, probs, vocab_size)
     if tokens.shape[1]:
-        # one fused check and one host sync: q that is not a distribution, or gives a drafted token q(x) = 0,
-        # would make rejection sampling accept what the target never samples
+        # one fused check, read later with the verdict: q that is not a distribution, or gives a drafted token
+        # q(x) = 0, would make rejection sampling accept what the target never samples
         bad = ((tokens < 0) | (tokens >= vocab_size)).any()
         if probs is not None:
             drafted = tokens.to(device=probs.device, dtype=torch.long).clamp(0, vocab_size - 1)
@@ -99,8 +127,9 @@ def checked_proposal(
             total = probs.sum(dim=-1, dtype=torch.float64)  # [batch, k]: NaN or inf if any entry is
             tolerance = 1e-3 if probs.element_size() >= 4 else 2e-2
             bad = bad | (probs.amin(dim=-1) < 0).any() | ~((total - 1).abs() <= tolerance).all() | ~(q_x > 0).all()
-        if bool(bad):
-            _reject_proposal(name, tokens, probs, vocab_size)
+            probs = torch.where(bad.to(probs.device), 1.0 / vocab_size, probs)  # a stand-in until the read raises
+        check.failed = bad
+        tokens = tokens.clamp(0, vocab_size - 1)  # ids stay valid for the embedding until the read raises
     tokens = tokens.to(device=input_ids.device, dtype=torch.long)
     if parents is not None:
         if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):
@@ -125,7 +154,7 @@ def checked_proposal(
             raise ValueError(f"{name}.propose returned invalid parents {parents.tolist()}: {problem}.")
     elif tokens.shape[1] > gamma:
         raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
-    return DraftProposal(tokens=tokens, probs=probs, parents=parents)
+    return DraftProposal(tokens=tokens, probs=probs, parents=parents), check
 
 
 def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None, vocab_size: int):
@@ -380,6 +409,47 @@ class Verdict:
     next_tokens: torch.LongTensor  # [batch]: the recovered or bonus token
     accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node ids, -1 padded); chains: None
     betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
+    accepted_counts: list[int] | None = None  # `accepted` on the host, once `read_verdict` has read the round
+    beta_values: list[list[float]] | None = None  # `betas` on the host, likewise
+
+
+def read_verdict(verdict: Verdict, check: ProposalCheck) -> Verdict:
+    """The round's one host read of its verdict: every row's accepted count and β per drafted position, with the
+    proposal's check in the same transfer (a failed check raises here, before anything is emitted). Fills
+    `verdict.accepted_counts` and `verdict.beta_values` and returns the verdict."""
+    rows = verdict.accepted.shape[0]
+    failed = check.failed if check.failed is not None else verdict.accepted.new_zeros((), dtype=torch.bool)
+    values = torch.cat(
+        [
+            verdict.accepted.to(torch.float32)[:, None],  # small counts: exact in float32
+            verdict.betas.to(torch.float32),
+            failed.to(device=verdict.accepted.device, dtype=torch.float32).expand(rows, 1),
+        ],
+        dim=1,
+    ).tolist()  # [rows, 1 + depth + 1]
+    check.raise_if(bool(values[0][-1]))
+    verdict.accepted_counts = [int(row[0]) for row in values]
+    verdict.beta_values = [row[1:-1] for row in values]
+    return verdict
+
+
+def first_stops(stopping_criteria, rows: list[tuple[torch.LongTensor, int, int]], scores_at=None) -> list[int | None]:
+    """Where the stopping criteria stop each row's new tokens: for each `(sequences, start, count)` (`sequences`:
+    `[1, start + count]`, its last `count` tokens new), the 1-based index of the first new token after which a
+    criterion fires, or None. Every prefix is checked as plain `generate` checks after each token (EOS, stop strings,
+    custom criteria may fire inside an accepted block), with one host read for all rows. `scores_at(e)`: the scores
+    tuple plain `generate` would pass after a row's e-th new token (None: no scores)."""
+    checks = [
+        stopping_criteria(sequences[:, : start + e], scores_at(e) if scores_at is not None else None).any()
+        for sequences, start, count in rows
+        for e in range(1, count + 1)
+    ]
+    fired = iter(torch.stack(checks).tolist() if checks else [])  # [sum of counts]
+    stops = []
+    for _, _, count in rows:
+        row_fired = [next(fired) for _ in range(count)]
+        stops.append(row_fired.index(True) + 1 if any(row_fired) else None)
+    return stops
 
 
 def verify_round(
@@ -428,13 +498,13 @@ class ChainLayout:
         return candidate_ids[:, : context_length + j]
 
     def accepted_tokens(self, verdict: Verdict) -> torch.LongTensor:
-        """`[1, accepted + 1]` of row 0: its accepted drafts, then the next token."""
-        n = int(verdict.accepted[0])
+        """`[1, accepted + 1]` of row 0: its accepted drafts, then the next token (after `read_verdict`)."""
+        n = verdict.accepted_counts[0]
         return torch.cat([self.proposal.tokens[:1, :n], verdict.next_tokens[:1, None]], dim=-1)
 
     def emitted_positions(self, verdict: Verdict) -> list[int]:
         """Which of the k + 1 scored positions each emitted token of row 0 was chosen from."""
-        return list(range(int(verdict.accepted[0]) + 1))
+        return list(range(verdict.accepted_counts[0] + 1))
 
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
         """Leaves the cache holding the context and the first `kept` accepted drafts, nothing after."""
@@ -515,13 +585,13 @@ class TreeLayout(ChainLayout):
         return torch.cat([candidate_ids[:, :context_length], path], dim=-1)
 
     def accepted_tokens(self, verdict: Verdict) -> torch.LongTensor:
-        n = int(verdict.accepted[0])
+        n = verdict.accepted_counts[0]
         path = self.proposal.tokens[:1, verdict.accepted_nodes[0, :n]]
         return torch.cat([path, verdict.next_tokens[:1, None]], dim=-1)
 
     def emitted_positions(self, verdict: Verdict) -> list[int]:
         # the root's position, then each accepted node's
-        return [0] + (verdict.accepted_nodes[0, : int(verdict.accepted[0])] + 1).tolist()
+        return [0] + (verdict.accepted_nodes[0, : verdict.accepted_counts[0]] + 1).tolist()
 
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
         compact_cache(cache, context_length, self.kept_nodes(verdict, kept))
@@ -530,7 +600,7 @@ class TreeLayout(ChainLayout):
         return verdict.accepted_nodes[0, :kept]
 
     def tell_drafter(self, drafter: Drafter, input_ids: torch.LongTensor, verdict: Verdict, **extra) -> None:
-        path = verdict.accepted_nodes[:, : int(verdict.accepted.max())]  # [batch, longest accepted path]
+        path = verdict.accepted_nodes[:, : max(verdict.accepted_counts)]  # [batch, longest accepted path]
         drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=path, **extra)
 
 

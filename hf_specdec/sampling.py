@@ -69,19 +69,19 @@ def sample_tokens(probs: torch.FloatTensor, generator: torch.Generator | None = 
     On a CPU: inverse-CDF sampling, a float64 cumulative sum and a binary search, exact in distribution up to
     float64 rounding. `torch.multinomial` draws a single sample by an exponential race over the whole vocabulary
     (one logarithm per entry), which on a CPU costs about 0.18 ms for 8k entries, as much as a few layers of a small
-    model; this costs about 0.04 ms. Like `torch.multinomial`, it raises on rows that are not a distribution (on a
-    CPU that check costs no device sync). On accelerators `torch.multinomial` is fast and checks without a sync, so
-    it is used there.
+    model; this costs about 0.04 ms. Like `torch.multinomial`, it raises on rows that are not a distribution
+    (`torch._assert_async`: on a CPU the check is immediate, with no read through Python). On accelerators
+    `torch.multinomial` is fast and checks without a sync, so it is used there.
     """
     if probs.device.type != "cpu":
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [batch, vocab]
     total = cdf[:, -1:]  # [batch, 1]: NaN or inf anywhere in the row shows here
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise RuntimeError(
-            "probability tensor contains `inf` or `nan`, or a row with no probability mass: "
-            f"row sums {total.flatten().tolist()}. Check the logits processors and the model's dtype."
-        )
+    torch._assert_async(
+        (torch.isfinite(total) & (total > 0)).all(),
+        "probability tensor contains `inf` or `nan`, or a row with no probability mass. Check the logits processors "
+        "and the model's dtype.",
+    )
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator)  # [batch, 1]
     # strictly below the total, so the first i with cdf[i] > threshold exists and has p_i > 0
     threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

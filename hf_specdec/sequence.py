@@ -34,8 +34,10 @@ from .rounds import (
     checked_proposal,
     compiled_graphs,
     first_draft_acceptance,
+    first_stops,
     layout_for,
     per_token_prefix,
+    read_verdict,
     standardize,
     target_logits,
 )
@@ -112,10 +114,15 @@ def decode_sequence(
                 # a shadow draft: a plain step with a one-token guess beside it, never verified or emitted; the
                 # policy learns whether the drafter would have been right at the cost of the guess alone (the
                 # drafter sees a round whose draft was rejected)
-                guess = checked_proposal(drafter.propose(input_ids, 1), drafter, input_ids, 1, vocab_size, tree_budget)
-                proposal = DraftProposal.empty(1, input_ids.device)
+                guess, guess_check = checked_proposal(
+                    drafter.propose(input_ids, 1), drafter, input_ids, 1, vocab_size, tree_budget
+                )
+                guess_check.read()
+                proposal, check = checked_proposal(
+                    DraftProposal.empty(1, input_ids.device), drafter, input_ids, 0, vocab_size
+                )
             else:
-                proposal = checked_proposal(
+                proposal, check = checked_proposal(
                     drafter.propose(input_ids, gamma), drafter, input_ids, gamma, vocab_size, tree_budget
                 )
             room = capacity - cur_len if capacity is not None else None
@@ -169,31 +176,33 @@ def decode_sequence(
                     check_stateless=first_round,
                 )
 
-            # 3. verify (Algorithm 1, or multi-candidate rejection along a tree)
-            verdict = layout.verify(do_sample, new_scores, options)
-            num_accepted = int(verdict.accepted[0])
+            # 3. verify (Algorithm 1, or multi-candidate rejection along a tree); the round's first host read
+            verdict = read_verdict(layout.verify(do_sample, new_scores, options), check)
+            num_accepted = verdict.accepted_counts[0]
             stats.record_round(
                 chosen_gamma,
                 num_drafted,
                 num_accepted,
-                verdict.betas[0, : min(num_accepted + 1, layout.depth)].tolist(),
+                verdict.beta_values[0][: min(num_accepted + 1, layout.depth)],
                 depth=layout.depth,
             )
 
-            # 4. append token by token through the stopping criteria: any criterion (custom ones too) may fire in the
-            # middle of an accepted block, and plain generate checks after every token
+            # 4. append through the stopping criteria, checked after every token as plain generate checks them (any
+            # criterion, custom ones too, may fire in the middle of an accepted block): the round's second read
             new_tokens = layout.accepted_tokens(verdict)  # [1, n + 1]
             positions = layout.emitted_positions(verdict) if output_scores or output_logits else None
             round_ids = torch.cat([input_ids, new_tokens], dim=-1)
-            emitted = 0
-            while emitted < num_accepted + 1 and not finished:
-                position = positions[emitted] if positions else None
-                if output_scores:
-                    scores += (new_scores[:, position],)
-                if output_logits:
-                    raw_logits += (new_logits[:, position],)
-                emitted += 1
-                finished = bool(stopping_criteria(round_ids[:, : cur_len + emitted], scores).any())
+            new_round_scores = tuple(new_scores[:, position] for position in positions) if output_scores else ()
+            (stop,) = first_stops(
+                stopping_criteria,
+                [(round_ids, cur_len, num_accepted + 1)],
+                (lambda e: scores + new_round_scores[:e]) if output_scores else None,
+            )
+            emitted, finished = (num_accepted + 1, False) if stop is None else (stop, True)
+            if output_scores:
+                scores += new_round_scores[:emitted]
+            if output_logits:
+                raw_logits += tuple(new_logits[:, position] for position in positions[:emitted])
             input_ids = round_ids[:, : cur_len + emitted]
             stats.emitted_tokens += emitted
             if streamer is not None:

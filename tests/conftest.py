@@ -53,6 +53,9 @@ def _global_state() -> dict:
         "torch threads": torch.get_num_threads(),
         "torch grad mode": torch.is_grad_enabled(),
         "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch.Tensor methods": {
+            name: torch.Tensor.__dict__.get(name) for name in ("item", "tolist", "__bool__", "cpu")
+        },
         "environment variables": {k: v for k, v in os.environ.items() if k not in _ENVIRONMENT_SET_BY_LIBRARIES},
         "hf_specdec drafter registry": dict(_DRAFTERS._classes),
         "hf_specdec policy registry": dict(_POLICIES._classes),

@@ -1,0 +1,71 @@
+"""Host reads per round: on a GPU every read of a tensor's value on the host (`.item()`, `.tolist()`, `bool(t)`, ...)
+waits for the device, so a round reads at most twice: its verdict (accepted counts, β, the proposal's check) and the
+stopping criteria over the emitted tokens. Counted with `hf_specdec.devices.HostReads`, outside the models' own
+forwards (those read what plain `generate` reads too)."""
+
+import pytest
+import torch
+from conftest import noisy_copy, prompt, tiny_model
+
+import hf_specdec
+from hf_specdec.devices import HostReads
+
+# reads of one `generate` call that are not per round: transformers' own input checks, and the first round's checks
+# of the prompt's padding and of the logits processors (stateless)
+PER_CALL = 5
+NEW_TOKENS = 30
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    return target, noisy_copy(target, 0.3)
+
+
+def reads_per_round(target, drafter, input_ids, **kwargs):
+    common = dict(
+        max_new_tokens=NEW_TOKENS,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    target.generate(input_ids, assistant_model=drafter, **common)  # the first call probes the model once
+    with HostReads(outside_of=[target, drafter]) as reads:
+        out = target.generate(input_ids, assistant_model=drafter, **common)
+    stats = out.speculative_stats
+    assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens  # partly right: both paths
+    return (reads.count - PER_CALL) / stats.target_calls
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_a_chain_reads_the_host_at_most_twice_per_round(pair, do_sample):
+    target, drafter = pair
+    torch.manual_seed(0)
+    assert reads_per_round(target, drafter, prompt(8), do_sample=do_sample) <= 2
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_a_padded_batch_reads_the_host_at_most_three_times_per_round(pair, do_sample):
+    # the loop reads twice; the draft model realigns its own cache to the batch's new padding with a third read
+    target, drafter = pair
+    ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    torch.manual_seed(0)
+    assert reads_per_round(target, drafter, ids, attention_mask=mask, do_sample=do_sample) <= 3
+
+
+def test_host_reads_counts_reads_outside_the_given_forwards_and_restores_the_tensor_methods():
+    model = tiny_model("llama", seed=0)
+    methods = {name: torch.Tensor.__dict__.get(name) for name in ("item", "tolist", "__bool__", "cpu")}
+    with HostReads() as everything:
+        torch.ones(2).sum().item()
+        bool(torch.ones(()))
+        torch.ones(2).tolist()
+    assert everything.count == 3
+    with HostReads(outside_of=[model]) as loop:
+        model(prompt(4))
+        torch.ones(()).item()
+    assert loop.count == 1
+    assert {name: torch.Tensor.__dict__.get(name) for name in methods} == methods
