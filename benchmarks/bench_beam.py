@@ -52,7 +52,8 @@ from hf_specdec.toy import build_early_exit_pair
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, ForwardCounter, parse_ints
+from bench_memory_bound import FULL_PAIR, QUICK_PAIR, parse_ints
+from harness import ForwardCounter
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "beam_cpu_bf16.json"
 # as many encoder as decoder layers: transformers 5.23 sizes a T5's decoder cache by `num_layers`

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
+from harness import ForwardCounter, assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 import hf_specdec
@@ -42,17 +42,6 @@ from hf_specdec.theory import expected_speedup
 from hf_specdec.zoo.tasks import load_prompts
 
 RUNS = Path("/work/runs/cross_tokenizer")
-
-
-class ForwardCounter:
-    """Counts the target's forwards (a forward pre-hook), for tokens per target call of any method."""
-
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.count += 1
 
 
 @torch.no_grad()

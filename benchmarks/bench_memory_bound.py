@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import transformers
 from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
-from harness import assistant_with_gamma
+from harness import ForwardCounter, assistant_with_gamma
 from transformers import DynamicCache, GenerationMixin
 
 import hf_specdec
@@ -212,17 +212,6 @@ def best_constant(alpha: float, c: float, v_of, gammas) -> tuple[int, float]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # outputs
-
-
-class ForwardCounter:
-    """Counts the target's forwards (a pre-hook: the same count for plain, transformers and ours)."""
-
-    def __init__(self, model):
-        self.count = 0
-        model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.count += 1
 
 
 @torch.no_grad()

@@ -45,8 +45,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, ForwardCounter, cost_curves, merged_stats, time_summary
-from harness import assistant_with_gamma  # run from the repository root or benchmarks/
+from bench_memory_bound import FULL_PAIR, QUICK_PAIR, cost_curves, merged_stats, time_summary
+from harness import (
+    ForwardCounter,
+    assistant_with_gamma,  # run from the repository root or benchmarks/
+)
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 import hf_specdec

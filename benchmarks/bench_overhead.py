@@ -26,7 +26,14 @@ import copy
 from pathlib import Path
 
 import torch
-from harness import HostReads, assistant_with_gamma, interleaved, summarize, write_results  # run from benchmarks/
+from harness import (  # run from benchmarks/
+    ForwardCounter,
+    HostReads,
+    assistant_with_gamma,
+    interleaved,
+    summarize,
+    write_results,
+)
 from transformers import DynamicCache, GenerationMixin, LlamaConfig, LlamaForCausalLM
 
 import hf_specdec
@@ -85,20 +92,6 @@ def minimal_loop(target, drafter, input_ids: torch.LongTensor, max_new_tokens: i
         if drafter_cache.get_seq_length() > drafter_length:
             drafter_cache.crop(-(drafter_cache.get_seq_length() - drafter_length))
     return sequence[:, : prompt_length + max_new_tokens]
-
-
-class ForwardCounter:
-    """Counts a model's forwards (a forward pre-hook), the same way for every method."""
-
-    def __init__(self, model):
-        self.count = 0
-        self._handle = model.register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args):
-        self.count += 1
-
-    def close(self):
-        self._handle.remove()
 
 
 def main(argv=None) -> dict:

@@ -26,7 +26,18 @@ import torch
 
 from hf_specdec.devices import HostReads  # re-exported: benchmarks count reads with it
 
-__all__ = ["HostReads", "assistant_with_gamma", "interleaved", "machine", "summarize", "timed", "write_results"]
+__all__ = [
+    "ForwardCounter",
+    "HostReads",
+    "assistant_with_gamma",
+    "cached_forward_ms",
+    "interleaved",
+    "machine",
+    "summarize",
+    "synchronize",
+    "timed",
+    "write_results",
+]
 
 
 def assistant_with_gamma(drafter, gamma: int):
@@ -44,6 +55,21 @@ def timed(fn):
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+class ForwardCounter:
+    """Counts a model's forwards (a forward pre-hook), the same way for every method: tokens per target call of plain
+    `generate`, transformers' assisted generation and ours alike. `close()` removes the hook."""
+
+    def __init__(self, model):
+        self.count = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 def interleaved(methods: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -95,3 +121,34 @@ def write_results(path: str | Path, payload: dict) -> Path:
         temporary.write(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     os.replace(temporary.name, path)
     return path
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Waits for the device's queued work (a no-op on the CPU): wall times of GPU calls are taken after it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def cached_forward_ms(model, batch: int, context: int, new_tokens: int, repeats: int = 7) -> float:
+    """Median ms of one forward over `new_tokens` new tokens per row after `context` cached ones (a `DynamicCache`,
+    cropped back to `context` after each forward), on the model's device, synchronized; one untimed forward first."""
+    from transformers import DynamicCache
+
+    from hf_specdec.caches import CACHE_KWARG
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(1, vocab, (batch, context), generator=generator, device="cpu").to(model.device)
+    tokens = torch.randint(1, vocab, (batch, new_tokens), generator=generator, device="cpu").to(model.device)
+    cache = DynamicCache(config=model.config)
+    model(prompt, **{CACHE_KWARG: cache}, use_cache=True)
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(model.device)
+        start = time.perf_counter()
+        model(tokens, **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=new_tokens)
+        synchronize(model.device)
+        times.append(time.perf_counter() - start)
+        cache.crop(-new_tokens)
+    return 1000 * statistics.median(times[1:])

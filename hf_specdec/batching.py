@@ -49,7 +49,7 @@ from transformers.utils import ModelOutput
 from .caches import CACHE_KWARG, realign_cache, slice_cache
 from .devices import seconds_agreement
 from .drafters.base import Drafter, DraftProposal
-from .drafters.model import logits_width
+from .modeling import logits_width
 from .rounds import (
     ProposalCheck,
     checked_proposal,

@@ -101,14 +101,15 @@ def _column_state(layer) -> list:
     return state
 
 
-def compact_cache(cache, start: int, kept: torch.LongTensor) -> None:
+def compact_cache(cache, start: int, kept: torch.LongTensor, in_place: bool | None = None) -> None:
     """Keeps columns `0 ... start - 1` and then columns `start + kept[0], start + kept[1], ...` of every layer
     (`kept`: `[m]`, a tree's accepted path), dropping the rest: the accepted nodes' keys and values move into place
-    right after the context, m columns copied per layer. A path that is already in place is a crop (a rewind, for a
-    static cache, whose preallocated tensors keep their addresses: the copy is in place and the write position moves
-    back)."""
+    right after the context, m columns copied per layer. A path that is already in place (`in_place`, when the
+    caller knows it; else read from `kept`) is a crop (a rewind, for a static cache, whose preallocated tensors keep
+    their addresses: the copy is in place and the write position moves back)."""
     length = start + kept.shape[0]
-    in_place = bool((kept == torch.arange(kept.shape[0], device=kept.device)).all())
+    if in_place is None:
+        in_place = bool((kept == torch.arange(kept.shape[0], device=kept.device)).all())
     static = is_static(cache)
     for layer in _filled_layers(cache):
         if not in_place:

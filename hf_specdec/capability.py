@@ -10,7 +10,7 @@ import torch
 
 from .batching import slice_kwargs
 from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
-from .drafters.model import logits_width
+from .modeling import logits_width
 from .rounds import per_token_prefix, target_logits
 
 __all__ = ["check_multi_token_forward"]

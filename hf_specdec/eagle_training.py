@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .drafters.eagle import EagleDrafter
-from .drafters.model import logits_width
+from .modeling import logits_width
 from .rounds import HiddenStateCapture
 
 __all__ = ["eagle_agreement", "train_eagle_drafter"]

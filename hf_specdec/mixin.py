@@ -16,7 +16,8 @@ from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
 from .drafters.base import Drafter, get_drafter_class
 from .drafters.cross_tokenizer import CrossTokenizerDrafter
-from .drafters.model import ModelDrafter, logits_width
+from .drafters.model import ModelDrafter
+from .modeling import logits_width
 from .stats import SpeculativeStats
 
 __all__ = ["SpeculativeGenerationMixin", "enable", "resolve_drafter"]

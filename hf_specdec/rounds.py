@@ -25,9 +25,9 @@ from .caches import CACHE_KWARG, cached_length, compact_cache, is_static, rewind
 from .configuration import SpeculativeOptions
 from .devices import decode_step
 from .drafters.base import DraftContext, Drafter, DraftProposal
-from .drafters.model import logits_width
+from .modeling import logits_width
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
-from .trees import ancestor_mask, check_parents, tree_attention_bias
+from .trees import ancestor_mask, bounded_ancestor_mask, check_parents, tree_attention_bias
 
 __all__ = [
     "ChainLayout",
@@ -68,20 +68,27 @@ def draft_context(
 @dataclasses.dataclass
 class ProposalCheck:
     """The check of a proposal's values (token ids in the vocabulary; q a distribution giving each drafted token
-    q(x) > 0), still on the device: a round reads it in the same transfer as its verdict (`read_verdict`), so
-    validation costs no host read of its own. Until then the proposal carries safe stand-ins (ids clamped into the
-    vocabulary, a uniform q where the check failed), so nothing downstream fails inside torch or on the device."""
+    q(x) > 0; a tree's parents valid and its depth within γ), still on the device: a round reads it in the same
+    transfer as its verdict (`read_verdict`), so validation costs no host read of its own. Until then the proposal
+    carries safe stand-ins (ids clamped into the vocabulary, a uniform q and root parents where the check failed),
+    so nothing downstream fails inside torch or on the device."""
 
     failed: torch.Tensor | None  # a 0-dim bool tensor; None when there is nothing to check (no drafts)
     drafter_name: str
     tokens: torch.Tensor  # [batch, k]: the tokens as the drafter returned them
     probs: torch.Tensor | None  # [batch, k, vocab] as returned
     vocab_size: int
+    parents: torch.Tensor | None = None  # [batch, k]: a tree's parents as returned
+    max_depth: int | None = None  # the γ a tree's depth is bounded by
+
+    def fail_if(self, flag: torch.Tensor) -> None:
+        """Adds a condition (a 0-dim bool tensor) under which the proposal fails."""
+        self.failed = flag if self.failed is None else self.failed | flag.to(self.failed.device)
 
     def raise_if(self, failed: bool) -> None:
         """Raises the error that says what is wrong, once the flag has been read as `failed`."""
         if failed:
-            _reject_proposal(self.drafter_name, self.tokens, self.probs, self.vocab_size)
+            _reject_proposal(self)
 
     def read(self) -> None:
         """Reads the flag on its own (one host read) and raises if the proposal failed."""
@@ -136,29 +143,33 @@ def checked_proposal(
             shape = tuple(parents.shape) if isinstance(parents, torch.Tensor) else type(parents).__name__
             raise ValueError(f"{name}.propose returned parents of shape {shape}, expected {tuple(tokens.shape)}.")
         parents = parents.to(device=input_ids.device, dtype=torch.long)
-        if bool((parents == torch.arange(tokens.shape[1], device=parents.device) - 1).all()):
-            parents = None  # a chain: verified as one, without a tree mask
-    if parents is not None:
+        index = torch.arange(tokens.shape[1], device=parents.device)
         if tree_budget is None:
-            raise ValueError(
-                f"{name}.propose returned a token tree (`parents`), but this call verifies chains only. Pass "
-                "`speculative_tree_budget=N` to verify trees of up to N nodes."
-            )
+            # a call that verifies chains only takes chain-shaped parents as a chain (one read, on this path only)
+            if not bool((parents == index - 1).all()):
+                raise ValueError(
+                    f"{name}.propose returned a token tree (`parents`), but this call verifies chains only. Pass "
+                    "`speculative_tree_budget=N` to verify trees of up to N nodes."
+                )
+            parents = None
+    if parents is not None:
         if tokens.shape[1] > tree_budget:
             raise ValueError(
                 f"{name}.propose returned a tree of {tokens.shape[1]} nodes, more than speculative_tree_budget="
                 f"{tree_budget}."
             )
-        problem = check_parents(parents)
-        if problem is not None:
-            raise ValueError(f"{name}.propose returned invalid parents {parents.tolist()}: {problem}.")
+        invalid = (parents < -1) | (parents >= index)  # [batch, k]: each parent must be -1 or an earlier node
+        check.parents = parents
+        check.fail_if(invalid.any())
+        parents = torch.where(invalid, -1, parents)  # a stand-in until the read raises
     elif tokens.shape[1] > gamma:
         raise ValueError(f"{name}.propose returned {tokens.shape[1]} tokens, more than the {gamma} asked for.")
     return DraftProposal(tokens=tokens, probs=probs, parents=parents), check
 
 
-def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None, vocab_size: int):
-    """Says what is wrong with a proposal that failed `checked_proposal`'s fused check (the slow path)."""
+def _reject_proposal(check: ProposalCheck):
+    """Says what is wrong with a proposal that failed its `ProposalCheck` (the slow path: it reads what it needs)."""
+    name, tokens, probs, vocab_size = check.drafter_name, check.tokens, check.probs, check.vocab_size
     if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
         raise ValueError(
             f"{name}.propose returned token ids outside the target's vocabulary [0, {vocab_size}): "
@@ -168,19 +179,33 @@ def _reject_proposal(name: str, tokens: torch.Tensor, probs: torch.Tensor | None
         "`probs[b, i]` must be the standardized distribution q that token i was sampled from (see "
         "`hf_specdec.Drafter`); return `probs=None` for tokens chosen deterministically"
     )
-    total = probs.sum(dim=-1, dtype=torch.float64)
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-        raise ValueError(f"{name}.propose returned probs with negative, NaN or infinite entries: {promise}.")
-    q_x = probs.gather(-1, tokens.to(device=probs.device, dtype=torch.long)[..., None])[..., 0]
-    if not bool((q_x > 0).all()):
-        raise ValueError(
-            f"{name}.propose returned probs with q(x) = 0 for drafted tokens (q(x) per position: "
-            f"{q_x.tolist()}, tokens {tokens.tolist()}): a token sampled from q has q(x) > 0; {promise}."
-        )
-    raise ValueError(
-        f"{name}.propose returned probs that do not sum to 1 over the vocabulary (sums: {total.tolist()}): "
-        f"{promise}, e.g. `scores.softmax(dim=-1)` after the target's logits processors."
-    )
+    if probs is not None:
+        total = probs.sum(dim=-1, dtype=torch.float64)
+        tolerance = 1e-3 if probs.element_size() >= 4 else 2e-2
+        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+            raise ValueError(f"{name}.propose returned probs with negative, NaN or infinite entries: {promise}.")
+        q_x = probs.gather(-1, tokens.to(device=probs.device, dtype=torch.long)[..., None])[..., 0]
+        if not bool((q_x > 0).all()):
+            raise ValueError(
+                f"{name}.propose returned probs with q(x) = 0 for drafted tokens (q(x) per position: "
+                f"{q_x.tolist()}, tokens {tokens.tolist()}): a token sampled from q has q(x) > 0; {promise}."
+            )
+        if not bool(((total - 1).abs() <= tolerance).all()):
+            raise ValueError(
+                f"{name}.propose returned probs that do not sum to 1 over the vocabulary (sums: {total.tolist()}): "
+                f"{promise}, e.g. `scores.softmax(dim=-1)` after the target's logits processors."
+            )
+    if check.parents is not None:
+        problem = check_parents(check.parents)
+        if problem is not None:
+            raise ValueError(f"{name}.propose returned invalid parents {check.parents.tolist()}: {problem}.")
+        depth = int(ancestor_mask(check.parents).sum(dim=-1).max())
+        if check.max_depth is not None and depth > check.max_depth:
+            raise ValueError(
+                f"{name}.propose returned a tree {depth} nodes deep, deeper than the {check.max_depth} tokens asked "
+                "for: `num_tokens` bounds a tree's depth."
+            )
+    raise AssertionError(f"a proposal of {name} failed its check, but no condition explains it")
 
 
 def per_token_prefix(model_kwargs: dict, length: int, keep: int) -> dict:
@@ -409,27 +434,41 @@ class Verdict:
     next_tokens: torch.LongTensor  # [batch]: the recovered or bonus token
     accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node ids, -1 padded); chains: None
     betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
+    tree_depth: torch.LongTensor | None = None  # a tree's depth (0-dim), read with the verdict; chains: None
+    tree_path_in_place: torch.BoolTensor | None = None  # [batch]: a tree's accepted path is nodes 0, 1, ... in order
     accepted_counts: list[int] | None = None  # `accepted` on the host, once `read_verdict` has read the round
-    beta_values: list[list[float]] | None = None  # `betas` on the host, likewise
+    beta_values: list[list[float]] | None = None  # `betas` on the host, likewise, cut to the drafted depth
+    depth: int | None = None  # the drafted depth on the host (a chain's drafts; a tree's deepest node), likewise
+    path_in_place: list[bool] | None = None  # `tree_path_in_place` on the host, likewise; chains: None
 
 
 def read_verdict(verdict: Verdict, check: ProposalCheck) -> Verdict:
     """The round's one host read of its verdict: every row's accepted count and β per drafted position, with the
-    proposal's check in the same transfer (a failed check raises here, before anything is emitted). Fills
-    `verdict.accepted_counts` and `verdict.beta_values` and returns the verdict."""
-    rows = verdict.accepted.shape[0]
+    proposal's check and a tree's depth and path in the same transfer (a failed check raises here, before anything is
+    emitted). Fills the verdict's host fields (`accepted_counts`, `beta_values`, `depth`, `path_in_place`) and
+    returns it."""
+    rows, device = verdict.accepted.shape[0], verdict.accepted.device
     failed = check.failed if check.failed is not None else verdict.accepted.new_zeros((), dtype=torch.bool)
+    depth = (
+        verdict.tree_depth if verdict.tree_depth is not None else verdict.accepted.new_tensor(verdict.betas.shape[1])
+    )
+    in_place = verdict.tree_path_in_place if verdict.tree_path_in_place is not None else failed.expand(rows)
     values = torch.cat(
         [
             verdict.accepted.to(torch.float32)[:, None],  # small counts: exact in float32
             verdict.betas.to(torch.float32),
-            failed.to(device=verdict.accepted.device, dtype=torch.float32).expand(rows, 1),
+            in_place.to(device=device, dtype=torch.float32)[:, None],
+            failed.to(device=device, dtype=torch.float32).expand(rows, 1),
+            depth.to(device=device, dtype=torch.float32).expand(rows, 1),
         ],
         dim=1,
-    ).tolist()  # [rows, 1 + depth + 1]
-    check.raise_if(bool(values[0][-1]))
+    ).tolist()  # [rows, 1 + depth bound + 3]
+    check.raise_if(bool(values[0][-2]))
+    verdict.depth = int(values[0][-1])
+    if verdict.tree_path_in_place is not None:
+        verdict.path_in_place = [bool(row[-3]) for row in values]
     verdict.accepted_counts = [int(row[0]) for row in values]
-    verdict.beta_values = [row[1:-1] for row in values]
+    verdict.beta_values = [row[1 : 1 + verdict.depth] for row in values]
     return verdict
 
 
@@ -532,11 +571,12 @@ class TreeLayout(ChainLayout):
 
     prefills_context = True
 
-    def __init__(self, proposal: DraftProposal):
+    def __init__(self, proposal: DraftProposal, max_depth: int):
         super().__init__(proposal)
-        self.sees = ancestor_mask(proposal.parents)  # [1, k, k]: node i sees node j (an ancestor, or itself)
+        # [1, k, k]: node i sees node j (an ancestor, or itself); `too_deep`: some node is deeper than `max_depth`
+        self.sees, self.too_deep = bounded_ancestor_mask(proposal.parents, max_depth)
         self.depths = self.sees.sum(dim=-1)  # [1, k]
-        self.depth = int(self.depths.max())
+        self.depth = max_depth  # a bound; the drafted depth is read with the verdict (`Verdict.depth`)
 
     def verify(self, do_sample: bool, target_scores: torch.FloatTensor, options: SpeculativeOptions) -> Verdict:
         """Multi-candidate rejection along the tree (lenience is refused for trees when options are built)."""
@@ -546,10 +586,13 @@ class TreeLayout(ChainLayout):
                 tokens, parents, self.proposal.probs, target_scores.softmax(dim=-1)
             )
         else:
-            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, self.depths)
+            accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, self.depths, self.depth)
         depths = torch.arange(self.depth, device=tokens.device)[None, :]
-        betas = (depths < accepted[:, None]).float()  # [batch, depth]: 1 for each accepted depth
-        return Verdict(accepted, next_tokens, nodes, betas)
+        betas = (depths < accepted[:, None]).float()  # [batch, depth bound]: 1 for each accepted depth
+        depth = self.depths.max() if self.depths.numel() else self.depths.new_zeros(())  # an empty tree: 0
+        index = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        in_place = ((nodes == index) | (index >= accepted[:, None])).all(dim=-1)  # [batch]
+        return Verdict(accepted, next_tokens, nodes, betas, tree_depth=depth, tree_path_in_place=in_place)
 
     def forward_overrides(
         self,
@@ -594,7 +637,7 @@ class TreeLayout(ChainLayout):
         return [0] + (verdict.accepted_nodes[0, : verdict.accepted_counts[0]] + 1).tolist()
 
     def keep_accepted(self, cache, context_length: int, verdict: Verdict, kept: int) -> None:
-        compact_cache(cache, context_length, self.kept_nodes(verdict, kept))
+        compact_cache(cache, context_length, self.kept_nodes(verdict, kept), in_place=verdict.path_in_place[0])
 
     def kept_nodes(self, verdict: Verdict, kept: int) -> torch.LongTensor:
         return verdict.accepted_nodes[0, :kept]
@@ -604,17 +647,14 @@ class TreeLayout(ChainLayout):
         drafter.on_verified(input_ids, verdict.accepted, accepted_nodes=path, **extra)
 
 
-def layout_for(proposal: DraftProposal, drafter: Drafter, gamma: int) -> ChainLayout:
-    """The layout of a checked proposal; a tree deeper than the `gamma` tokens asked for is refused here, where its
-    depth is known."""
+def layout_for(proposal: DraftProposal, check: ProposalCheck, gamma: int) -> ChainLayout:
+    """The layout of a checked proposal; a tree deeper than the `gamma` tokens asked for fails its `check` (read
+    with the round's verdict)."""
     if proposal.parents is None:
         return ChainLayout(proposal)
-    layout = TreeLayout(proposal)
-    if layout.depth > gamma:
-        raise ValueError(
-            f"{type(drafter).__name__}.propose returned a tree {layout.depth} nodes deep, deeper than the {gamma} "
-            "tokens asked for: `num_tokens` bounds a tree's depth."
-        )
+    layout = TreeLayout(proposal, gamma)
+    check.max_depth = gamma
+    check.fail_if(layout.too_deep)
     return layout
 
 

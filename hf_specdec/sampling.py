@@ -183,6 +183,7 @@ def verify_tree_greedy(
     parents: torch.LongTensor,  # [batch, k], -1 for the root's children, parents[b, i] < i
     target_scores: torch.FloatTensor,  # [batch, k + 1, vocab]: row 0 after the root, row i + 1 after node i
     depths: torch.LongTensor | None = None,  # [batch, k]: tree_depths(parents), when the caller has them
+    max_depth: int | None = None,  # a bound on the tree's depth, when the caller knows one (saves a host read)
 ) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
     """Greedy tree verification: the deepest root path of nodes that equal the target's argmax at their parent.
 
@@ -198,7 +199,7 @@ def verify_tree_greedy(
         return torch.zeros_like(target_tokens[:, 0]), draft_tokens.clone(), target_tokens[:, 0]
     right = draft_tokens == target_tokens.gather(1, parents + 1)  # [batch, k]: the argmax at the node's parent
     depth = tree_depths(parents) if depths is None else depths  # [batch, k]
-    max_depth = int(depth.max())
+    max_depth = int(depth.max()) if max_depth is None else max_depth  # passes beyond the depth change nothing
     is_root_child = parents < 0
     on_path = right  # [batch, k]: right, and so are all ancestors; exact up to depth level + 1 after each pass
     for _ in range(max_depth - 1):

@@ -27,7 +27,7 @@ from .caches import CACHE_KWARG, cached_length, static_capacity
 from .configuration import SpeculativeOptions
 from .devices import seconds_agreement
 from .drafters.base import Drafter, DraftProposal
-from .drafters.model import logits_width
+from .modeling import logits_width
 from .rounds import (
     TargetForward,
     capture_for,
@@ -135,7 +135,7 @@ def decode_sequence(
                         for part in (proposal.tokens, proposal.probs, proposal.parents)
                     )
                 )
-            layout = layout_for(proposal, drafter, gamma)
+            layout = layout_for(proposal, check, gamma)
             num_drafted = proposal.tokens.shape[1]
             stats.drafter_compilations += compiled_graphs() - graphs
             verify_start = time.perf_counter()
@@ -183,8 +183,8 @@ def decode_sequence(
                 chosen_gamma,
                 num_drafted,
                 num_accepted,
-                verdict.beta_values[0][: min(num_accepted + 1, layout.depth)],
-                depth=layout.depth,
+                verdict.beta_values[0][: num_accepted + 1],
+                depth=verdict.depth,
             )
 
             # 4. append through the stopping criteria, checked after every token as plain generate checks them (any
@@ -230,7 +230,7 @@ def decode_sequence(
             stats.draft_time_s += draft_s
             stats.verify_time_s += verify_s
             policy.observe(
-                drafted=layout.depth,
+                drafted=verdict.depth,
                 accepted=num_accepted,
                 draft_time_s=draft_s,
                 verify_time_s=verify_s,

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestor_mask", "best_subtree", "chain_parents", "check_parents", "tree_attention_bias", "tree_depths"]
+__all__ = [
+    "ancestor_mask",
+    "best_subtree",
+    "bounded_ancestor_mask",
+    "chain_parents",
+    "check_parents",
+    "tree_attention_bias",
+    "tree_depths",
+]
 
 
 def chain_parents(batch: int, length: int, device=None) -> torch.LongTensor:
@@ -41,18 +49,32 @@ def tree_depths(parents: torch.LongTensor) -> torch.LongTensor:
 
 def ancestor_mask(parents: torch.LongTensor) -> torch.BoolTensor:
     """`[batch, k, k]`: entry (i, j) is True when node j is node i or one of its ancestors (what node i may see).
-    One gather per level of the tree: every node climbs one ancestor at a time."""
+    One gather per level of the tree: every node climbs one ancestor at a time (one host read per level to stop at
+    the deepest; `bounded_ancestor_mask` reads nothing when the caller knows a bound on the depth)."""
+    return _climb(parents, None)[0]
+
+
+def bounded_ancestor_mask(parents: torch.LongTensor, max_depth: int) -> tuple[torch.BoolTensor, torch.BoolTensor]:
+    """`ancestor_mask` for a tree the caller expects at most `max_depth` deep, with no host read: returns the mask
+    and a 0-dim bool tensor, True when some node is deeper (its mask then misses the ancestors above that depth, so
+    the caller must refuse the tree once it reads the flag)."""
+    mask, deeper = _climb(parents, max_depth)
+    return mask, deeper
+
+
+def _climb(parents: torch.LongTensor, max_depth: int | None):
     batch, k = parents.shape
     # column k collects the writes of nodes that have climbed past the root
     mask = torch.eye(k, k + 1, dtype=torch.bool, device=parents.device).expand(batch, k, k + 1).clone()
     ancestor = parents  # [batch, k]: each node's ancestor at the current height, -1 past the root
-    for _ in range(k):  # a valid tree is at most k deep
+    # a valid tree is at most k deep; a node at depth d has d - 1 ancestors among the nodes
+    for _ in range(k if max_depth is None else min(k, max(0, max_depth - 1))):
         has = ancestor >= 0  # [batch, k]
-        if not bool(has.any()):
+        if max_depth is None and not bool(has.any()):
             break
         mask.scatter_(2, torch.where(has, ancestor, k)[..., None], True)
         ancestor = torch.where(has, parents.gather(1, ancestor.clamp(min=0)), ancestor)
-    return mask[..., :k]
+    return mask[..., :k], (ancestor >= 0).any() if max_depth is not None else None
 
 
 def additive_bias(allowed: torch.BoolTensor, dtype: torch.dtype) -> torch.FloatTensor:

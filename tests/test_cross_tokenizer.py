@@ -34,8 +34,8 @@ from hf_specdec.drafters.cross_tokenizer import (
     shared_vocabulary,
     token_strings,
 )
-from hf_specdec.drafters.model import logits_width
 from hf_specdec.mixin import resolve_drafter
+from hf_specdec.modeling import logits_width
 
 SENTENCES = [
     "the cat sat on the mat and the dog sat on the log",

@@ -5,7 +5,7 @@ forwards (those read what plain `generate` reads too)."""
 
 import pytest
 import torch
-from conftest import noisy_copy, prompt, tiny_model
+from conftest import VOCAB, noisy_copy, prompt, tiny_model
 
 import hf_specdec
 from hf_specdec.devices import HostReads
@@ -22,6 +22,22 @@ def pair():
     return target, noisy_copy(target, 0.3)
 
 
+class DeviceTree(hf_specdec.Drafter):
+    """Two branches of depth γ built with tensor ops alone (the drafter reads nothing on the host): the first follows
+    `reference` for its first `right` tokens, then is wrong; the second is wrong from its root."""
+
+    def __init__(self, reference, right: int = 2):
+        self.reference, self.right = reference, right
+
+    def propose(self, input_ids, num_tokens):
+        truth = self.reference[:, input_ids.shape[1] : input_ids.shape[1] + num_tokens]  # [1, n]
+        n = truth.shape[1]
+        depth = torch.arange(n)
+        first = torch.where(depth < self.right, truth, (truth + 1) % VOCAB)
+        parents = torch.cat([depth - 1, torch.where(depth == 0, -1, n + depth - 1)])[None]  # [1, 2n]
+        return hf_specdec.DraftProposal(tokens=torch.cat([first, (truth + 2) % VOCAB], dim=-1), parents=parents)
+
+
 def reads_per_round(target, drafter, input_ids, **kwargs):
     common = dict(
         max_new_tokens=NEW_TOKENS,
@@ -30,9 +46,11 @@ def reads_per_round(target, drafter, input_ids, **kwargs):
         return_dict_in_generate=True,
         **kwargs,
     )
-    target.generate(input_ids, assistant_model=drafter, **common)  # the first call probes the model once
-    with HostReads(outside_of=[target, drafter]) as reads:
-        out = target.generate(input_ids, assistant_model=drafter, **common)
+    drafting = dict(drafter=drafter) if isinstance(drafter, hf_specdec.Drafter) else dict(assistant_model=drafter)
+    target.generate(input_ids, **drafting, **common)  # the first call probes the model once
+    models = [target] + ([] if isinstance(drafter, hf_specdec.Drafter) else [drafter])
+    with HostReads(outside_of=models) as reads:
+        out = target.generate(input_ids, **drafting, **common)
     stats = out.speculative_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens  # partly right: both paths
     return (reads.count - PER_CALL) / stats.target_calls
@@ -54,6 +72,17 @@ def test_a_padded_batch_reads_the_host_at_most_three_times_per_round(pair, do_sa
     mask[1, :3] = 0  # left padding
     torch.manual_seed(0)
     assert reads_per_round(target, drafter, ids, attention_mask=mask, do_sample=do_sample) <= 3
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_a_tree_reads_the_host_at_most_twice_per_round(pair, do_sample):
+    # the loop's own reads: a drafter may read too (the draft model's dynamic tree reads its number of kept nodes)
+    target, _ = pair
+    ids = prompt(8)
+    reference = target.generate(ids, max_new_tokens=NEW_TOKENS + 8, do_sample=False)
+    torch.manual_seed(0)
+    per_round = reads_per_round(target, DeviceTree(reference), ids, speculative_tree_budget=8, do_sample=do_sample)
+    assert per_round <= 2
 
 
 def test_host_reads_counts_reads_outside_the_given_forwards_and_restores_the_tensor_methods():

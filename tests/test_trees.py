@@ -86,8 +86,10 @@ def test_tree_attention_bias_table():
 
 def test_tree_layout_positions_and_prefixes():
     proposal = hf_specdec.DraftProposal(tokens=torch.tensor([[40, 41, 42, 43]]), parents=torch.tensor([[-1, -1, 0, 2]]))
-    layout = TreeLayout(proposal)
-    assert layout.depth == 3
+    layout = TreeLayout(proposal, max_depth=4)
+    assert int(layout.depths.max()) == 3 and not bool(layout.too_deep)
+    # the depth bound is what the read-free mask climbs to: a tree deeper than it is flagged, not silently cut
+    assert bool(TreeLayout(proposal, max_depth=2).too_deep) and not bool(TreeLayout(proposal, max_depth=3).too_deep)
     # 5 cached tokens, a tail of 2 (the last is the root, at position 6), then nodes at depths 1, 1, 2, 3
     overrides = layout.forward_overrides(cache_length=5, context_length=7, dtype=torch.float32)
     assert overrides["position_ids"].tolist() == [[5, 6, 7, 7, 8, 9]]

@@ -42,9 +42,9 @@ from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..caches import cache_argument
+from ..modeling import logits_width
 from ..sampling import sample_tokens
 from .base import DraftContext, Drafter, DraftProposal, register_drafter
-from .model import logits_width
 
 __all__ = ["CrossTokenizerDrafter", "IncrementalDetokenizer", "IncrementalRetokenizer", "shared_vocabulary"]
 

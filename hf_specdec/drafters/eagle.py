@@ -46,9 +46,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ..devices import execution_device
+from ..modeling import logits_width
 from ..sampling import sample_tokens
 from .base import DraftContext, Drafter, DraftProposal, register_drafter
-from .model import logits_width
 from .tree_builder import DynamicTree
 
 __all__ = ["Eagle3DraftModel", "EagleDrafter", "default_eagle_layers"]

@@ -27,6 +27,7 @@ from ..caches import (
     static_rewind_problem,
 )
 from ..devices import execution_device
+from ..modeling import logits_width
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
@@ -37,14 +38,6 @@ __all__ = ["ModelDrafter"]
 
 _COMPILED_TOKENS = 2  # a static draft cache's compiled forwards over the context: this many tokens each, one graph
 logger = logging.get_logger(__name__)
-
-
-def logits_width(model: PreTrainedModel) -> int:
-    """The number of logits a causal LM produces per position (its vocabulary as the sampler sees it)."""
-    head = model.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is not None:
-        return head.weight.shape[0]
-    return model.config.get_text_config(decoder=True).vocab_size
 
 
 class ModelDrafter(Drafter):

@@ -1,0 +1,533 @@
+"""The GPU benchmark: real model shapes in bfloat16 on one accelerator, ours against plain and transformers' decoding.
+
+Two pairs, built from configs with seeded random weights (no download):
+
+- `8b`: a Llama-3.1-8B-shaped target (hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV heads, vocab 128256,
+  untied head, rope θ 500000), initialized directly on the device, with two drafters:
+  - `early_exit`, the target's own first layer (copies of its embedding, layer 0, final norm and head: 1.3B
+    parameters, 1.05B of them the embedding and head). It agrees with the target by construction, as in
+    `hf_specdec.toy.build_early_exit_pair`: the deeper layers' (1..31) `o_proj` and `down_proj` are scaled by 0.05,
+    so the target's next token depends mostly on the embedding -> layer 0 -> head path that the drafter computes
+    too; the head is then rescaled so that the target's logits have standard deviation 4 (peaked next-token
+    distributions, as a trained model's). α is measured and reported, not set (the 1.1B pair built the same way
+    measures about 0.5 on the CPU).
+  - `1b`: a Llama-3.2-1B-shaped drafter (hidden 2048, 16 layers, intermediate 8192, 32 heads, 8 KV heads, vocab
+    128256, tied embeddings), seeded independently. Random models of different shapes never agree (α ≈ 0): it
+    measures the drafter cost c of a real 8B/1B pairing and shows the default policy stopping to draft when drafts
+    do not pay. `theorem_3_8_if_1b_agreed_like_early_exit` prices the 1B's c at the early exit's α.
+- `1.1b`: the memory-bound pair of `bench_memory_bound.py` (TinyLlama's shape, its 1-layer early exit as drafter),
+  built by the same call (`build_early_exit_pair(**FULL_PAIR, head_logit_std=4.0)`, on the host) and moved to the
+  device.
+
+For each pair and batch size (`--batches`; prompts of mixed lengths, left-padded, from `bench_batch.padded_prompts`),
+greedy, the methods are interleaved and repeated (`harness.interleaved`), summarized by medians:
+
+- `plain`: `GenerationMixin.generate`;
+- `plain_compiled`: the same with `cache_implementation="static"` and a `CompileConfig` (the reference for the
+  compiled row: what a speed-minded user runs without a drafter);
+- `transformers` (batch 1 only: transformers' assisted generation refuses batches): `GenerationMixin.generate` with
+  the early exit as assistant, constant `num_assistant_tokens` = `--gamma`;
+- `ours`: `generate(assistant_model=early_exit)` with our defaults;
+- `ours_tree` (batch 1 only: token trees are verified one sequence at a time): the same with
+  `speculative_tree_budget=--tree-budget`;
+- `ours_compiled`: the defaults with `cache_implementation="static"` and the `CompileConfig` (`mode=
+  "reduce-overhead"` on a GPU: CUDA graphs). In a batch, hf_specdec decodes static caches one row at a time (exact,
+  without the batching speedup): measured as it is;
+- `ours_1b` (8b pair): our defaults with the 1B drafter.
+
+Reported per method: median seconds and speedup over `plain` (compiled rows also over `plain_compiled`), new tokens per
+target call (all rows' tokens over target forwards: plain decoding's is the batch size; forwards from
+`speculative_stats`, a forward hook for transformers, one per token for plain), ours' mean accepted length, α, host
+reads per target call (`HostReads` outside the models' forwards), ms per round split into drafter, verify and the rest
+(from `speculative_stats`' host timers), how many output rows equal plain greedy's (bfloat16 near ties may flip a token:
+reported, never asserted), the compile time of the first call, and Theorem 3.8 (`hf_specdec.theory.expected_speedup`)
+from the row's α, its drafter's c and its γ (the mean γ of its drafting rounds), and at the best γ for that α and c
+(a chain's bound, v = 1 assumed; a tree may pass it).
+Costs, measured per pair and batch size: one cached target forward over 1, γ + 1 and tree-budget + 1 new tokens,
+each drafter's over 1 token, c = drafter / target per token and v = (γ + 1 tokens) / (1 token).
+
+Compiling an 8B graph takes tens of seconds per shape; to keep the whole run within ~8 minutes on one GPU, the
+compiled rows run only in the (pair, batch) groups that start within `--compile-before-s` seconds (batch 1 first, then
+batch 8, each for both pairs); the JSON lists what was skipped. Results go to
+`benchmarks/results/gpu_<pair>_<device>.json`, rewritten after each group.
+
+`--smoke` runs every method on tiny shapes in float32 on the CPU (the compiled rows with dynamo's tracing-only "eager"
+backend: the same graphs and guards, no code generation), one repeat, into a temporary folder: the test suite runs it
+so that this script cannot rot. Its timings mean nothing.
+
+    python benchmarks/bench_gpu.py                   # on a GPU: both pairs, batches 1 and 8
+    python benchmarks/bench_gpu.py --smoke           # tiny shapes on the CPU
+    python benchmarks/bench_gpu.py [--pairs 8b,1.1b] [--batches 1,8] [--repeats 5] [--max-new-tokens 128]
+        [--gamma 5] [--tree-budget 8] [--compile-before-s 240] [--device cuda] [--output-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
+from bench_memory_bound import FULL_PAIR
+from harness import (
+    ForwardCounter,
+    HostReads,
+    assistant_with_gamma,
+    cached_forward_ms,
+    interleaved,
+    summarize,
+    synchronize,
+    timed,
+    write_results,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, GenerationMixin
+
+import hf_specdec
+from hf_specdec.theory import expected_speedup, optimal_gamma
+from hf_specdec.toy import build_early_exit_pair
+
+RESULTS = Path(__file__).parent / "results"
+LLAMA_3_1_8B = dict(
+    num_layers=32,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+LLAMA_3_2_1B = dict(
+    num_hidden_layers=16,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+ROPE_THETA = 500000.0
+HEAD_LOGIT_STD = 4.0
+# --smoke: the same constructions at tiny sizes (a shared vocabulary, so the 1B stand-in can draft for the target)
+SMOKE_8B = dict(
+    num_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
+)
+SMOKE_1B = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    tie_word_embeddings=True,
+)
+SMOKE_1_1B = dict(
+    num_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256
+)
+SMOKE_DEFAULTS = dict(repeats=1, max_new_tokens=16, cost_repeats=2)
+PAIRS = ("8b", "1.1b")
+
+
+@dataclass
+class Pair:
+    target: torch.nn.Module
+    drafters: dict[
+        str, torch.nn.Module
+    ]  # the first one drafts for `transformers`, `ours`, `ours_tree`, `ours_compiled`
+    construction: dict
+
+
+@dataclass
+class Method:
+    run: Callable[[], object]
+    drafter: str | None = None  # whose c prices the row's Theorem 3.8 bound; None: no drafter (plain decoding)
+    compiled: bool = False
+
+
+def set_rope_theta(model, theta: float) -> None:
+    """Rebuilds a Llama's rotary embedding with base `theta` (on the current default device)."""
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": theta}
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(model.device)
+
+
+@torch.no_grad()
+def scale_head_to_logit_std(target, drafters, std: float, seed: int) -> float:
+    """Rescales the heads of `target` and of the drafters sharing it so that the target's logits over seeded random
+    tokens have standard deviation `std` (what `build_early_exit_pair(head_logit_std=...)` does before copying the
+    head, done here after it so that the probe runs on the device). Returns the factor applied."""
+    probe = torch.randint(
+        0, target.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed), device="cpu"
+    )
+    factor = std / float(target(probe.to(target.device), use_cache=False).logits.float().std())
+    for model in (target, *drafters):
+        model.lm_head.weight.mul_(factor)
+    return factor
+
+
+def build_8b(smoke: bool, dtype: torch.dtype, device: torch.device, seed: int) -> Pair:
+    shape, small_shape = (SMOKE_8B, SMOKE_1B) if smoke else (LLAMA_3_1_8B, LLAMA_3_2_1B)
+    with torch.device(device):  # the weights are initialized on the device: no 16 GB pass through the host
+        target, early_exit = build_early_exit_pair(**shape, dtype=dtype, seed=seed)
+        for model in (target, early_exit):
+            set_rope_theta(model, ROPE_THETA)
+        head_scale = scale_head_to_logit_std(target, [early_exit], HEAD_LOGIT_STD, seed)
+        config = AutoConfig.for_model(
+            "llama",
+            **small_shape,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+        torch.manual_seed(seed + 1)
+        small = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    for model in (target, early_exit, small):
+        model.generation_config.eos_token_id = model.generation_config.bos_token_id = None
+        model.generation_config.pad_token_id = None
+    construction = {
+        "target": {**shape, "rope_theta": ROPE_THETA, "tie_word_embeddings": False},
+        "drafters": {
+            "early_exit": "the target's embedding, layer 0, final norm and head",
+            "1b": {**small_shape, "rope_theta": ROPE_THETA, "seed": seed + 1},
+        },
+        "deep_layer_scale": 0.05,
+        "head_logit_std": HEAD_LOGIT_STD,
+        "head_scale": head_scale,
+    }
+    return Pair(hf_specdec.enable(target), {"early_exit": early_exit, "1b": small}, construction)
+
+
+def build_1_1b(smoke: bool, dtype: torch.dtype, device: torch.device, seed: int) -> Pair:
+    shape = SMOKE_1_1B if smoke else FULL_PAIR
+    # on the host, as bench_memory_bound builds it (its head calibration probes on the host): the same weights
+    target, early_exit = build_early_exit_pair(**shape, head_logit_std=HEAD_LOGIT_STD, dtype=dtype, seed=seed)
+    construction = {
+        "target": shape,
+        "drafters": {"early_exit": "the target's embedding, layer 0, final norm and head"},
+        "deep_layer_scale": 0.05,
+        "head_logit_std": HEAD_LOGIT_STD,
+    }
+    return Pair(hf_specdec.enable(target.to(device)), {"early_exit": early_exit.to(device)}, construction)
+
+
+BUILDERS = {"8b": build_8b, "1.1b": build_1_1b}
+
+
+def compile_config(device: torch.device, smoke: bool) -> CompileConfig:
+    if device.type == "cuda":
+        return CompileConfig(fullgraph=True, mode="reduce-overhead")  # CUDA graphs
+    # tracing only on the CPU smoke run (inductor's code generation would take minutes); transformers compiles on
+    # the CPU only when the config asks for every device
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None) if smoke else CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tuple[dict[str, Method], dict[str, str]]:
+    """The group's methods, and the ones left out with the reason."""
+    target = pair.target
+    first = next(iter(pair.drafters))
+    drafter = pair.drafters[first]
+    common = dict(
+        attention_mask=mask,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+    )
+    static = dict(cache_implementation="static", compile_config=compile_config(args.device, args.smoke))
+    assistant = assistant_with_gamma(drafter, args.gamma)
+    tree = dict(speculative_tree_budget=args.tree_budget)
+    methods = {
+        "plain": Method(lambda: GenerationMixin.generate(target, ids, **common)),
+        "plain_compiled": Method(lambda: GenerationMixin.generate(target, ids, **common, **static), None, True),
+        "transformers": Method(
+            lambda: GenerationMixin.generate(target, ids, assistant_model=assistant, **common), first
+        ),
+        "ours": Method(lambda: target.generate(ids, assistant_model=drafter, **common), first),
+        "ours_tree": Method(lambda: target.generate(ids, assistant_model=drafter, **tree, **common), first),
+        "ours_compiled": Method(lambda: target.generate(ids, assistant_model=drafter, **common, **static), first, True),
+    }
+    for name, other in list(pair.drafters.items())[1:]:
+        methods[f"ours_{name}"] = Method(
+            lambda other=other: target.generate(ids, assistant_model=other, **common), name
+        )
+    skipped = {}
+    if batch > 1:
+        skipped["transformers"] = "transformers' assisted generation refuses batches larger than one"
+        skipped["ours_tree"] = "hf_specdec verifies token trees one sequence at a time (it refuses batches)"
+    if not compiled:
+        skipped.update(
+            {name: "the group started after --compile-before-s" for name, m in methods.items() if m.compiled}
+        )
+    return {name: m for name, m in methods.items() if name not in skipped}, skipped
+
+
+def costs(pair: Pair, batch: int, context: int, args) -> dict:
+    """Cached forwards at about the mid-generation context: the target over 1, γ + 1 and tree + 1 new tokens, each
+    drafter over 1; c and v from them."""
+    sizes = sorted({1, args.gamma + 1, args.tree_budget + 1})
+    target_ms = {k: cached_forward_ms(pair.target, batch, context, k, args.cost_repeats) for k in sizes}
+    drafter_ms = {
+        name: cached_forward_ms(model, batch, context, 1, args.cost_repeats) for name, model in pair.drafters.items()
+    }
+    return {
+        "context": context,
+        "target_ms": target_ms,
+        "v": {k: ms / target_ms[1] for k, ms in target_ms.items()},
+        "drafter_ms": drafter_ms,
+        "c": {name: ms / target_ms[1] for name, ms in drafter_ms.items()},
+    }
+
+
+def bound(alpha: float | None, gamma: int | None, c: float) -> dict:
+    """Theorem 3.8 at the row's γ and at the best γ for its α and c (v = 1 assumed)."""
+    if alpha is None:
+        return {"theorem_3_8": None, "theorem_3_8_best": None, "best_gamma": None}
+    best = optimal_gamma(alpha, c)
+    return {
+        "theorem_3_8": None if gamma is None else expected_speedup(alpha, gamma, c),
+        "theorem_3_8_best": expected_speedup(alpha, best, c),
+        "best_gamma": best,
+    }
+
+
+def rows_equal(out, reference) -> int:
+    return int((out.sequences == reference.sequences).all(dim=-1).sum())
+
+
+def run_group(pair: Pair, batch: int, compiled: bool, args) -> dict:
+    device = args.device
+    ids, mask = padded_prompts(batch, pair.target.config.vocab_size, seed=batch)
+    ids, mask = ids.to(device), mask.to(device)
+    methods, skipped = methods_for(pair, ids, mask, batch, compiled, args)
+    models = [pair.target, *pair.drafters.values()]
+    if compiled:
+        torch._dynamo.reset()  # graphs of the previous group's shapes would count against the recompile limit
+
+    def synchronized(method: Method):
+        def run():
+            out = method.run()
+            synchronize(device)
+            return out
+
+        return run
+
+    rows, outputs = {}, {}
+    for name, method in methods.items():  # first calls: compilation and capability probes, timed on their own
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        first_s, _ = timed(synchronized(method))
+        rows[name] = {
+            "first_call_s": first_s,
+            "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        }
+        counter = ForwardCounter(pair.target)
+        try:
+            with HostReads(outside_of=models) as reads:  # a warm call, counted
+                out = synchronized(method)()
+        finally:
+            counter.close()
+        stats = getattr(out, "speculative_stats", None)
+        if stats is not None:
+            forwards, accepted_length = stats.target_calls, stats.mean_accepted_length
+        elif method.drafter is None:  # plain decoding: one forward per new token, the prefill's included
+            forwards, accepted_length = args.max_new_tokens, 1.0
+        else:  # transformers' assisted generation runs eagerly: the hook sees every forward
+            forwards, accepted_length = counter.count, args.max_new_tokens / counter.count
+        outputs[name] = out
+        rows[name].update(
+            target_calls=forwards,
+            tokens_per_target_call=batch * args.max_new_tokens / forwards,
+            mean_accepted_length=accepted_length,
+            alpha=None if stats is None else stats.alpha,
+            host_reads_per_target_call=reads.count / forwards,
+        )
+        print(f"  {name}: first call {first_s:.1f} s", flush=True)
+
+    timed_stats = {name: [] for name in methods}
+
+    def recorded(name: str, run):
+        def call():
+            stats = getattr(run(), "speculative_stats", None)
+            if stats is not None:
+                timed_stats[name].append(stats)
+
+        return call
+
+    seconds = interleaved({name: recorded(name, synchronized(m)) for name, m in methods.items()}, args.repeats, 0)
+    group_costs = costs(pair, batch, int(ids.shape[1]) + args.max_new_tokens // 2, args)
+    alpha_of_drafter = {}  # ours' α with each drafter, for the transformers row (transformers does not measure it)
+    for name, method in methods.items():
+        if method.drafter is not None and rows[name]["alpha"] is not None:
+            alpha_of_drafter.setdefault(method.drafter, rows[name]["alpha"])
+    plain_s = statistics.median(seconds["plain"])
+    for name, method in methods.items():
+        row = rows[name]
+        row["seconds"] = summarize(seconds[name])
+        row["speedup"] = plain_s / row["seconds"]["median"]
+        if method.compiled and "plain_compiled" in methods:
+            row["speedup_over_plain_compiled"] = statistics.median(seconds["plain_compiled"]) / row["seconds"]["median"]
+        row["rows_equal_plain"] = rows_equal(outputs[name], outputs["plain"])
+        row["equals_plain"] = row["rows_equal_plain"] == batch
+        if method.compiled:
+            row["rows_equal_plain_compiled"] = rows_equal(outputs[name], outputs["plain_compiled"])
+        if timed_stats[name]:
+            per_round = [
+                (
+                    1000 * s.draft_time_s / s.target_calls,
+                    1000 * s.verify_time_s / s.target_calls,
+                    1000 * t / s.target_calls,
+                )
+                for s, t in zip(timed_stats[name], seconds[name])
+            ]
+            draft, verify, total = (statistics.median(column) for column in zip(*per_round))
+            row["ms_per_round"] = {"total": total, "draft": draft, "verify": verify, "other": total - draft - verify}
+            row["graphs_compiled_while_timed"] = sum(
+                s.target_compilations + s.drafter_compilations for s in timed_stats[name]
+            )  # 0 unless a timed call recompiled: its median would include compile time
+            gammas = [g for g in timed_stats[name][0].gamma_history if g > 0]
+            row["mean_gamma"] = statistics.mean(gammas) if gammas else 0.0
+        if method.drafter is None:
+            continue
+        if row["alpha"] is None:  # transformers: constant γ, with ours' α for the same drafter
+            row["alpha_from"] = "ours with the same drafter"
+            alpha, gamma = alpha_of_drafter.get(method.drafter), args.gamma
+        else:
+            alpha, gamma = row["alpha"], max(1, round(row["mean_gamma"])) if row["mean_gamma"] else None
+        row.update(bound(alpha, gamma, group_costs["c"][method.drafter]))
+    group = {
+        "batch": batch,
+        "prompt_lengths": mask.sum(-1).tolist(),
+        "costs": group_costs,
+        "methods": rows,
+        "skipped": skipped,
+    }
+    if "1b" in pair.drafters and "early_exit" in alpha_of_drafter:
+        group["theorem_3_8_if_1b_agreed_like_early_exit"] = bound(
+            alpha_of_drafter["early_exit"], args.gamma, group_costs["c"]["1b"]
+        )
+    if compiled:
+        torch._dynamo.reset()
+    return group
+
+
+def print_group(pair_name: str, group: dict) -> None:
+    costs_ = group["costs"]
+    print(
+        f"\n{pair_name} batch {group['batch']}: target step {costs_['target_ms'][1]:.2f} ms, v "
+        + " ".join(f"{k}:{v:.2f}" for k, v in costs_["v"].items())
+        + ", c "
+        + " ".join(f"{k}:{v:.3f}" for k, v in costs_["c"].items())
+    )
+    print(
+        f"{'method':<16}{'median s':>9}{'speedup':>8}{'tok/call':>9}{'alpha':>7}{'reads/call':>11}"
+        f"{'ms/round d+v+o':>20}{'=plain':>8}{'thm3.8':>7}{'best':>6}{'first s':>8}"
+    )
+    for name, row in group["methods"].items():
+        split = row.get("ms_per_round")
+        split_text = f"{split['draft']:.1f}+{split['verify']:.1f}+{split['other']:.1f}" if split else ""
+        alpha = "" if row["alpha"] is None else f"{row['alpha']:.3f}"
+        theorem = "" if row.get("theorem_3_8") is None else f"{row['theorem_3_8']:.2f}"
+        best = "" if row.get("theorem_3_8_best") is None else f"{row['theorem_3_8_best']:.2f}"
+        print(
+            f"{name:<16}{row['seconds']['median']:>9.3f}{row['speedup']:>8.2f}{row['tokens_per_target_call']:>9.2f}"
+            f"{alpha:>7}{row['host_reads_per_target_call']:>11.1f}{split_text:>20}"
+            f"{row['rows_equal_plain']:>5}/{group['batch']:<2}{theorem:>7}{best:>6}{row['first_call_s']:>8.1f}"
+        )
+
+
+def device_slug(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def parse_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def main(argv=None) -> dict[str, dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=parse_list, default=list(PAIRS), help="comma-separated: 8b, 1.1b")
+    parser.add_argument("--batches", type=lambda text: [int(b) for b in parse_list(text)], default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=5, help="transformers' constant γ, and the γ of the bounds")
+    parser.add_argument("--tree-budget", type=int, default=8)
+    parser.add_argument("--cost-repeats", type=int, default=9, help="repeats of each cost forward")
+    parser.add_argument(
+        "--compile-before-s",
+        type=float,
+        default=240.0,
+        help="compiled rows only in groups starting within this many seconds (--smoke: no limit)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny float32 shapes on the CPU (checks the script)")
+    parser.add_argument("--device", default=None, help="default: cpu with --smoke, else cuda when available")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output-dir", type=Path, default=None, help="default: benchmarks/results; --smoke: a temp dir"
+    )
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE_DEFAULTS, compile_before_s=None)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.pairs) - set(PAIRS))
+    if unknown:
+        parser.error(f"--pairs: unknown pair(s) {unknown}; known: {list(PAIRS)}")
+    if args.device is None:
+        args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    args.device = torch.device(args.device)
+    if args.output_dir is None:
+        args.output_dir = Path(tempfile.mkdtemp(prefix="bench_gpu_smoke_")) if args.smoke else RESULTS
+    elif args.smoke and args.output_dir.resolve() == RESULTS.resolve():
+        parser.error("--smoke writes no results into benchmarks/results: pass another --output-dir")
+    threads = torch.get_num_threads()
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny models gain nothing from threads, and the CPU may be shared
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+
+
+def run(args) -> dict[str, dict]:
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    start = time.perf_counter()
+    pairs, payloads, paths = {}, {}, {}
+    for name in args.pairs:
+        built_s, pairs[name] = timed(lambda name=name: BUILDERS[name](args.smoke, dtype, args.device, args.seed))
+        pair = pairs[name]
+        parameters = {
+            model_name: sum(p.numel() for p in model.parameters())
+            for model_name, model in {"target": pair.target, **pair.drafters}.items()
+        }
+        print(f"built {name} in {built_s:.1f} s: {parameters} parameters", flush=True)
+        payloads[name] = {
+            "benchmark": "gpu",
+            "pair": name,
+            "smoke": args.smoke,
+            "dtype": str(dtype).removeprefix("torch."),
+            "settings": {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()},
+            "construction": {**pair.construction, "parameters": parameters, "build_s": built_s},
+            "batches": {},
+        }
+        paths[name] = Path(args.output_dir) / f"gpu_{name}_{device_slug(args.device)}.json"
+    for batch in args.batches:  # batch 1 of every pair first: the compiled rows go to the earliest groups
+        for name, pair in pairs.items():
+            compiled = args.compile_before_s is None or time.perf_counter() - start < args.compile_before_s
+            print(f"{name} batch {batch}{'' if compiled else ' (compiled rows skipped)'}", flush=True)
+            group = run_group(pair, batch, compiled, args)
+            payloads[name]["batches"][str(batch)] = group
+            payloads[name]["elapsed_s"] = time.perf_counter() - start
+            write_results(paths[name], payloads[name])
+            print_group(name, group)
+    print(f"\n{time.perf_counter() - start:.0f} s in all; wrote " + ", ".join(str(p) for p in paths.values()))
+    return payloads
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""`benchmarks/bench_gpu.py --smoke`: every method and batch size of the GPU benchmark, on tiny float32 models on the
+CPU, so that the script keeps running between the runs on a lent GPU."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BATCHES = (1, 8)  # the script's defaults
+EVERY_METHOD = {"plain", "plain_compiled", "transformers", "ours", "ours_tree", "ours_compiled"}
+BATCH_ONLY_ONE = {"transformers", "ours_tree"}  # transformers' assisted generation and our token trees refuse batches
+
+
+@pytest.fixture
+def bench_gpu():
+    """The script as a module: benchmarks/ on sys.path while the test runs (its sibling imports need it)."""
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_gpu
+
+        yield bench_gpu
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if getattr(sys.modules[name], "__file__", None) and Path(sys.modules[name].__file__).parent == BENCHMARKS:
+                del sys.modules[name]
+
+
+def test_smoke_run_covers_every_method_and_batch(bench_gpu, tmp_path):
+    payloads = bench_gpu.main(["--smoke", "--output-dir", str(tmp_path)])
+    assert set(payloads) == {"8b", "1.1b"}
+    for pair, payload in payloads.items():
+        written = json.loads((tmp_path / f"gpu_{pair}_cpu.json").read_text())
+        assert written["smoke"] and written["dtype"] == "float32"
+        assert set(written["batches"]) == {str(batch) for batch in BATCHES}
+        for batch in BATCHES:
+            group = written["batches"][str(batch)]
+            expected = EVERY_METHOD | ({"ours_1b"} if pair == "8b" else set())
+            if batch > 1:
+                expected -= BATCH_ONLY_ONE
+                assert set(group["skipped"]) == BATCH_ONLY_ONE
+            assert set(group["methods"]) == expected, (pair, batch)
+            for name, row in group["methods"].items():
+                assert math.isfinite(row["speedup"]) and row["speedup"] > 0, (pair, batch, name)
+                assert row["tokens_per_target_call"] > 0 and row["host_reads_per_target_call"] >= 0
+                if name.startswith("ours"):  # float32: greedy speculative decoding is token for token plain greedy
+                    assert row["equals_plain"], (pair, batch, name)
+                    assert 0.0 <= row["alpha"] <= 1.0
+                    assert math.isfinite(row["theorem_3_8_best"])
+            assert group["methods"]["ours"]["alpha"] > 0.5, (pair, batch)  # the early exit agrees by construction
+            assert group["methods"]["ours_compiled"]["rows_equal_plain_compiled"] == batch
+            assert group["methods"]["ours_compiled"]["graphs_compiled"] > 0
+        assert payload["batches"].keys() == written["batches"].keys()
