@@ -136,7 +136,7 @@ def run(args) -> dict:
             out = method()
         counter.close()
         results[name] = {
-            "equals_plain": bool(torch.equal(out, reference)),
+            "identical_to_plain": bool(torch.equal(out, reference)),
             "target_forwards": counter.count,
             "host_reads": reads.count,
             "host_reads_per_round": reads.count / counter.count,
@@ -146,10 +146,12 @@ def run(args) -> dict:
         summary = summarize(seconds[name])
         results[name]["seconds"] = summary
         results[name]["ms_per_round"] = 1000 * summary["median"] / results[name]["target_forwards"]
+        results[name]["speedup"] = results["plain"]["seconds"]["median"] / summary["median"]
+        results[name]["tokens_per_target_call"] = args.max_new_tokens / results[name]["target_forwards"]
     speed = {name: 1 / results[name]["seconds"]["median"] for name in methods}
     payload = {
         "benchmark": "overhead",
-        "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "settings": {key: value for key, value in vars(args).items() if key != "output"},
         "results": results,
         "ours_vs_minimal": speed["ours"] / speed["minimal"],
         "ours_vs_transformers": speed["ours"] / speed["transformers"],
@@ -158,7 +160,7 @@ def run(args) -> dict:
     for name, row in results.items():
         print(
             f"{name:<14}{row['ms_per_round']:>10.2f}{row['host_reads_per_round']:>13.1f}"
-            f"{row['target_forwards']:>10}  {row['equals_plain']}"
+            f"{row['target_forwards']:>10}  {row['identical_to_plain']}"
         )
     print(
         f"ours / minimal loop speed: {payload['ours_vs_minimal']:.2f}x; ours / transformers: "

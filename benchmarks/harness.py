@@ -101,7 +101,7 @@ def machine() -> dict[str, object]:
     import hf_specdec
 
     return {
-        "machine": f"{platform.machine()} {platform.processor() or 'CPU'}, {os.cpu_count()} cores",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -119,6 +119,7 @@ def write_results(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as temporary:
         temporary.write(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    os.chmod(temporary.name, 0o644)  # a results file others read, not a private temporary
     os.replace(temporary.name, path)
     return path
 

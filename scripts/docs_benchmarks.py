@@ -60,6 +60,8 @@ FAMILIES = (
     Family("offload", "Offloaded target and data parallel", r"^offload_", "bench_offload.py"),
     Family("cross-tokenizer", "Cross-tokenizer drafting", r"^cross_tokenizer_", "bench_cross_tokenizer.py"),
     Family("zoo", "Zoo: code model and drafters", r"^zoo_", "bench_zoo.py"),
+    Family("overhead", "Loop overhead and host reads", r"^overhead_", "bench_overhead.py"),
+    Family("gpu", "GPU", r"^gpu_", "bench_gpu.py"),
     Family("other", "Other results", r"", None),
 )
 
@@ -152,7 +154,7 @@ def git_date(path: Path) -> str | None:
 
 def run_date(data: dict, path: Path) -> str:
     """The run's date: a date field of the file where it has one, else the last commit that touched the file."""
-    for source in (data, data.get("environment") or {}, data.get("args") or {}):
+    for source in (data, data.get("machine") or {}, data.get("environment") or {}, data.get("args") or {}):
         if not isinstance(source, dict):
             continue
         for key in ("date", "timestamp", "started", "created"):
@@ -181,14 +183,14 @@ def _first(sources: Iterable[dict], *keys: str):
     for source in sources:
         for key in keys:
             value = source.get(key)
-            if value not in (None, "", "None"):
+            if value not in (None, "", "None") and not isinstance(value, (dict, list)):
                 return value
     return None
 
 
 def machine_line(data: dict, name: str = "") -> str:
     """What the file says about where it ran: machine, device, threads, dtype, library versions."""
-    sources = _dicts(data, "environment", "args", "pair")
+    sources = _dicts(data, "machine", "environment", "args", "pair")  # "machine": `harness.write_results`
     offload = data.get("offload")
     if isinstance(offload, dict) and isinstance(offload.get("pair"), dict):
         sources.append(offload["pair"])
@@ -678,7 +680,26 @@ def _read_real_model_rows(data: dict, report: Report) -> bool:
     return False  # per-prompt rows are summarized by `_read_summary`
 
 
+def _read_overhead(data: dict, report: Report) -> bool:
+    """`bench_overhead.py`: the loop's own cost per round and its host reads, beside a minimal loop."""
+    if data.get("benchmark") != "overhead" or not isinstance(data.get("results"), dict):
+        return False
+    rows = [
+        [method_label(name), run.get("ms_per_round"), run.get("host_reads_per_round"), run.get("target_forwards")]
+        for name, run in data["results"].items()
+        if isinstance(run, dict)
+    ]
+    columns = ["method", "ms per target forward", "host reads per target forward", "target forwards"]
+    report.tables.append(Table("Loop overhead", columns, rows))
+    ratios = [["ours / minimal loop (speed)", data.get("ours_vs_minimal")]]
+    report.tables.append(
+        Table("Ratios", ["", "value"], ratios + [["ours / transformers", data.get("ours_vs_transformers")]])
+    )
+    return True
+
+
 READERS = (
+    _read_overhead,
     _read_memory_bound,
     _read_method_results,
     _read_batch_rows,
