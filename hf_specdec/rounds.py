@@ -448,27 +448,20 @@ def read_verdict(verdict: Verdict, check: ProposalCheck) -> Verdict:
     emitted). Fills the verdict's host fields (`accepted_counts`, `beta_values`, `depth`, `path_in_place`) and
     returns it."""
     rows, device = verdict.accepted.shape[0], verdict.accepted.device
+    tree = verdict.tree_depth is not None
     failed = check.failed if check.failed is not None else verdict.accepted.new_zeros((), dtype=torch.bool)
-    depth = (
-        verdict.tree_depth if verdict.tree_depth is not None else verdict.accepted.new_tensor(verdict.betas.shape[1])
-    )
-    in_place = verdict.tree_path_in_place if verdict.tree_path_in_place is not None else failed.expand(rows)
-    values = torch.cat(
-        [
-            verdict.accepted.to(torch.float32)[:, None],  # small counts: exact in float32
-            verdict.betas.to(torch.float32),
-            in_place.to(device=device, dtype=torch.float32)[:, None],
-            failed.to(device=device, dtype=torch.float32).expand(rows, 1),
-            depth.to(device=device, dtype=torch.float32).expand(rows, 1),
-        ],
-        dim=1,
-    ).tolist()  # [rows, 1 + depth bound + 3]
-    check.raise_if(bool(values[0][-2]))
-    verdict.depth = int(values[0][-1])
-    if verdict.tree_path_in_place is not None:
-        verdict.path_in_place = [bool(row[-3]) for row in values]
+    depth = verdict.tree_depth if tree else verdict.accepted.new_tensor(verdict.betas.shape[1])
+    # one column each, all as float32 (small counts and flags are exact): accepted, failed, depth[, in place], betas
+    columns = [verdict.accepted[:, None], failed.to(device).expand(rows, 1), depth.to(device).expand(rows, 1)]
+    if tree:
+        columns.append(verdict.tree_path_in_place[:, None])
+    values = torch.cat([*(column.to(torch.float32) for column in columns), verdict.betas.float()], dim=1).tolist()
+    check.raise_if(bool(values[0][1]))
+    verdict.depth = int(values[0][2])
+    if tree:
+        verdict.path_in_place = [bool(row[3]) for row in values]
     verdict.accepted_counts = [int(row[0]) for row in values]
-    verdict.beta_values = [row[1 : 1 + verdict.depth] for row in values]
+    verdict.beta_values = [row[len(columns) : len(columns) + verdict.depth] for row in values]
     return verdict
 
 

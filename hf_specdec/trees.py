@@ -58,8 +58,7 @@ def bounded_ancestor_mask(parents: torch.LongTensor, max_depth: int) -> tuple[to
     """`ancestor_mask` for a tree the caller expects at most `max_depth` deep, with no host read: returns the mask
     and a 0-dim bool tensor, True when some node is deeper (its mask then misses the ancestors above that depth, so
     the caller must refuse the tree once it reads the flag)."""
-    mask, deeper = _climb(parents, max_depth)
-    return mask, deeper
+    return _climb(parents, max_depth)
 
 
 def _climb(parents: torch.LongTensor, max_depth: int | None):
