@@ -1,7 +1,7 @@
 """Batched throughput on the embedded early-exit pair: plain batched `generate` vs hf_specdec, side by side.
 
 Left-padded prompts of different lengths, greedy, constant γ. For each batch size, reports generated tokens per
-second for both (median over repeats, the two alternating in one process), the ratio, α, and the verify cost
+second for both (median over repeats, the two interleaved in one process), the ratio, α, and the verify cost
 ratio v(B) = (a target forward over B x (γ+1) tokens) / (over B x 1 tokens): speculation pays while v stays near 1,
 and stops paying once the verify forward costs about as many steps as it saves. Every speculative output is checked
 against plain `generate`. (transformers' assisted generation refuses batches larger than one.)
@@ -12,30 +12,15 @@ against plain `generate`. (transformers' assisted generation refuses batches lar
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from bench_early_exit import forward_ms  # run from the repository root or benchmarks/: the scripts sit together
+from harness import cached_forward_ms, interleaved, write_results  # run from the repository root or benchmarks/
+from pairs import PAD, padded_prompts
 
 import hf_specdec
 from hf_specdec.toy import build_early_exit_pair
-
-PAD = 0
-
-
-def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, longest: int = 48):
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(shortest, longest + 1, (batch,), generator=generator).tolist()
-    width = max(lengths)
-    ids = torch.full((batch, width), PAD)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
 
 
 def main() -> None:
@@ -63,13 +48,9 @@ def main() -> None:
     print(f"{'batch':>5} {'plain tok/s':>12} {'ours tok/s':>11} {'ratio':>6} {'alpha':>6} {'v(B)':>5} {'same':>5}")
     for batch in args.batch_sizes:
         ids, mask = padded_prompts(batch, target.config.vocab_size, seed=batch)
-        plain_times, spec_times, same = [], [], True
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            plain = target.generate(ids, attention_mask=mask, **kwargs)
-            plain_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            out = target.generate(
+        methods = {
+            "plain": lambda: target.generate(ids, attention_mask=mask, **kwargs),
+            "ours": lambda: target.generate(
                 ids,
                 attention_mask=mask,
                 assistant_model=drafter,
@@ -77,15 +58,16 @@ def main() -> None:
                 speculative_gamma_policy="constant",
                 return_dict_in_generate=True,
                 **kwargs,
-            )
-            spec_times.append(time.perf_counter() - start)
-            same &= torch.equal(out.sequences, plain)
+            ),
+        }
+        outputs = {name: [] for name in methods}
+        seconds = interleaved(methods, args.repeats, warmup=0, on_run=lambda run: outputs[run.name].append(run.output))
+        same = all(torch.equal(out.sequences, plain) for out, plain in zip(outputs["ours"], outputs["plain"]))
+        out = outputs["ours"][-1]
         tokens = batch * args.max_new_tokens
-        plain_tps = tokens / statistics.median(plain_times)
-        spec_tps = tokens / statistics.median(spec_times)
-        verify_ratio = forward_ms(target, 48, args.gamma + 1, repeats=7, batch=batch) / forward_ms(
-            target, 48, 1, repeats=7, batch=batch
-        )
+        plain_tps = tokens / statistics.median(seconds["plain"])
+        spec_tps = tokens / statistics.median(seconds["ours"])
+        verify_ratio = cached_forward_ms(target, batch, 48, args.gamma + 1) / cached_forward_ms(target, batch, 48, 1)
         row = dict(
             batch=batch,
             plain_tokens_per_s=plain_tps,
@@ -102,9 +84,7 @@ def main() -> None:
             f"{verify_ratio:>5.2f} {str(same):>5}"
         )
     if args.output:
-        args.output.write_text(
-            json.dumps(dict(args={k: str(v) for k, v in vars(args).items()}, results=results), indent=2)
-        )
+        write_results(args.output, dict(args={k: str(v) for k, v in vars(args).items()}, results=results))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
   as well. `--quick` uses the example's own tiny pair (d_model 64) instead, where nothing can pay.
 
 For each pair, `num_beams` w in `--beams`, and each (γ, u) in `--configs`: seeded random prompts (token ids; the
-encoder's source for T5), every method interleaved per prompt and repeated, wall times summarized by medians. Methods:
+encoder's source for T5), every method interleaved per prompt and repeated (`harness.interleaved`), wall times
+summarized by medians. Methods:
 plain `generate(num_beams=w)`; transformers with `assistant_model` (it drops the assistant under beam search and
 runs plain beam search, with a warning: timed to show it); ours. Reported per method: speedup over plain (median of
 per-prompt time ratios), beam steps per target forward (`speculative_stats.mean_accepted_length`: the rounds'
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import sys
@@ -44,16 +44,21 @@ from pathlib import Path
 
 import torch
 import transformers
+from harness import (  # run from the repository root or benchmarks/
+    ForwardCounter,
+    interleaved,
+    parse_ints,
+    timed,
+    write_results,
+)
+from pairs import FULL_PAIR, QUICK_PAIR, random_prompts
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, GenerationMixin
 
 import hf_specdec
 from hf_specdec.caches import CACHE_KWARG, cache_of
 from hf_specdec.toy import build_early_exit_pair
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, parse_ints
-from harness import ForwardCounter
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))  # text2text.py's tiny T5 pair (--quick)
 
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "beam_cpu_bf16.json"
 # as many encoder as decoder layers: transformers 5.23 sizes a T5's decoder cache by `num_layers`
@@ -108,12 +113,6 @@ def build_pair(name: str, quick: bool, seed: int):
     return target, drafter, {"kind": "T5 early exit (text2text recipe)", **T5_MEMORY_BOUND, "dtype": "bfloat16"}
 
 
-def prompts_for(target, count: int, length: int, seed: int) -> list[torch.LongTensor]:
-    generator = torch.Generator().manual_seed(seed)
-    vocab = target.config.vocab_size
-    return [torch.randint(3, vocab, (1, length), generator=generator) for _ in range(count)]
-
-
 @torch.no_grad()
 def forward_costs(target, prompt: torch.LongTensor, num_beams: int, sizes, repeats: int) -> dict:
     """Median ms of a cached target forward over rows x positions (after the prompt), for each (rows, positions)
@@ -129,9 +128,8 @@ def forward_costs(target, prompt: torch.LongTensor, num_beams: int, sizes, repea
             feed = dict(decoder_input_ids=new) if target.config.is_encoder_decoder else dict(input_ids=new)
             if target.config.is_encoder_decoder:
                 feed["encoder_outputs"] = target.get_encoder()(inputs)
-            start = time.perf_counter()
-            target(**feed, **{CACHE_KWARG: cache}, use_cache=True)
-            times[rows, positions].append(time.perf_counter() - start)
+            elapsed, _ = timed(lambda: target(**feed, **{CACHE_KWARG: cache}, use_cache=True))
+            times[rows, positions].append(elapsed)
     ms = {size: 1000 * statistics.median(values[1:]) for size, values in times.items()}
     step = ms[num_beams, 1]
     return {
@@ -161,7 +159,7 @@ def run_pair(name: str, args, results: dict, save) -> None:
         f"[{name}] built in {description['build_s']:.1f} s: {description['target_parameters'] / 1e6:.0f}M parameters",
         flush=True,
     )
-    prompts = prompts_for(target, args.prompts, args.prompt_length, args.seed)
+    prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, seed=args.seed, low=3)
     results.update(pair=description, beams={})
     for num_beams in args.beams:
         base = dict(
@@ -178,29 +176,36 @@ def run_pair(name: str, args, results: dict, save) -> None:
             )
         seconds = {method: [[] for _ in prompts] for method in methods}
         records = {method: [None] * len(prompts) for method in methods}
-        for index, prompt in enumerate(prompts):
-            for repeat in range(int(index != 0), args.repeats + 1):  # the first prompt's first pass warms up
-                for method, extra in methods.items():
-                    generate = GenerationMixin.generate if method.startswith("transformers") else type(target).generate
-                    calls = counter.count
-                    tic = time.perf_counter()
-                    out = generate(target, prompt, **base, **extra)
-                    elapsed = time.perf_counter() - tic
-                    if repeat:
-                        seconds[method][index].append(elapsed)
-                    stats = getattr(out, "speculative_stats", None)
-                    records[method][index] = {
-                        "sequences": out.sequences,
-                        "target_calls": counter.count - calls,
-                        "steps_per_call": stats.mean_accepted_length if stats else 1.0,
-                        "forward_positions": (
-                            statistics.mean(stats.target_forward_tokens[1:])
-                            if stats and len(stats.target_forward_tokens) > 1
-                            else num_beams
-                        ),
-                        "draft_share": stats.draft_time_s / elapsed if stats else 0.0,
-                        "beam_steps_history": stats.beam_steps_history if stats else None,
-                    }
+
+        def record(run):
+            seconds[run.name][run.index].append(run.seconds)
+            stats = getattr(run.output, "speculative_stats", None)
+            records[run.name][run.index] = {
+                "sequences": run.output.sequences,
+                "target_calls": counter.take(),
+                "steps_per_call": stats.mean_accepted_length if stats else 1.0,
+                "forward_positions": (
+                    statistics.mean(stats.target_forward_tokens[1:])
+                    if stats and len(stats.target_forward_tokens) > 1
+                    else num_beams
+                ),
+                "draft_share": stats.draft_time_s / run.seconds if stats else 0.0,
+                "beam_steps_history": stats.beam_steps_history if stats else None,
+            }
+
+        def method_for(extra, generate):
+            return lambda prompt: generate(target, prompt, **base, **extra)
+
+        runs = {
+            method: method_for(
+                extra, GenerationMixin.generate if method.startswith("transformers") else type(target).generate
+            )
+            for method, extra in methods.items()
+        }
+        for run in runs.values():  # warm-up, on the first prompt
+            run(prompts[0])
+        counter.take()
+        interleaved(runs, args.repeats, warmup=0, inputs=prompts, on_run=record)
         summary = {}
         plain_median = [statistics.median(times) for times in seconds["plain"]]
         for method in methods:
@@ -283,7 +288,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        args.output.write_text(json.dumps(results, indent=1, default=str))
+        write_results(args.output, results)
 
     for name in args.pairs.split(","):
         run_pair(name, args, results["pairs"].setdefault(name, {}), save)

@@ -9,7 +9,8 @@ The pair (built by `train_cross_tokenizer_drafter.py`, under /work/runs/cross_to
 - same-tokenizer drafter: the zoo's distilled 1-layer drafter (the target's tokenizer).
 
 Methods, each at batch 1 on the zoo's held-out prompts, greedy (T=0) and sampling (T=1, no top-k / top-p), constant
-γ, interleaved per prompt and repeated (`--repeats`, each prompt's median time): plain `generate`; ours with each drafter (`assistant_model=...`, and for the cross one
+γ, interleaved per prompt in an order rotated each time (`harness.interleaved`) and repeated (`--repeats`, each
+prompt's median time): plain `generate`; ours with each drafter (`assistant_model=...`, and for the cross one
 `tokenizer=..., assistant_tokenizer=...`); transformers' assisted generation with the same drafters (for the cross
 one, its `AssistedCandidateGeneratorDifferentTokenizers` when greedy and `UniversalSpeculativeDecodingGenerator` when
 sampling), with a constant draft length of γ. Reported: α (mean β), acceptance rate, tokens per target call (target
@@ -33,7 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-from harness import ForwardCounter, assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
+from harness import (  # run from the repository root or benchmarks/
+    ForwardCounter,
+    assistant_with_gamma,
+    interleaved,
+    write_results,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 import hf_specdec
@@ -165,54 +171,59 @@ def main() -> None:
         errors = {}
         stats = {name: [] for name in ours}
         times = {method: [[] for _ in inputs] for method in methods}  # [method][prompt]: seconds per repeat
-        for repeat, (index, ids) in ((r, item) for r in range(args.repeats) for item in enumerate(inputs)):
-            mask = torch.ones_like(ids)
-            outputs = {}
-            order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]  # no method always first
-            for method in order:  # interleaved: every method on this prompt before the next prompt
-                kind, _, name = method.partition("/")
-                if method in errors:
-                    continue
-                if kind == "plain":
-                    run = lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common)
-                elif kind == "ours":
-                    run = lambda: target.generate(
-                        ids,
-                        attention_mask=mask,
-                        speculative_gamma=gamma,
-                        speculative_gamma_policy="constant",
-                        return_dict_in_generate=True,
-                        **ours[name],
-                        **common,
-                    )
-                else:
-                    run = lambda: GenerationMixin.generate(
-                        target,
-                        ids,
-                        attention_mask=mask,
-                        **theirs[name],
-                        **common,
-                    )
+        greedy_outputs = {}  # (repeat, prompt) -> method -> sequences, at T=0
+
+        def generate_with(method):
+            kind, _, name = method.partition("/")
+            if kind == "plain":
+                options = {}
+            elif kind == "ours":
+                options = dict(
+                    speculative_gamma=gamma,
+                    speculative_gamma_policy="constant",
+                    return_dict_in_generate=True,
+                    **ours[name],
+                )
+            else:
+                options = theirs[name]
+            generate = target.generate if kind == "ours" else lambda *a, **k: GenerationMixin.generate(target, *a, **k)
+
+            def run(item):
+                index, ids = item
+                if method in errors:  # failed before: not run again (its times are not used)
+                    return None
                 torch.manual_seed(args.seed + index)
-                before = counter.count
                 try:
-                    elapsed, out = timed(run)
+                    return generate(ids, attention_mask=torch.ones_like(ids), **options, **common)
                 except Exception as error:
                     errors[method] = f"{type(error).__name__}: {str(error)[:300]}"
                     print(f"{method} failed: {errors[method]}", flush=True)
-                    continue
-                times[method][index].append(elapsed)
-                if kind == "ours":
-                    if not repeat:
-                        stats[name].append(out.speculative_stats)
-                    out = out.sequences
-                if not repeat:  # counts from the first pass (the same seed per prompt draws the same tokens)
-                    calls[method] += counter.count - before
-                    tokens[method] += out.shape[1] - ids.shape[1]
-                outputs[method] = out
+                    return None
+
+            return run
+
+        def record(run):
+            forwards = counter.take()
+            if run.output is None:
+                return
+            times[run.name][run.index].append(run.seconds)
+            out = run.output
+            if run.name.startswith("ours/"):
+                if not run.repeat:
+                    stats[run.name.partition("/")[2]].append(out.speculative_stats)
+                out = out.sequences
+            if not run.repeat:  # counts from the first pass (the same seed per prompt draws the same tokens)
+                calls[run.name] += forwards
+                tokens[run.name] += out.shape[1] - inputs[run.index].shape[1]
             if temperature == 0:
-                for method, out in outputs.items():
-                    exact[method] &= torch.equal(out, outputs["plain"])
+                greedy_outputs.setdefault((run.repeat, run.index), {})[run.name] = out
+
+        counter.take()
+        runs = {method: generate_with(method) for method in methods}
+        interleaved(runs, args.repeats, warmup=0, inputs=list(enumerate(inputs)), on_run=record)
+        for outputs in greedy_outputs.values():
+            for method, out in outputs.items():
+                exact[method] &= torch.equal(out, outputs["plain"])
         for method in methods:  # each prompt's median over the repeats, summed over the prompts
             seconds[method] = sum(statistics.median(runs) for runs in times[method] if runs)
         plain_step = seconds["plain"] / tokens["plain"]
@@ -281,8 +292,7 @@ def main() -> None:
         except Exception as error:
             results["first_token_exactness"] = {"error": f"{type(error).__name__}: {error}"}
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=1) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

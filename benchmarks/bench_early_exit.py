@@ -4,7 +4,9 @@ and hf_specdec, in one process, same prompts, greedy, batch 1, constant γ.
 Reports α (measured by hf_specdec), c two ways (a cached drafter forward / a cached target forward, timed in
 isolation; and a drafter step / a plain decoding step, as timed during decoding), the Theorem 3.8 prediction for
 each, the verify cost ratio v (a target forward over γ+1 tokens / over 1 token, which the theorem assumes to be
-1), and each speedup over plain `generate`. Speed is measured here, never asserted in tests.
+1), and each speedup over plain `generate`: `seconds` are medians over repeats of one pass over the prompts, every
+method run on a prompt before the next prompt, in an order rotated each time (`harness.interleaved`), with their
+`spread`. Speed is measured here, never asserted in tests.
 
     python benchmarks/bench_early_exit.py [--gamma 5] [--max-new-tokens 128] [--prompts 3] [--repeats 2]
 """
@@ -14,32 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
-from harness import assistant_with_gamma, timed  # run from the repository root or benchmarks/
-from transformers import DynamicCache, GenerationMixin
+from harness import (  # run from the repository root or benchmarks/
+    assistant_with_gamma,
+    cached_forward_ms,
+    interleaved,
+    spread,
+    write_results,
+)
+from pairs import random_prompts
+from transformers import GenerationMixin
 
 import hf_specdec
-from hf_specdec.caches import CACHE_KWARG
 from hf_specdec.toy import build_early_exit_pair
-
-
-def forward_ms(model, context: int, new_tokens: int, repeats: int = 15, batch: int = 1) -> float:
-    """Median ms of one cached forward over `new_tokens` tokens per row after `context` cached tokens."""
-    vocab = model.config.vocab_size
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.randint(0, vocab, (batch, context)), **{CACHE_KWARG: cache})
-        tokens = torch.randint(0, vocab, (batch, new_tokens))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(tokens, **{CACHE_KWARG: cache}, logits_to_keep=new_tokens)
-            times.append(time.perf_counter() - start)
-            cache.crop(-new_tokens)
-    return 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -52,7 +42,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--hidden-size", type=int, default=768)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
 
     target, drafter = build_early_exit_pair(hidden_size=args.hidden_size, dtype=getattr(torch, args.dtype))
@@ -61,11 +51,8 @@ def main() -> None:
     # transformers reads the draft length from the assistant's own generation config: set it on a copy
     assistant = assistant_with_gamma(drafter, args.gamma)
 
-    vocab = target.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(0, vocab, (1, args.prompt_length), generator=generator).to(args.device)
-        for _ in range(args.prompts)
+        ids.to(args.device) for ids in random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, low=0)
     ]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     methods = {
@@ -76,16 +63,14 @@ def main() -> None:
         ),
     }
     methods["plain"](prompts[0][:, :8])  # warm-up
-
-    seconds = {name: 0.0 for name in methods}
+    references = [methods["plain"](ids) for ids in prompts]
     identical = {name: True for name in methods}
-    for _ in range(args.repeats):
-        for ids in prompts:
-            _, reference = timed(lambda: methods["plain"](ids))
-            for name, method in methods.items():  # same order every time, interleaved per prompt
-                elapsed, out = timed(lambda: method(ids))
-                seconds[name] += elapsed
-                identical[name] &= torch.equal(out, reference)
+
+    def check(run):
+        identical[run.name] &= torch.equal(run.output, references[run.index])
+
+    per_repeat = interleaved(methods, args.repeats, warmup=0, inputs=prompts, device=args.device, on_run=check)
+    seconds = {name: statistics.median(times) for name, times in per_repeat.items()}
 
     stats = [
         target.generate(
@@ -101,14 +86,14 @@ def main() -> None:
     alpha = sum(s.beta_sum for s in stats) / sum(s.beta_count for s in stats)
     # in-loop costs, relative to one plain decoding step (the paper's T): what a drafter step and a verify round
     # actually cost during decoding, as timed by hf_specdec itself
-    plain_step_s = seconds["plain"] / (args.repeats * args.prompts * args.max_new_tokens)
+    plain_step_s = seconds["plain"] / (args.prompts * args.max_new_tokens)
     c_loop = sum(s.draft_time_s for s in stats) / sum(s.drafted_tokens for s in stats) / plain_step_s
     v_loop = sum(s.verify_time_s for s in stats) / sum(s.target_calls for s in stats) / plain_step_s
     mean_tokens = sum(s.emitted_tokens for s in stats) / sum(s.target_calls for s in stats)
     context = args.prompt_length + args.max_new_tokens // 2
-    target_ms = forward_ms(target, context, 1)
-    verify_ms = forward_ms(target, context, args.gamma + 1)
-    drafter_ms = forward_ms(drafter, context, 1)
+    target_ms = cached_forward_ms(target, 1, context, 1, repeats=15)
+    verify_ms = cached_forward_ms(target, 1, context, args.gamma + 1, repeats=15)
+    drafter_ms = cached_forward_ms(drafter, 1, context, 1, repeats=15)
     c = drafter_ms / target_ms
     v = verify_ms / target_ms
     predicted = hf_specdec.expected_speedup(alpha=alpha, gamma=args.gamma, c=c)
@@ -139,6 +124,7 @@ def main() -> None:
         "theorem_3_8_speedup_in_loop_c": predicted_loop,
         "theorem_3_8_in_loop_c_and_v": predicted_loop_v,
         "seconds": seconds,
+        "spread": {name: spread(times) for name, times in per_repeat.items()},
         "identical_to_plain": identical,
         "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
         "hf_specdec_over_transformers_assisted": seconds["transformers_assisted"] / seconds["hf_specdec"],
@@ -147,7 +133,7 @@ def main() -> None:
     results["fraction_of_theorem_3_8_in_loop_c"] = results["speedup_over_plain"]["hf_specdec"] / predicted_loop
     print(json.dumps(results, indent=2))
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

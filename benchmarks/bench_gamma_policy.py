@@ -1,7 +1,8 @@
 """γ policies side by side: a sweep of constant γ = 1..12 against `optimal` (told nothing) and `heuristic`, on
 three early-exit pairs built from the embedded toy target: a good drafter (deeper layers scaled by 0.02), a
 mediocre one (0.05, the default pair), and a useless one (an unrelated random 1-layer model). Greedy, batch 1, one
-process, every output checked against plain `generate`.
+process, every output checked against plain `generate`; every setting runs on a prompt before the next prompt, in an
+order rotated each time (`harness.interleaved`), and times are medians over repeats of one pass over the prompts.
 
     python benchmarks/bench_gamma_policy.py [--max-new-tokens 128] [--prompts 2] [--repeats 2]
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import statistics
 from pathlib import Path
 
 import torch
+from harness import interleaved, spread, write_results  # run from the repository root or benchmarks/
+from pairs import random_prompts
 
 import hf_specdec
 from hf_specdec.toy import build_early_exit_pair
@@ -42,9 +45,7 @@ def main() -> None:
     useless = build_early_exit_pair(hidden_size=args.hidden_size, seed=1)[1]
     pairs["useless"] = (pairs["mediocre"][0], useless)
 
-    vocab = pairs["good"][0].config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (1, 32), generator=generator) for _ in range(args.prompts)]
+    prompts = random_prompts(args.prompts, 32, pairs["good"][0].config.vocab_size, low=0)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
     results = {"max_new_tokens": args.max_new_tokens, "hidden_size": args.hidden_size, "pairs": {}}
@@ -60,16 +61,19 @@ def main() -> None:
         )
         configs["optimal"] = dict(assistant_model=drafter, speculative_gamma_policy="optimal", speculative_max_gamma=16)
         configs["heuristic"] = dict(assistant_model=drafter, speculative_gamma_policy="heuristic")
-        seconds = {name: 0.0 for name in configs}
+        references = [target.generate(ids, **common) for ids in prompts]
         identical = True
-        for _ in range(args.repeats):
-            for ids in prompts:
-                reference = target.generate(ids, **common)
-                for name, kwargs in configs.items():
-                    start = time.perf_counter()
-                    out = target.generate(ids, **kwargs, **common)
-                    seconds[name] += time.perf_counter() - start
-                    identical &= torch.equal(out, reference)
+
+        def check(run):
+            nonlocal identical
+            identical &= torch.equal(run.output, references[run.index])
+
+        methods = {
+            name: (lambda ids, kwargs=kwargs: target.generate(ids, **kwargs, **common))
+            for name, kwargs in configs.items()
+        }
+        per_repeat = interleaved(methods, args.repeats, warmup=0, inputs=prompts, on_run=check)
+        seconds = {name: statistics.median(times) for name, times in per_repeat.items()}
         stats = target.generate(prompts[0], return_dict_in_generate=True, **configs["optimal"], **common)
         best = min((name for name in configs if name.startswith("constant_")), key=seconds.get)
         results["pairs"][pair_name] = {
@@ -81,6 +85,7 @@ def main() -> None:
             "optimal_gamma_history": stats.speculative_stats.gamma_history,
             "alpha": stats.speculative_stats.alpha,
             "identical_to_plain": identical,
+            "spread": {name: spread(times) for name, times in per_repeat.items()},
         }
         summary = results["pairs"][pair_name]
         print(
@@ -100,7 +105,7 @@ def main() -> None:
         )
     print(json.dumps(results, indent=2))
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

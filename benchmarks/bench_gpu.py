@@ -16,10 +16,10 @@ Two pairs, built from configs with seeded random weights (no download):
     measures the drafter cost c of a real 8B/1B pairing and shows the default policy stopping to draft when drafts
     do not pay. `theorem_3_8_if_1b_agreed_like_early_exit` prices the 1B's c at the early exit's α.
 - `1.1b`: the memory-bound pair of `bench_memory_bound.py` (TinyLlama's shape, its 1-layer early exit as drafter),
-  built by the same call (`build_early_exit_pair(**FULL_PAIR, head_logit_std=4.0)`, on the host) and moved to the
-  device.
+  built by the same call (`build_early_exit_pair(**pairs.FULL_PAIR, head_logit_std=4.0)`, on the host) and moved to
+  the device.
 
-For each pair and batch size (`--batches`; prompts of mixed lengths, left-padded, from `bench_batch.padded_prompts`),
+For each pair and batch size (`--batches`; prompts of mixed lengths, left-padded, from `pairs.padded_prompts`),
 greedy, the methods are interleaved and repeated (`harness.interleaved`), summarized by medians:
 
 - `plain`: `GenerationMixin.generate`;
@@ -73,9 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
-from bench_memory_bound import FULL_PAIR
-from harness import (
+from harness import (  # run from the repository root or benchmarks/
     ForwardCounter,
     HostReads,
     assistant_with_gamma,
@@ -86,6 +84,7 @@ from harness import (
     timed,
     write_results,
 )
+from pairs import FULL_PAIR, PAD, padded_prompts
 from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, GenerationMixin
 
 import hf_specdec
@@ -351,15 +350,13 @@ def run_group(pair: Pair, batch: int, compiled: bool, args) -> dict:
 
     timed_stats = {name: [] for name in methods}
 
-    def recorded(name: str, run):
-        def call():
-            stats = getattr(run(), "speculative_stats", None)
-            if stats is not None:
-                timed_stats[name].append(stats)
+    def record(run):
+        stats = getattr(run.output, "speculative_stats", None)
+        if stats is not None:
+            timed_stats[run.name].append(stats)
 
-        return call
-
-    seconds = interleaved({name: recorded(name, synchronized(m)) for name, m in methods.items()}, args.repeats, 0)
+    runs = {name: method.run for name, method in methods.items()}
+    seconds = interleaved(runs, args.repeats, warmup=0, device=device, on_run=record)
     group_costs = costs(pair, batch, int(ids.shape[1]) + args.max_new_tokens // 2, args)
     alpha_of_drafter = {}  # ours' α with each drafter, for the transformers row (transformers does not measure it)
     for name, method in methods.items():

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import statistics
 import time
@@ -51,19 +50,24 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_batch import PAD, padded_prompts  # run from the repository root or benchmarks/: the scripts sit together
-from harness import ForwardCounter, assistant_with_gamma
-from transformers import DynamicCache, GenerationMixin
+from harness import (  # run from the repository root or benchmarks/
+    ForwardCounter,
+    assistant_with_gamma,
+    cost_curves,
+    divergence,
+    interleaved,
+    merged_stats,
+    parse_ints,
+    time_summary,
+    write_results,
+)
+from pairs import FULL_PAIR, PAD, QUICK_PAIR, padded_prompts, random_prompts
+from transformers import GenerationMixin
 
 import hf_specdec
-from hf_specdec.caches import CACHE_KWARG
 from hf_specdec.theory import expected_tokens_per_round, optimal_gamma
 from hf_specdec.toy import build_early_exit_pair
-from hf_specdec.trees import tree_attention_bias, tree_depths
 
-# TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
-FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
-QUICK_PAIR = dict(num_layers=4, hidden_size=256, intermediate_size=704, num_key_value_heads=2, vocab_size=2048)
 QUICK_DEFAULTS = dict(
     prompts=2,
     repeats=1,
@@ -81,111 +85,8 @@ DRAFTER_FRONTIERS = (1, 2, 4, 8)
 BATCH_SIZES_PER_ROW = (1, 2, 3, 4, 6)
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item.strip()]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # costs
-
-
-@torch.no_grad()
-def cost_curves(
-    target,
-    drafter,
-    context: int,
-    causal_sizes,
-    tree_sizes,
-    drafter_frontiers,
-    repeats: int,
-    batch: int = 1,
-    seed: int = 0,
-    padding: list[int] | None = None,
-) -> dict:
-    """Median ms of cached forwards, all measured interleaved (each repeat visits every size once): the target over
-    k causal tokens, the target over a random tree of k - 1 nodes plus its root (explicit 4D mask, positions by
-    depth), and the drafter over a causal frontier of k tokens. Every forward keeps the logits of all its tokens,
-    as verification and tree drafting do. With `padding` (left padding per row, causal sizes only), every forward
-    carries the attention mask and positions of a left-padded batch, as plain batched `generate` and our batch loop
-    both pass them (on this CPU a masked forward over several tokens costs more than an unmasked one)."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = target.config.vocab_size
-    device = target.device
-    largest = max([*causal_sizes, *tree_sizes, *drafter_frontiers])
-    tokens = torch.randint(1, vocab, (batch, largest), generator=generator).to(device)
-    prefix = torch.randint(1, vocab, (batch, context), generator=generator).to(device)
-    target_cache = DynamicCache(config=target.config)
-    drafter_cache = DynamicCache(config=drafter.config)
-    masked = {}  # k -> the forward kwargs of a left-padded batch for k new tokens
-    if padding is not None:
-        prefix_mask = (torch.arange(context)[None, :] >= torch.tensor(padding)[:, None]).long().to(device)
-        for k in {*causal_sizes, *drafter_frontiers}:
-            mask = torch.cat([prefix_mask, prefix_mask.new_ones(batch, k)], dim=-1)  # [batch, context + k]
-            masked[k] = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, -k:])
-        prefix_kwargs = dict(attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0))
-    else:
-        prefix_kwargs = {}
-    target(prefix, **{CACHE_KWARG: target_cache}, use_cache=True, **prefix_kwargs)
-    drafter(prefix, **{CACHE_KWARG: drafter_cache}, use_cache=True, **prefix_kwargs)
-
-    trees = {}
-    for size in tree_sizes:  # a random valid tree of size - 1 nodes under the root (the last context token)
-        nodes = size - 1
-        parents = (
-            torch.tensor([[int(torch.randint(-1, i, (1,), generator=generator)) if i else -1 for i in range(nodes)]])
-            .expand(batch, nodes)
-            .to(device)
-        )  # [batch, nodes]
-        bias = tree_attention_bias(parents, past_length=context, tail_length=1, dtype=target.dtype)
-        depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), tree_depths(parents)], dim=1)
-        trees[size] = (bias, context + depths)  # [batch, 1, size, context + size], [batch, size]
-
-    def target_causal(k):
-        target(tokens[:, :k], **{CACHE_KWARG: target_cache}, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
-        target_cache.crop(-k)
-
-    def target_tree(k):
-        bias, positions = trees[k]
-        target(
-            tokens[:, :k],
-            attention_mask=bias,
-            position_ids=positions,
-            **{CACHE_KWARG: target_cache},
-            use_cache=True,
-            logits_to_keep=k,
-        )
-        target_cache.crop(-k)
-
-    def drafter_causal(k):
-        drafter(tokens[:, :k], **{CACHE_KWARG: drafter_cache}, use_cache=True, logits_to_keep=k, **masked.get(k, {}))
-        drafter_cache.crop(-k)
-
-    jobs = (
-        [("target", k, target_causal) for k in causal_sizes]
-        + [("tree", k, target_tree) for k in tree_sizes]
-        + [("drafter", k, drafter_causal) for k in drafter_frontiers]
-    )
-    times = {(kind, k): [] for kind, k, _ in jobs}
-    for _kind, k, job in jobs:  # warm-up
-        job(k)
-    for _ in range(repeats):
-        for kind, k, job in jobs:
-            start = time.perf_counter()
-            job(k)
-            times[kind, k].append(time.perf_counter() - start)
-    ms = {key: 1000 * statistics.median(values) for key, values in times.items()}
-    step = ms["target", 1]
-    return {
-        "batch": batch,
-        "context": context,
-        "left_padding": padding,
-        "target_step_ms": step,
-        "target_ms": {k: ms["target", k] for k in causal_sizes},
-        "v_causal": {k: ms["target", k] / step for k in causal_sizes},
-        "v_tree_mask": {k: ms["tree", k] / step for k in tree_sizes},
-        "drafter_ms": {k: ms["drafter", k] for k in drafter_frontiers},
-        "c_frontier": {k: ms["drafter", k] / step for k in drafter_frontiers},
-    }
 
 
 def interpolate(points: dict[int, float], k: float) -> float:
@@ -211,81 +112,11 @@ def best_constant(alpha: float, c: float, v_of, gammas) -> tuple[int, float]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# outputs
-
-
-@torch.no_grad()
-def divergence(target, prompt_row, plain_new, other_new) -> dict | None:
-    """Where `other_new` (`[new]`) first leaves plain greedy's `plain_new` (`[new]`) after `prompt_row`
-    (`[prompt]`, padding removed), and the target's top-2 logit gap there (one plain bf16 forward over the prefix):
-    a gap of a fraction of a bf16 ulp is a near tie that a forward over a different number of tokens may break
-    the other way. None when they are equal."""
-    different = (plain_new != other_new).nonzero()
-    if len(different) == 0:
-        return None
-    position = int(different[0])
-    prefix = torch.cat([prompt_row, plain_new[:position]])[None]  # [1, prompt + position]
-    logits = target(prefix, use_cache=False, logits_to_keep=1).logits[0, -1].float()  # [vocab]
-    top = logits.topk(2)
-    plain_token, method_token = int(plain_new[position]), int(other_new[position])
-    return {
-        "first_differing_position": position,
-        "plain_token": plain_token,
-        "method_token": method_token,
-        "top2_logit_gap": float(top.values[0] - top.values[1]),
-        "method_token_is_top2": method_token == int(top.indices[1]),
-        # this forward over the whole prefix rounds differently again: the two contested tokens' logits in it
-        "plain_minus_method_logit": float(logits[plain_token] - logits[method_token]),
-        "method_token_rank": int((logits > logits[method_token]).sum()),
-    }
-
-
-def time_summary(seconds: list[list[float]], plain: list[list[float]]) -> dict:
-    """`seconds[repeat][prompt]`: medians, totals, and the speedups over plain they give."""
-    flat, plain_flat = [s for row in seconds for s in row], [s for row in plain for s in row]
-    return {
-        "seconds": seconds,
-        "median_s": statistics.median(flat),
-        "total_s": sum(flat),
-        "speedup_ratio_of_medians": statistics.median(plain_flat) / statistics.median(flat),
-        "speedup_ratio_of_totals": sum(plain_flat) / sum(flat),
-        "speedup_median_of_paired_ratios": statistics.median(p / s for p, s in zip(plain_flat, flat)),
-    }
-
-
-def merged_stats(stats_list) -> dict:
-    """Acceptance statistics summed over runs."""
-    target_calls = sum(s.target_calls for s in stats_list)
-    row_rounds = sum(s.row_rounds for s in stats_list)
-    drafted_history = [d for s in stats_list for d in s.drafted_history]
-    gamma_history = [g for s in stats_list for g in s.gamma_history]
-    return {
-        "target_calls": target_calls,
-        "emitted_tokens": sum(s.emitted_tokens for s in stats_list),
-        "tokens_per_target_call": sum(s.emitted_tokens for s in stats_list) / max(1, target_calls),
-        "mean_accepted_length": (sum(s.accepted_tokens for s in stats_list) + row_rounds) / max(1, row_rounds),
-        "alpha": sum(s.beta_sum for s in stats_list) / max(1, sum(s.beta_count for s in stats_list)),
-        "acceptance_rate": (
-            sum(s.accepted_tokens for s in stats_list) / max(1, sum(s.drafted_tokens for s in stats_list))
-        ),
-        "mean_drafted_per_round": sum(drafted_history) / max(1, len(drafted_history)),
-        "max_drafted_per_round": max(drafted_history, default=0),
-        "mean_gamma": sum(gamma_history) / max(1, len(gamma_history)),
-        "drafted_history_first_run": stats_list[0].drafted_history if stats_list else [],
-        "gamma_history_first_run": stats_list[0].gamma_history if stats_list else [],
-        "draft_time_s": sum(s.draft_time_s for s in stats_list),
-        "verify_time_s": sum(s.verify_time_s for s in stats_list),
-    }
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # batch 1
 
 
 def run_batch1(target, drafter, assistant, args, counter) -> dict:
-    vocab = target.config.vocab_size
-    generator = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(1, vocab, (1, args.prompt_length), generator=generator) for _ in range(args.prompts)]
+    prompts = random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, seed=args.seed)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
     ours = dict(assistant_model=drafter, **common)
     # transformers' own defaults (20 drafts, a confidence cut-off of 0.4 it adapts and keeps on the assistant's
@@ -354,18 +185,16 @@ def run_batch1(target, drafter, assistant, args, counter) -> dict:
     forwards = {name: 0 for name in names}
     outputs = {name: [[None] * args.repeats for _ in range(args.prompts)] for name in names}
     stats = {name: [] for name in names}
-    for repeat in range(args.repeats):
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]  # rotate: no method always goes first
-        for index, ids in enumerate(prompts):
-            for name in order:
-                before = counter.count
-                start = time.perf_counter()
-                out = methods[name](ids)
-                seconds[name][repeat][index] = time.perf_counter() - start
-                forwards[name] += counter.count - before
-                outputs[name][index][repeat] = out.sequences[0, args.prompt_length :]
-                if getattr(out, "speculative_stats", None) is not None:
-                    stats[name].append(out.speculative_stats)
+
+    def record(run):
+        seconds[run.name][run.repeat][run.index] = run.seconds
+        forwards[run.name] += counter.take()
+        outputs[run.name][run.index][run.repeat] = run.output.sequences[0, args.prompt_length :]
+        if getattr(run.output, "speculative_stats", None) is not None:
+            stats[run.name].append(run.output.speculative_stats)
+
+    counter.take()  # the warm-up's forwards
+    interleaved(methods, args.repeats, warmup=0, inputs=prompts, on_run=record)
 
     runs = args.prompts * args.repeats
     results = {}
@@ -444,20 +273,18 @@ def run_batches(target, drafter, args, counter) -> list[dict]:
         width = ids.shape[1]
         for name in names:  # warm-up at this batch size
             methods[name](ids[:, -8:], mask[:, -8:].clone().fill_(1))
-        seconds = {name: [] for name in names}
         forwards = {name: 0 for name in names}
-        outputs, stats = {}, {name: [] for name in names}
-        for repeat in range(args.batch_repeats):
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]
-            for name in order:
-                before = counter.count
-                start = time.perf_counter()
-                out = methods[name](ids, mask)
-                seconds[name].append(time.perf_counter() - start)
-                forwards[name] += counter.count - before
-                outputs.setdefault(name, []).append(out.sequences[:, width:])
-                if getattr(out, "speculative_stats", None) is not None:
-                    stats[name].append(out.speculative_stats)
+        outputs, stats = {name: [] for name in names}, {name: [] for name in names}
+
+        def record(run):
+            forwards[run.name] += counter.take()
+            outputs[run.name].append(run.output.sequences[:, width:])
+            if getattr(run.output, "speculative_stats", None) is not None:
+                stats[run.name].append(run.output.speculative_stats)
+
+        counter.take()  # the warm-up's forwards
+        batch_methods = {name: (lambda method=method: method(ids, mask)) for name, method in methods.items()}
+        seconds = interleaved(batch_methods, args.batch_repeats, warmup=0, on_run=record)
         tokens = batch * args.max_new_tokens
         row = {"batch": batch, "prompt_lengths": mask.sum(-1).tolist(), "methods": {}}
         reference = outputs["plain"][0]
@@ -770,8 +597,7 @@ def main() -> None:
             f"{p['ours_optimal_fraction_of_best_measured_constant']:.0%} and our defaults "
             f"{p['ours_default_fraction_of_best_measured_constant']:.0%}"
         )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.output, results)
     print(f"wrote {args.output}")
 
 

@@ -45,11 +45,17 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, cost_curves, merged_stats, time_summary
-from harness import (
+from harness import (  # run from the repository root or benchmarks/
     ForwardCounter,
-    assistant_with_gamma,  # run from the repository root or benchmarks/
+    assistant_with_gamma,
+    cost_curves,
+    interleaved,
+    merged_stats,
+    rotated,
+    time_summary,
+    write_results,
 )
+from pairs import FULL_PAIR, QUICK_PAIR, random_prompts
 from transformers import AutoModelForCausalLM, GenerationMixin
 
 import hf_specdec
@@ -114,10 +120,7 @@ def run_offload(args, folder: Path) -> dict:
         flush=True,
     )
 
-    generator = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(1, shape["vocab_size"], (1, args.prompt_length), generator=generator) for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.prompt_length, shape["vocab_size"], seed=args.seed)
     assistant = assistant_with_gamma(drafter, gamma)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     methods = {
@@ -150,20 +153,18 @@ def run_offload(args, folder: Path) -> dict:
     outputs = {name: [None] * len(prompts) for name in names}
     for name in ("plain", "ours_constant"):  # warm-up: first calls pay one-off costs (ours: the target's one-off
         methods[name](prompts[0][:, :8])  # multi-token-forward probe, 7 forwards, once per model)
-    for repeat in range(args.repeats):
-        for p, ids in enumerate(prompts):
-            shift = (repeat * len(prompts) + p) % len(names)
-            for name in names[shift:] + names[:shift]:
-                before = counter.count
-                begin = time.perf_counter()
-                out = methods[name](ids)
-                seconds[name][repeat][p] = time.perf_counter() - begin
-                forwards[name] += counter.count - before
-                sequences = out.sequences if hasattr(out, "sequences") else out
-                outputs[name][p] = sequences[0, ids.shape[1] :]
-                if getattr(out, "speculative_stats", None) is not None:
-                    stats[name].append(out.speculative_stats)
-                print(f"  repeat {repeat} prompt {p} {name:22s} {seconds[name][repeat][p]:7.1f} s", flush=True)
+
+    def record(run):
+        seconds[run.name][run.repeat][run.index] = run.seconds
+        forwards[run.name] += counter.take()
+        sequences = run.output.sequences if hasattr(run.output, "sequences") else run.output
+        outputs[run.name][run.index] = sequences[0, prompts[run.index].shape[1] :]
+        if getattr(run.output, "speculative_stats", None) is not None:
+            stats[run.name].append(run.output.speculative_stats)
+        print(f"  repeat {run.repeat} prompt {run.index} {run.name:22s} {run.seconds:7.1f} s", flush=True)
+
+    counter.take()  # the warm-up's forwards
+    interleaved(methods, args.repeats, warmup=0, inputs=prompts, on_run=record)
 
     new_tokens = args.repeats * sum(int(outputs["plain"][p].shape[0]) for p in range(len(prompts)))
     rows = {}
@@ -264,8 +265,8 @@ def run_data_parallel(args, folder: Path) -> dict:
     }
     times = {name: {"generation_s": [], "command_s": []} for name in configs}
     names = list(configs)
-    for repeat in range(args.dp_repeats):
-        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+    for repeat in range(args.dp_repeats):  # whole commands, each reporting its own generation time: not `interleaved`
+        for name in rotated(names, repeat):
             command, environment = configs[name]
             output = folder / f"dp_{len(times[name]['command_s'])}_{names.index(name)}.jsonl"
             generation, wall, _ = _launch([*command, "--output", str(output)], environment)
@@ -422,8 +423,7 @@ def main() -> None:
     results["markdown"] = markdown(results)
     print()
     print(results["markdown"])
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.output, results)
     print(f"wrote {args.output}")
 
 

@@ -22,6 +22,9 @@ all prompts, and reports ours against transformers' best single `prompt_lookup_n
 
     python benchmarks/bench_prompt_lookup.py [--gamma 10] [--max-new-tokens 128] [--prompts 3] [--repeats 3]
 
+Every method runs on a prompt before the next prompt, in an order rotated each time (`harness.interleaved`);
+`seconds` are the medians over repeats of one pass over a case's prompts, with their `spread`.
+
 The toy target is compute-bound on a CPU (a forward over 11 tokens costs about twice a one-token one), so verifying
 long copies and trees is dear there. `--memory-bound` runs the same three cases on the memory-bound pair of
 `bench_memory_bound.py` instead: TinyLlama-1.1B's shape in bfloat16, built from its config, its head sharpened to
@@ -37,11 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import statistics
 from pathlib import Path
 
 import torch
 import transformers
+from harness import cost_curves, interleaved, spread, write_results  # run from the repository root or benchmarks/
+from pairs import FULL_PAIR
 from transformers import GenerationMixin
 
 import hf_specdec
@@ -101,17 +106,13 @@ def run_case(target, prompts, args, label, sweep=()):
         do_sample=False,
     )
     references = [methods["plain"](ids) for ids in prompts]
-    seconds = {name: 0.0 for name in methods}
     identical = {name: True for name in methods}
-    names = list(methods)
-    for repeat in range(args.repeats):
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]  # no method always runs first
-        for ids, reference in zip(prompts, references):
-            for name in order:
-                start = time.perf_counter()
-                out = methods[name](ids)
-                seconds[name] += time.perf_counter() - start
-                identical[name] &= torch.equal(out, reference)
+
+    def check(run):
+        identical[run.name] &= torch.equal(run.output, references[run.index])
+
+    per_repeat = interleaved(methods, args.repeats, warmup=0, inputs=prompts, on_run=check)
+    seconds = {name: statistics.median(times) for name, times in per_repeat.items()}  # one pass over the prompts
     configs = {
         "hf_specdec_prompt_lookup": ours,
         "hf_specdec_prompt_lookup_optimal": optimal,
@@ -128,6 +129,7 @@ def run_case(target, prompts, args, label, sweep=()):
     return {
         "case": label,
         "seconds": seconds,
+        "spread": {name: spread(times) for name, times in per_repeat.items()},
         "identical_to_plain": identical,
         "speedup_over_plain": {name: seconds["plain"] / s for name, s in seconds.items()},
         "hf_specdec_over_transformers": seconds["transformers_prompt_lookup"] / seconds["hf_specdec_prompt_lookup"],
@@ -225,8 +227,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     costs = None
     if args.memory_bound:
-        from bench_memory_bound import FULL_PAIR, cost_curves  # the scripts sit together in benchmarks/
-
         target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=args.head_logit_std, dtype=torch.bfloat16)
         float32_head(target)
         sizes = (1, 2, 6, 11, 16, 21, 33, 49, 65)
@@ -290,7 +290,7 @@ def main() -> None:
     results["mixed_workload"] = mixed_workload(results["cases"])
     print(json.dumps(results, indent=2))
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

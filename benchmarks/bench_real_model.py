@@ -21,22 +21,28 @@ Phases (each skipped when its output exists):
    and sampled outputs differ in length), and identity with plain (greedy); where a bfloat16
    output is not identical, where it first differs and the target's top-2 logit gap there (a multi-token forward
    rounds differently from a one-token one, so near-ties may flip, as in transformers' assisted generation).
+   Per prompt the methods are interleaved (`harness.interleaved`, the order rotated each repeat, the k-th run of
+   every method seeded with k), medians per prompt, then the geometric mean of the speedups per kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
+import math
 import os
+import platform
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_model_prompts import TRAIN_PROMPTS
+from harness import cost_curves, divergence, interleaved, write_results  # run from the repository root or benchmarks/
+from pairs import early_exit
+from real_model_prompts import EVAL_PROMPTS, TRAIN_PROMPTS
 
 GGUF_ENV = "HF_SPECDEC_SMOLLM2_GGUF"
 DOWNLOAD = (
@@ -57,17 +63,6 @@ def load_target(gguf: str):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return model, tokenizer
-
-
-def early_exit(target, layers: int = 6):
-    """The target's first `layers` layers, its final norm and head: a drafter nobody trained."""
-    from transformers import AutoModelForCausalLM
-
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
-    model.load_state_dict(target.state_dict(), strict=False)
-    return model.eval()
 
 
 def train(target, tokenizer, directory: Path, minutes: float):
@@ -123,6 +118,189 @@ def train(target, tokenizer, directory: Path, minutes: float):
         (distilled_dir / "timing.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# measuring
+
+
+def _methods(target, args):
+    from transformers import AutoModelForCausalLM
+
+    import hf_specdec
+
+    eagle = hf_specdec.EagleDrafter.from_pretrained(args.train_dir / "eagle", target=target)
+    distilled = AutoModelForCausalLM.from_pretrained(args.train_dir / "distilled", dtype=target.dtype).eval()
+    exit_model = early_exit(target)
+    # transformers' assisted generation with the same drafter, its constant schedule and no confidence stop
+    hf_distilled = AutoModelForCausalLM.from_pretrained(args.train_dir / "distilled", dtype=target.dtype).eval()
+    hf_distilled.generation_config.num_assistant_tokens_schedule = "constant"
+    hf_distilled.generation_config.assistant_confidence_threshold = 0.0
+    hf_distilled.generation_config.num_assistant_tokens = 5
+    return {
+        "plain": {},
+        "transformers prompt lookup": {"prompt_lookup_num_tokens": 10},
+        "ours prompt lookup": {"drafter": "prompt_lookup"},  # γ = 10, the drafter's default
+        "ours prompt lookup, γ = 5": {"drafter": "prompt_lookup", "speculative_gamma": 5},
+        "EAGLE head, chain": {"drafter": eagle},
+        f"EAGLE head, tree {args.tree_budget}": {"drafter": eagle, "speculative_tree_budget": args.tree_budget},
+        "distilled 1-layer": {"assistant_model": distilled},
+        "transformers assisted, distilled 1-layer": {"assistant_model": hf_distilled, "hf": True},
+        "early exit 6/30 (untrained), defaults": {"assistant_model": exit_model},
+    }
+
+
+def _generate(target, ids, method: dict, max_new_tokens: int, sample: bool):
+    """`(sequences, speculative_stats or None)` of one `generate` call with `method`'s options."""
+    kwargs = {key: value for key, value in method.items() if key != "hf"}
+    generation = dict(
+        max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=target.generation_config.eos_token_id
+    )
+    if sample:
+        generation.update(temperature=0.7, top_k=0, top_p=1.0)
+    if method.get("hf"):
+        # transformers' own assisted generation, bypassing hf_specdec's mixin
+        from transformers import GenerationMixin
+
+        return GenerationMixin.generate(target, ids, **generation, **kwargs), None
+    if kwargs.get("drafter") is not None or "assistant_model" in kwargs:
+        out = target.generate(ids, return_dict_in_generate=True, **generation, **kwargs)
+        return out.sequences, out.speculative_stats
+    return target.generate(ids, **generation, **kwargs), None
+
+
+def _cost_curve(target, args) -> dict:
+    """The target's cached forwards over k causal tokens and over trees of k - 1 nodes, in one-token forwards, at a
+    context of 200 (`harness.cost_curves`): what tree budgets and γ must be chosen from."""
+    sizes = sorted({1, 2, 3, 4, 6, 9, args.tree_budget + 1, 17})
+    costs = cost_curves(target, early_exit(target), 200, sizes, [args.tree_budget + 1, 17], [1], repeats=7)
+    return {key: costs[key] for key in ("target_step_ms", "v_causal", "v_tree_mask")}
+
+
+def _seeded(target, ids, method: dict, max_new_tokens: int, sample: bool):
+    """A timed callable for `harness.interleaved`: its k-th call samples with seed k, so that every method draws
+    with the same seeds, repeat by repeat."""
+    calls = itertools.count()
+
+    def run():
+        torch.manual_seed(next(calls))
+        return _generate(target, ids, method, max_new_tokens, sample)
+
+    return run
+
+
+def run_benchmark(target, tokenizer, args):
+    import hf_specdec
+
+    dtype = getattr(torch, getattr(args, "dtype", "float32"))
+    target = hf_specdec.enable(target.to(dtype))
+    methods = _methods(target, args)
+    names = list(methods)
+    results = {
+        "device": f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads, {dtype}",
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "rows": [],
+    }
+    results["cost_curve"] = _cost_curve(target, args)
+    print("cost curve (one-token forwards):", json.dumps(results["cost_curve"]), flush=True)
+    training = {}
+    for name in ("eagle", "distilled"):
+        for file in ("training_log.json", "timing.json", "distill_log.json"):
+            path = args.train_dir / name / file
+            if path.exists():
+                record = json.loads(path.read_text())
+                training[f"{name}/{file}"] = record.get("info", {k: v for k, v in record.items() if k != "log"})
+    results["training"] = training
+    for sample in (False, True):
+        kinds = {kind: prompts[: args.prompts_per_kind] for kind, prompts in EVAL_PROMPTS.items()}
+        if sample:
+            kinds = {"open": EVAL_PROMPTS["open"][: args.sampled_prompts]}
+        chosen = names if not sample else [n for n in names if "transformers" not in n and "early" not in n]
+        for kind, prompts in kinds.items():
+            for text in prompts:
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"]
+                _generate(target, ids, methods["plain"], 8, sample)  # warm-up
+                runs = {name: _seeded(target, ids, methods[name], args.max_new_tokens, sample) for name in chosen}
+                rates = {name: [] for name in chosen}  # new tokens per second, each repeat (samples differ in length)
+                outputs, stats = {}, {}
+
+                def record(run):
+                    sequences, stat = run.output
+                    rates[run.name].append((sequences.shape[1] - ids.shape[1]) / run.seconds)
+                    outputs.setdefault(run.name, sequences)
+                    if stat is not None:
+                        stats[run.name] = stat
+
+                times = interleaved(runs, args.repeats, warmup=0, on_run=record)
+                plain_s = statistics.median(times["plain"])
+                for name in chosen:
+                    # the median tokens per second against plain's: outputs that diverge (bfloat16 near ties, or
+                    # samples) may differ in length, and a time ratio would count a shorter answer as a faster one
+                    row = {
+                        "sampling": sample,
+                        "kind": kind,
+                        "prompt": text[:60],
+                        "method": name,
+                        "median_s": statistics.median(times[name]),
+                        "speedup": statistics.median(rates[name]) / statistics.median(rates["plain"]),
+                        "time_ratio": plain_s / statistics.median(times[name]),
+                        "new_tokens": outputs[name].shape[1] - ids.shape[1],
+                    }
+                    if not sample:
+                        plain = outputs["plain"]
+                        row["identical_to_plain"] = bool(
+                            outputs[name].shape == plain.shape and torch.equal(outputs[name], plain)
+                        )
+                        if not row["identical_to_plain"]:
+                            width = min(outputs[name].shape[1], plain.shape[1])
+                            row["divergence"] = divergence(
+                                target, ids[0], plain[0, ids.shape[1] : width], outputs[name][0, ids.shape[1] : width]
+                            )
+                    if name in stats:
+                        row["tokens_per_call"] = stats[name].emitted_tokens / max(stats[name].target_calls, 1)
+                        row["acceptance"] = stats[name].accepted_tokens / max(stats[name].drafted_tokens, 1)
+                    results["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+    summarize_rows(results)
+    if args.output is not None:
+        write_results(args.output, results)
+
+
+def summarize_rows(results: dict) -> None:
+    """Adds `summary` to `results` (the geometric mean of the rows' speedups and the mean tokens per call, per mode,
+    kind and method) and prints it as a table."""
+    summary = {}
+    for row in results["rows"]:
+        key = (("T=0.7" if row["sampling"] else "greedy"), row["kind"], row["method"])
+        summary.setdefault(key, []).append(row)
+    table = []
+    for (mode, kind, method), rows in summary.items():
+        entry = {
+            "mode": mode,
+            "kind": kind,
+            "method": method,
+            "prompts": len(rows),
+            "speedup_geomean": math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows)),
+        }
+        calls = [r["tokens_per_call"] for r in rows if "tokens_per_call" in r]
+        if calls:
+            entry["tokens_per_call_mean"] = sum(calls) / len(calls)
+        if mode == "greedy":
+            entry["identical"] = f"{sum(r['identical_to_plain'] for r in rows)}/{len(rows)}"
+        table.append(entry)
+    results["summary"] = table
+    print(f"\n{'mode':7} {'kind':10} {'method':44} {'speedup':>8} {'tok/call':>8} identical")
+    for entry in table:
+        print(
+            f"{entry['mode']:7} {entry['kind']:10} {entry['method']:44} {entry['speedup_geomean']:8.2f} "
+            f"{entry.get('tokens_per_call_mean', float('nan')):8.2f} {entry.get('identical', '')}"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", default=os.environ.get(GGUF_ENV), help=f"the GGUF file (or ${GGUF_ENV})")
@@ -152,8 +330,6 @@ def main():
     train(target, tokenizer, args.train_dir, args.train_minutes)
     if args.train_only:
         return
-    from bench_real_model_run import run_benchmark
-
     run_benchmark(target, tokenizer, args)
 
 

@@ -23,7 +23,7 @@ the named methods only.
 
 Where an output differs from plain `generate` with the same cache (bf16 near ties: a compiled forward over several
 tokens rounds differently from a one-token one), the first differing position and the target's top-2 logit gap there
-are reported (`bench_memory_bound.divergence`).
+are reported (`harness.divergence`).
 
 On this CPU transformers compiles only when the compile config asks for every device (`_compile_all_devices`), which
 this script sets; on a GPU drop it (`--device cuda` uses `mode="reduce-overhead"`, CUDA graphs). Compile time is
@@ -39,16 +39,22 @@ on its own and excluded from the steady-state medians, and `target_compilations`
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import transformers
-from bench_memory_bound import FULL_PAIR, QUICK_PAIR, divergence, merged_stats, time_summary
-from harness import assistant_with_gamma  # run from the repository root or benchmarks/
+from harness import (  # run from the repository root or benchmarks/
+    assistant_with_gamma,
+    divergence,
+    interleaved,
+    merged_stats,
+    time_summary,
+    timed,
+    write_results,
+)
+from pairs import FULL_PAIR, QUICK_PAIR, random_prompts
 from transformers import CompileConfig, GenerationMixin
 
 import hf_specdec
@@ -94,11 +100,9 @@ def main() -> None:
     target, drafter = hf_specdec.enable(target.to(args.device)), drafter.to(args.device)
     assistant = assistant_with_gamma(drafter, args.gamma)
     config = compile_config(args.device)
-    vocab = target.config.vocab_size
-    generator = torch.Generator().manual_seed(args.seed)
     prompts = [
-        torch.randint(1, vocab, (1, args.prompt_length), generator=generator).to(args.device)
-        for _ in range(args.prompts)
+        ids.to(args.device)
+        for ids in random_prompts(args.prompts, args.prompt_length, target.config.vocab_size, seed=args.seed)
     ]
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
     static = dict(cache_implementation="static", compile_config=config)
@@ -155,10 +159,9 @@ def main() -> None:
     for name in names:  # first calls: compilation (and the capability probe) outside the steady-state timings
         torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the counter exists before the first compile
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        methods[name](prompts[0])
+        first_s, _ = timed(lambda: methods[name](prompts[0]))
         warmup[name] = {
-            "first_call_s": time.perf_counter() - start,
+            "first_call_s": first_s,
             "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
         }
         print(
@@ -170,21 +173,16 @@ def main() -> None:
     seconds = {name: [[0.0] * args.prompts for _ in range(args.repeats)] for name in names}
     outputs = {name: [[None] * args.repeats for _ in range(args.prompts)] for name in names}
     stats = {name: [] for name in names}
+
+    def record(run):
+        seconds[run.name][run.repeat][run.index] = run.seconds
+        outputs[run.name][run.index][run.repeat] = run.output.sequences[0, args.prompt_length :].cpu()
+        if getattr(run.output, "speculative_stats", None) is not None:
+            stats[run.name].append(run.output.speculative_stats)
+
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for repeat in range(args.repeats):
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]
-        for index, ids in enumerate(prompts):
-            for name in order:
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = methods[name](ids)
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                seconds[name][repeat][index] = time.perf_counter() - start
-                outputs[name][index][repeat] = out.sequences[0, args.prompt_length :].cpu()
-                if getattr(out, "speculative_stats", None) is not None:
-                    stats[name].append(out.speculative_stats)
+    timed_methods = {name: methods[name] for name in names}
+    interleaved(timed_methods, args.repeats, warmup=0, inputs=prompts, device=args.device, on_run=record)
     steady_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
 
     results = {}
@@ -259,8 +257,7 @@ def main() -> None:
             f"{row['identical_to_plain_eager']:>5}/{row['runs']:<4} {row['first_call_s']:13.1f}"
         )
     print(f"α {alpha:.3f}; graphs compiled after warm-up: {steady_graphs}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(output, indent=2) + "\n")
+    write_results(args.output, output)
     print(f"wrote {args.output}")
 
 

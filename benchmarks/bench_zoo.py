@@ -3,7 +3,8 @@
 Tasks (prompts from `hf_specdec/zoo_models/heldout_prompts.json`, held-out modules only): `completion`
 (signature + docstring, write the body), `editing` (copy-heavy: a function, then its renamed signature; the
 continuation repeats the body), `continuation` (free continuation of a file window). At T=0 (greedy) and T=1
-(sampling, no top-k / top-p), batch 1, constant γ, one process, interleaved per prompt:
+(sampling, no top-k / top-p), batch 1, constant γ, one process, every method on a prompt before the next prompt, in
+an order rotated each time (`harness.interleaved`; `--repeats` passes, times are their medians):
 
 - Table 3: α for the unigram, bigram and trigram tables (`NGramDrafter` with n=1, 2, 3, built from the shipped
   trigram table), prompt lookup, and the distilled 1-layer drafter;
@@ -25,12 +26,12 @@ different amounts of work. Speed is measured, never asserted in tests.
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 from pathlib import Path
 
 import evaluate
 import torch
-from harness import assistant_with_gamma, timed  # the benchmark scripts sit together in benchmarks/
+from harness import assistant_with_gamma, interleaved, write_results  # run from the repository root or benchmarks/
 from transformers import GenerationMixin
 
 import hf_specdec
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--max-gamma", type=int, default=32, help="speculative_max_gamma of the optimal policy")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved passes; times are their medians")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
@@ -106,6 +108,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "max_new_tokens": args.max_new_tokens,
         "prompts": args.prompts,
+        "repeats": args.repeats,
         "gamma": {"distilled": args.gamma_model, "tables_and_prompt_lookup": args.gamma_table},
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "drafter_parameters": sum(p.numel() for p in distilled.parameters()),
@@ -124,45 +127,53 @@ def main() -> None:
             )
             common = dict(max_new_tokens=args.max_new_tokens, **sampling)
             drafters = drafters_for(temperature)
-            seconds = {
-                "plain": 0.0,
-                **{f"ours/{name}": 0.0 for name in drafters},
-                **{f"transformers/{name}": 0.0 for name in transformers_drafts},
+
+            def seeded(run):  # every method samples prompt i with seed + i
+                def call(item):
+                    index, ids = item
+                    torch.manual_seed(args.seed + index)
+                    return run(ids, torch.ones_like(ids))
+
+                return call
+
+            def ours_with(kwargs, gamma):
+                return lambda ids, mask: target.generate(
+                    ids,
+                    attention_mask=mask,
+                    speculative_gamma=gamma,
+                    return_dict_in_generate=True,
+                    **kwargs,
+                    **common,
+                )
+
+            def transformers_with(extra):
+                return lambda ids, mask: GenerationMixin.generate(target, ids, attention_mask=mask, **extra, **common)
+
+            methods = {
+                "plain": seeded(lambda ids, mask: GenerationMixin.generate(target, ids, attention_mask=mask, **common)),
+                **{
+                    f"transformers/{name}": seeded(transformers_with(extra))
+                    for name, extra in transformers_drafts.items()
+                },
+                **{f"ours/{name}": seeded(ours_with(kwargs, gamma)) for name, (kwargs, gamma) in drafters.items()},
             }
             stats = {name: [] for name in drafters}
-            texts = {name: [] for name in seconds}
-            tokens = {name: 0 for name in seconds}  # generated tokens: at T=1 every method samples its own text
-            for index, ids in enumerate(inputs):
-                mask = torch.ones_like(ids)
-                torch.manual_seed(args.seed + index)
-                elapsed, plain = timed(lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **common))
-                seconds["plain"] += elapsed
-                tokens["plain"] += plain.shape[1] - ids.shape[1]
-                texts["plain"].append(" ".join(map(str, plain[0, ids.shape[1] :].tolist())))
-                for name, extra in transformers_drafts.items():
-                    torch.manual_seed(args.seed + index)
-                    elapsed, out = timed(
-                        lambda: GenerationMixin.generate(target, ids, attention_mask=mask, **extra, **common)
-                    )
-                    seconds[f"transformers/{name}"] += elapsed
-                    tokens[f"transformers/{name}"] += out.shape[1] - ids.shape[1]
-                    texts[f"transformers/{name}"].append(" ".join(map(str, out[0, ids.shape[1] :].tolist())))
-                for name, (kwargs, gamma) in drafters.items():
-                    torch.manual_seed(args.seed + index)
-                    elapsed, out = timed(
-                        lambda: target.generate(
-                            ids,
-                            attention_mask=mask,
-                            speculative_gamma=gamma,
-                            return_dict_in_generate=True,
-                            **kwargs,
-                            **common,
-                        )
-                    )
-                    seconds[f"ours/{name}"] += elapsed
-                    tokens[f"ours/{name}"] += out.sequences.shape[1] - ids.shape[1]
-                    stats[name].append(out.speculative_stats)
-                    texts[f"ours/{name}"].append(" ".join(map(str, out.sequences[0, ids.shape[1] :].tolist())))
+            texts = {name: [] for name in methods}
+            tokens = {name: 0 for name in methods}  # generated tokens: at T=1 every method samples its own text
+
+            def record(run):
+                if run.repeat:  # the same seeds draw the same tokens in every repeat: count the first
+                    return
+                kind, _, name = run.name.partition("/")
+                sequences = run.output.sequences if kind == "ours" else run.output
+                if kind == "ours":
+                    stats[name].append(run.output.speculative_stats)
+                prompt_length = inputs[run.index].shape[1]
+                tokens[run.name] += sequences.shape[1] - prompt_length
+                texts[run.name].append(" ".join(map(str, sequences[0, prompt_length:].tolist())))
+
+            per_repeat = interleaved(methods, args.repeats, warmup=0, inputs=list(enumerate(inputs)), on_run=record)
+            seconds = {name: statistics.median(times) for name, times in per_repeat.items()}
             plain_step = seconds["plain"] / tokens["plain"]  # the paper's T
 
             def rate(method):  # tokens per second: at T=1 the methods' samples (and so their lengths) differ
@@ -243,8 +254,7 @@ def main() -> None:
                     flush=True,
                 )
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=1) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

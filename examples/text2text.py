@@ -1,4 +1,4 @@
-"""Speculative decoding through the `text2text-generation` pipeline (restored by `hf_specdec.pipelines`).
+"""Speculative decoding through the `text2text-generation` pipeline (registered by `hf_specdec.enable`).
 
 Runs the same inputs through the pipeline without speculation, with an assistant model and with prompt lookup, and
 prints whether the outputs match: greedy speculative decoding returns exactly the target's own output.
@@ -20,7 +20,6 @@ import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerFast, pipeline
 
 import hf_specdec
-import hf_specdec.pipelines
 
 TEXTS = [
     "translate English to German: the cat sat on the mat and the dog sat on the log",

@@ -31,43 +31,27 @@ token; every other drafter gets a copy per row, called with that row's unpadded 
 
 from __future__ import annotations
 
-import copy
 import inspect
-import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    DynamicCache,
-    EncoderDecoderCache,
-    LogitsProcessorList,
-    MaxLengthCriteria,
-    StoppingCriteriaList,
-)
-from transformers.utils import ModelOutput
+from transformers import DynamicCache
 
+from .batch_rows import decode_rows, padded_batch_processors, processors_for_row, row_context
 from .caches import CACHE_KWARG, realign_cache, slice_cache
-from .devices import seconds_agreement
 from .drafters.base import Drafter, DraftProposal
+from .forward import standardize, target_logits
+from .layouts import ChainLayout
 from .modeling import logits_width
-from .rounds import (
-    ProposalCheck,
-    checked_proposal,
-    compiled_graphs,
-    draft_context,
-    first_stops,
-    read_verdict,
-    standardize,
-    target_logits,
-    verify_round,
-)
-from .sequence import decode_sequence
+from .proposals import ProposalCheck, checked_proposal, draft_context
+from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
+from .verdicts import Verdict, first_stops
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["decode_batch", "fresh_cache", "slice_kwargs"]
+__all__ = ["PaddedBatchLane", "decode_batch"]
 
 
 def decode_batch(
@@ -92,7 +76,7 @@ def decode_batch(
         return _decode_padded(
             model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs
         ), cache
-    return _decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
+    return decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
 
 
 def _supports_padded_batch(model, cache) -> bool:
@@ -114,179 +98,202 @@ def _moves_by_column(layer) -> bool:
     )
 
 
-def _decode_padded(
-    model,
-    input_ids,
-    *,
-    drafter,
-    inputs_tensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    options,
-    policy,
-    stats,
-    **model_kwargs,
-):
-    device = input_ids.device
-    batch, prompt_len = input_ids.shape
-    cache = model_kwargs.pop(CACHE_KWARG)
-    model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
-    mask = model_kwargs.pop("attention_mask", None)
-    mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
-        raise ValueError(
-            "Speculative decoding of a batch needs left padding, but the attention mask has padding after text. "
-            "Pad on the left (`tokenizer.padding_side = 'left'`), as plain batched generation of decoder-only "
-            "models also requires."
+def _decode_padded(model, input_ids, *, drafter, inputs_tensor, policy, stats, **run):
+    lane = PaddedBatchLane(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, stats=stats, **run)
+    round_ = Round(model, policy, stats)
+    while not round_.run(lane):
+        pass
+    return lane.result()
+
+
+class PaddedBatchLane(Lane):
+    """A padded batch's side of a round: every row drafts (one batch drafter, or a copy per row), one forward
+    verifies all rows, each row emits its own number of tokens, and the rectangle is realigned so that rows end
+    together again (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        input_ids,
+        *,
+        drafter,
+        inputs_tensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        options,
+        stats,
+        **model_kwargs,
+    ):
+        super().__init__(generation_config, options)
+        self.model, self.stats, self.stopping_criteria = model, stats, stopping_criteria
+        self.logits_processor = logits_processor
+        self.device = input_ids.device
+        batch, self.prompt_len = input_ids.shape
+        self.cache = model_kwargs.pop(CACHE_KWARG)
+        model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
+        mask = model_kwargs.pop("attention_mask", None)
+        mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(
+                "Speculative decoding of a batch needs left padding, but the attention mask has padding after text. "
+                "Pad on the left (`tokenizer.padding_side = 'left'`), as plain batched generation of decoder-only "
+                "models also requires."
+            )
+        self.model_kwargs = model_kwargs
+        self.vocab_size = logits_width(model)
+        # like plain generate: rows end early (then padded) only with an EOS criterion; otherwise every row keeps
+        # growing until all rows are done
+        pad = generation_config._pad_token_tensor
+        pad_token_id = None if pad is None else int(pad.reshape(-1)[0])
+        self.rows_leave_when_done = pad_token_id is not None and any(
+            hasattr(c, "eos_token_id") for c in stopping_criteria
         )
-    vocab_size = logits_width(model)
-    # like plain generate: rows end early (then padded) only with an EOS criterion; otherwise every row keeps
-    # growing until all rows are done
-    pad = generation_config._pad_token_tensor
-    pad_token_id = None if pad is None else int(pad.reshape(-1)[0])
-    rows_leave_when_done = pad_token_id is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    filler = pad_token_id if pad_token_id is not None else 0
-    text_start = (mask == 0).sum(-1).tolist()  # [batch]: where each row's text starts in its padded prompt
-    row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
-    draft_processors, padding_aware = _padded_batch_processors(logits_processor)
-    context = draft_context(
-        model, input_ids, draft_processors, generation_config, {**model_kwargs, "attention_mask": mask}, inputs_tensor
-    )
-    if drafter.supports_padded_batches:
-        batch_drafter, row_drafters = drafter.for_call(context), None
-    else:
-        batch_drafter = None
-        row_drafters = [
-            drafter.for_call(_row_context(context, row, text_start[row], row_processors[row])) for row in range(batch)
-        ]
+        self.filler = pad_token_id if pad_token_id is not None else 0
+        self.text_start = (mask == 0).sum(-1).tolist()  # [batch]: where each row's text starts in its padded prompt
+        self.row_processors = [processors_for_row(logits_processor, row, batch) for row in range(batch)]
+        draft_processors, self.padding_aware = padded_batch_processors(logits_processor)
+        context = draft_context(
+            model,
+            input_ids,
+            draft_processors,
+            generation_config,
+            {**model_kwargs, "attention_mask": mask},
+            inputs_tensor,
+        )
+        if drafter.supports_padded_batches:
+            self.batch_drafter, self.row_drafters = drafter.for_call(context), None
+            # a drafter that takes it gets each row's padding on the host (to realign without a read of its own)
+            parameters = inspect.signature(self.batch_drafter.on_verified).parameters
+            self.host_padding = "padding" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+        else:
+            self.batch_drafter = None
+            self.row_drafters = [
+                drafter.for_call(row_context(context, row, self.text_start[row], self.row_processors[row]))
+                for row in range(batch)
+            ]
+        self.batch = batch
+        self.prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
+        self.generated = [input_ids.new_empty(0) for _ in range(batch)]
+        self.rows = list(range(batch))  # original index of each row still in the batch
+        self.row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
+        stats.rows.extend(self.row_stats)
+        self.done_length: dict[int, int] = {}  # row -> its length when its stopping criteria fired
+        # row -> its left padding columns in `ids` (known here, never read back)
+        self.padding = dict(enumerate(self.text_start))
+        self.ids, self.mask = input_ids, mask
+        self.max_length = generation_config.max_length
 
-    prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
-    generated = [input_ids.new_empty(0) for _ in range(batch)]
-    rows = list(range(batch))  # original index of each row still in the batch
-    row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
-    stats.rows.extend(row_stats)
-    done_length: dict[int, int] = {}  # row -> its length when its stopping criteria fired
-    padding = dict(enumerate(text_start))  # row -> its left padding columns in `ids` (known here, never read back)
-    ids = input_ids
-    do_sample = bool(generation_config.do_sample)
-    max_length = generation_config.max_length
-    first_round = True
-    agree = seconds_agreement(model)  # a tensor-parallel target's processes decide from the same seconds
+    def room(self, gamma: int) -> int:
+        self.round_rows = list(self.rows)  # rows may leave the batch during the round
+        self.lengths = [self.prompt_len + len(self.generated[r]) for r in self.rows]
+        return max(0, min(gamma, self.max_length - min(self.lengths) - 1))
 
-    while rows:
-        round_rows = list(rows)  # rows may leave the batch during the round
-        width = ids.shape[1]
-        lengths = [prompt_len + len(generated[r]) for r in rows]
-        chosen_gamma = policy.next_gamma()
-        gamma = max(0, min(chosen_gamma, max_length - min(lengths) - 1))
-
-        # 1. draft, every row at once or one copy per row
-        draft_start = time.perf_counter()
-        graphs = compiled_graphs()
-        if batch_drafter is not None:
-            for processor in padding_aware:
-                processor.prompt_ignore_length = (mask == 0).sum(-1)  # [rows]
+    def draft(self, gamma: int, chosen_gamma: int) -> Draft:
+        # every row at once, or one copy per row
+        if self.batch_drafter is not None:
+            for processor in self.padding_aware:
+                processor.prompt_ignore_length = (self.mask == 0).sum(-1)  # [rows]
             proposal, check = checked_proposal(
-                batch_drafter.propose(ids, gamma, attention_mask=mask), batch_drafter, ids, gamma, vocab_size
+                self.batch_drafter.propose(self.ids, gamma, attention_mask=self.mask),
+                self.batch_drafter,
+                self.ids,
+                gamma,
+                self.vocab_size,
             )
         else:
-            row_ids = [torch.cat([prompts[r, text_start[r] :], generated[r]])[None] for r in rows]
+            row_ids = [torch.cat([self.prompts[r, self.text_start[r] :], self.generated[r]])[None] for r in self.rows]
             proposal, check = _row_proposals(
-                [row_drafters[r] for r in rows], row_ids, gamma, vocab_size, filler, device
+                [self.row_drafters[r] for r in self.rows], row_ids, gamma, self.vocab_size, self.filler, self.device
             )
-        draft_tokens = proposal.tokens  # [rows, k]
-        num_drafted = draft_tokens.shape[1]
-        stats.drafter_compilations += compiled_graphs() - graphs
-        verify_start = time.perf_counter()
+        return Draft(proposal, check, ChainLayout(proposal), chosen_gamma)
 
-        # 2. one target forward for all rows: the uncached tail plus the drafts
-        candidate_ids = torch.cat([ids, draft_tokens], dim=-1)  # [rows, width + k]
-        full_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted)], dim=-1)
+    def score(self, draft: Draft) -> Scores:
+        # one target forward for all rows: the uncached tail plus the drafts
+        draft_tokens, rows = draft.proposal.tokens, self.rows  # [rows, k]
+        num_drafted = draft_tokens.shape[1]
+        candidate_ids = torch.cat([self.ids, draft_tokens], dim=-1)  # [rows, width + k]
+        full_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), num_drafted)], dim=-1)
         # drafts past max_length are never emitted: clamping their positions keeps learned position tables in range
-        positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=max_length - 1)
-        logits = target_logits(
-            model,
-            candidate_ids,
-            num_drafted,
-            {
-                **model_kwargs,
-                CACHE_KWARG: cache,
-                "attention_mask": full_mask,
-                "position_ids": positions,
-            },
-            first_round,
-        )  # [rows, k + 1, vocab]
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=self.max_length - 1)
+        kwargs = {**self.model_kwargs, CACHE_KWARG: self.cache, "attention_mask": full_mask, "position_ids": positions}
+        logits = target_logits(self.model, candidate_ids, num_drafted, kwargs, self.first_round)  # [rows, k + 1, V]
         scores = logits
-        if len(logits_processor):
+        if len(self.logits_processor):
             # each row with its own prefix, laid out as plain generate lays it out
-            views = [torch.cat([prompts[r], generated[r], draft_tokens[i]])[None] for i, r in enumerate(rows)]
+            views = [torch.cat([self.prompts[r], self.generated[r], draft_tokens[i]])[None] for i, r in enumerate(rows)]
             scores = standardize(
                 logits,
-                lambda i: row_processors[rows[i]],
-                lambda i, j: views[i][:, : lengths[i] + j],
-                check_stateless=first_round,
+                lambda i: self.row_processors[rows[i]],
+                lambda i, j: views[i][:, : self.lengths[i] + j],
+                check_stateless=self.first_round,
             )
+        return Scores(logits, scores, candidate_ids)
 
-        # 3. verify every row (Algorithm 1); one host read for all rows' verdicts and the proposal's check
-        verdict = read_verdict(verify_round(do_sample, proposal, scores, options), check)
-        accepted, next_tokens = verdict.accepted, verdict.next_tokens
+    def emit(self, draft: Draft, verdict: Verdict, scores: Scores) -> None:
+        # each row appends through the stopping criteria, checked after every token as plain generate checks them;
+        # one host read for every row's checks
+        draft_tokens, rows, lengths = draft.proposal.tokens, self.rows, self.lengths
+        num_drafted = draft_tokens.shape[1]
         new_tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(rows), 1)], dim=-1)  # [rows, k + 1]
-        new_tokens[torch.arange(len(rows)), accepted] = next_tokens
-
-        # 4. each row appends through the stopping criteria, checked after every token as plain generate checks
-        # them; one host read for every row's checks
-        accepted_list = verdict.accepted_counts
+        new_tokens[torch.arange(len(rows)), verdict.accepted] = verdict.next_tokens
+        self.new_tokens = new_tokens
+        accepted = verdict.accepted_counts
         views = []
         for i, r in enumerate(rows):
-            n = accepted_list[i]
+            n = accepted[i]
             row_betas = verdict.beta_values[i][: min(n + 1, num_drafted)]
-            stats.record_round(chosen_gamma, num_drafted, n, row_betas, new_forward=i == 0)
-            row_stats[r].record_round(chosen_gamma, num_drafted, n, row_betas)
-            views.append(torch.cat([prompts[r], generated[r], new_tokens[i, : n + 1]])[None])
+            self.stats.record_round(draft.chosen_gamma, num_drafted, n, row_betas, new_forward=i == 0)
+            self.row_stats[r].record_round(draft.chosen_gamma, num_drafted, n, row_betas)
+            views.append(torch.cat([self.prompts[r], self.generated[r], new_tokens[i, : n + 1]])[None])
         # a row already done (it grows on with the batch) checks nothing more
-        checked = [i for i, r in enumerate(rows) if r not in done_length]
-        stops = first_stops(stopping_criteria, [(views[i], lengths[i], accepted_list[i] + 1) for i in checked])
-        emitted = [n + 1 for n in accepted_list]
+        checked = [i for i, r in enumerate(rows) if r not in self.done_length]
+        stops = first_stops(self.stopping_criteria, [(views[i], lengths[i], accepted[i] + 1) for i in checked])
+        self.emitted = [n + 1 for n in accepted]
         for i, stop in zip(checked, stops):
             if stop is not None:
-                done_length[rows[i]] = lengths[i] + stop
-                if rows_leave_when_done:
-                    emitted[i] = stop
+                self.done_length[rows[i]] = lengths[i] + stop
+                if self.rows_leave_when_done:
+                    self.emitted[i] = stop
         for i, r in enumerate(rows):
-            generated[r] = views[i][0, prompt_len : lengths[i] + emitted[i]]
+            self.generated[r] = views[i][0, self.prompt_len : lengths[i] + self.emitted[i]]
 
-        # 5. realign: rows end together again; the cache keeps everything but each row's newest token
+    def keep(self, draft: Draft, verdict: Verdict, scores: Scores) -> None:
+        # realign: rows end together again; the cache keeps everything but each row's newest token
+        rows, emitted, device, cache = self.rows, self.emitted, self.device, self.cache
+        num_drafted = draft.proposal.tokens.shape[1]
+        width = self.ids.shape[1]
         most = max(emitted)
         for i, r in enumerate(rows):
-            padding[r] += most - emitted[i]
+            self.padding[r] += most - emitted[i]
         shift = torch.tensor([most - e for e in emitted], device=device)  # [rows]: extra left padding per row
         columns = torch.arange(width + most, device=device)[None, :] - shift[:, None]  # [rows, width + most]
-        source_ids = torch.cat([ids, new_tokens], dim=-1)
-        source_mask = torch.cat([mask, mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
-        ids = source_ids.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, filler)
+        source_ids = torch.cat([self.ids, self.new_tokens], dim=-1)
+        source_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
+        ids = source_ids.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, self.filler)
         mask = source_mask.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, 0)
         # finished rows leave; columns that are padding in every row go
-        if rows_leave_when_done:
-            keep = [i for i, r in enumerate(rows) if r not in done_length]
+        if self.rows_leave_when_done:
+            keep = [i for i, r in enumerate(rows) if r not in self.done_length]
         else:
             # no EOS criterion: as in plain generate, every row grows until all rows are done, then all are cut to
             # the longest finished length (a row at max_length is done for good: nothing past it is ever kept)
-            stop = max(done_length.values()) if len(done_length) == batch else max_length
-            keep = [i for i, r in enumerate(rows) if prompt_len + len(generated[r]) < stop]
+            stop = max(self.done_length.values()) if len(self.done_length) == self.batch else self.max_length
+            keep = [i for i, r in enumerate(rows) if self.prompt_len + len(self.generated[r]) < stop]
             for r in rows:
-                generated[r] = generated[r][: stop - prompt_len]
+                self.generated[r] = self.generated[r][: stop - self.prompt_len]
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=device, dtype=torch.long)
             ids, mask, columns = ids[index], mask[index], columns[index]
             cache.batch_select_indices(index)
-            if batch_drafter is not None and keep:
-                batch_drafter.select_rows(index)
-            rows = [rows[i] for i in keep]
+            if self.batch_drafter is not None and keep:
+                self.batch_drafter.select_rows(index)
+            rows = self.rows = [rows[i] for i in keep]
+        self.finished = not rows
         if rows:
-            lead = min(padding[r] for r in rows)  # all-padding columns on the left (padding is left only)
+            lead = min(self.padding[r] for r in rows)  # all-padding columns on the left (padding is left only)
             for r in rows:
-                padding[r] -= lead
+                self.padding[r] -= lead
             ids, mask = ids[:, lead:], mask[:, lead:]
             # one move of the target's cache: each row to its new columns, the all-padding ones dropped, the newest
             # token (never cached) left out; a slice, not a copy, when every row moved alike
@@ -295,97 +302,38 @@ def _decode_padded(
                 slice_cache(cache, lead - shifts.pop(), ids.shape[1] - 1)
             else:
                 realign_cache(cache, columns[:, lead:-1])
+            accepted = verdict.accepted
             kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
-            graphs = compiled_graphs()
-            if batch_drafter is not None:
-                batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask)
+            if self.batch_drafter is not None:
+                hints = {"padding": [self.padding[r] for r in rows]} if self.host_padding else {}
+                self.batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask, **hints)
             else:
                 for i, r in enumerate(rows):
-                    row_drafters[r].on_verified(
-                        torch.cat([prompts[r, text_start[r] :], generated[r]])[None], kept_accepted[i : i + 1]
+                    self.row_drafters[r].on_verified(
+                        torch.cat([self.prompts[r, self.text_start[r] :], self.generated[r]])[None],
+                        kept_accepted[i : i + 1],
                     )
-            stats.drafter_compilations += compiled_graphs() - graphs
-        draft_s, verify_s = agree(verify_start - draft_start, time.perf_counter() - verify_start)
-        stats.draft_time_s += draft_s
-        stats.verify_time_s += verify_s
-        for r in round_rows:  # each row took part in the whole round
-            row_stats[r].draft_time_s += draft_s
-            row_stats[r].verify_time_s += verify_s
+        self.ids, self.mask = ids, mask
+
+    def observe(self, policy, draft: Draft, verdict: Verdict, draft_s: float, verify_s: float) -> None:
+        for r in self.round_rows:  # each row took part in the whole round
+            self.row_stats[r].draft_time_s += draft_s
+            self.row_stats[r].verify_time_s += verify_s
         # the policy sees one round of the whole batch: its time, and each row's accepted drafts
         policy.observe_rows(
-            drafted=num_drafted,
-            accepted_per_row=accepted_list,
+            drafted=draft.proposal.tokens.shape[1],
+            accepted_per_row=verdict.accepted_counts,
             draft_time_s=draft_s,
             verify_time_s=verify_s,
-            first_round=first_round,
+            first_round=self.first_round,
         )
-        first_round = False
 
-    for r, tokens in enumerate(generated):  # what each row keeps (a row that grew past its end was cut back)
-        row_stats[r].emitted_tokens = len(tokens)
-    stats.emitted_tokens += sum(len(tokens) for tokens in generated)
-    return _assemble(prompts, generated, filler)
-
-
-def processors_for_row(logits_processor, row: int, batch: int):
-    """A copy of the prepared processors for row `row` of the batch, called with that row alone (`[1, len]`).
-
-    transformers' processors keep some per-row state sized to the whole batch (repetition penalty's prompt padding
-    lengths, the encoder-side penalties' source ids, the prefix function's batch index); it is sliced to the row.
-    """
-    row_processors = LogitsProcessorList()
-    for processor in logits_processor:
-        ignore = getattr(processor, "prompt_ignore_length", None)
-        sources = getattr(processor, "encoder_input_ids", None)
-        ngrams = getattr(processor, "generated_ngrams", None)
-        prefix_fn = getattr(processor, "_prefix_allowed_tokens_fn", None)
-        if isinstance(ignore, torch.Tensor) or sources is not None or ngrams is not None or prefix_fn is not None:
-            processor = copy.copy(processor)
-        if isinstance(ignore, torch.Tensor):
-            processor.prompt_ignore_length = ignore[row : row + 1]
-        if sources is not None:  # one source per `batch // len(sources)` rows (num_return_sequences)
-            source_row = row // (batch // sources.shape[0])
-            processor.encoder_input_ids = sources[source_row : source_row + 1]
-        if ngrams is not None:
-            source_row = row // (batch // processor.batch_size)
-            processor.generated_ngrams, processor.batch_size = ngrams[source_row : source_row + 1], 1
-        if prefix_fn is not None:
-            processor._prefix_allowed_tokens_fn = lambda batch_id, sent, fn=prefix_fn: fn(row + batch_id, sent)
-        row_processors.append(processor)
-    return row_processors
-
-
-def _padded_batch_processors(logits_processor):
-    """A copy of the processors whose repetition penalties (their per-row padding lengths) can be updated without
-    touching the originals: (processors, those penalties). The padded batch updates them every round, as rows move
-    and leave; per-row drafters, which see unpadded tokens, clear them."""
-    processors, padding_aware = LogitsProcessorList(), []
-    for processor in logits_processor:
-        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
-            processor = copy.copy(processor)
-            padding_aware.append(processor)
-        processors.append(processor)
-    return processors, padding_aware
-
-
-def _row_context(context, row: int, text_start: int, row_processors):
-    """The batch-1 context of one row: its unpadded prompt, and its processors with no padding to skip."""
-    row_context = copy.copy(context)
-    row_context.logits_processor, padding_aware = _padded_batch_processors(row_processors)
-    for processor in padding_aware:
-        processor.prompt_ignore_length = None
-    row_context.input_ids = context.input_ids[row : row + 1, text_start:]
-    row_context.model_kwargs = {}
-    row_context.inputs_tensor = _source_row(context.inputs_tensor, row, context.input_ids.shape[0])
-    return row_context
-
-
-def _source_row(inputs_tensor, row: int, batch: int):
-    """Row `row`'s slice of the tensor `generate` was called with (not expanded by `num_return_sequences`)."""
-    if inputs_tensor is None:
-        return None
-    source = row // (batch // inputs_tensor.shape[0])
-    return inputs_tensor[source : source + 1]
+    def result(self) -> torch.LongTensor:
+        """Plain generate's output once every row is done."""
+        for r, tokens in enumerate(self.generated):  # what each row keeps (a row that grew past its end was cut back)
+            self.row_stats[r].emitted_tokens = len(tokens)
+        self.stats.emitted_tokens += sum(len(tokens) for tokens in self.generated)
+        return _assemble(self.prompts, self.generated, self.filler)
 
 
 def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
@@ -418,131 +366,4 @@ def _assemble(prompts, generated, pad_token_id: int):
     out[:, : prompts.shape[1]] = prompts
     for r, tokens in enumerate(generated):
         out[r, prompts.shape[1] : prompts.shape[1] + len(tokens)] = tokens
-    return out
-
-
-def fresh_cache(cache, model):
-    """An empty cache of the same kind as `cache` (the model's own layer types: indexed, linear-attention, ...), for
-    one row."""
-    if cache.get_seq_length() == 0:
-        return _for_one_row(copy.deepcopy(cache))
-    config = model.config
-    return (
-        EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
-        if isinstance(cache, EncoderDecoderCache)
-        else DynamicCache(config=config)
-    )
-
-
-def _for_one_row(cache):
-    """`cache` (an empty copy) with the layers that were allocated ahead for the whole batch reallocated for one row:
-    transformers initializes a static cache early when `prefill_chunk_size` is set, while other static caches
-    allocate on their first forward."""
-    for part in (
-        (cache.self_attention_cache, cache.cross_attention_cache)
-        if isinstance(cache, EncoderDecoderCache)
-        else (cache,)
-    ):
-        for layer in getattr(part, "layers", ()):
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if (
-                getattr(layer, "is_initialized", False)
-                and isinstance(keys, torch.Tensor)
-                and keys.dim() == 4
-                and keys.shape[0] != 1
-                and hasattr(layer, "lazy_initialization")
-            ):
-                layer.lazy_initialization(keys[:1], values[:1])
-    return cache
-
-
-def slice_kwargs(model_kwargs, row: int, batch: int, model):
-    """Row `row` of the prepared model kwargs of a batch of `batch`, with a fresh cache of its own."""
-    sliced = {}
-    for key, value in model_kwargs.items():
-        if key == CACHE_KWARG:
-            value = fresh_cache(value, model)
-        elif isinstance(value, ModelOutput):
-            value = type(value)(
-                **{
-                    k: v[row : row + 1] if isinstance(v, torch.Tensor) and v.shape[0] == batch else v
-                    for k, v in value.items()
-                }
-            )
-        elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-            value = value[row : row + 1]
-        sliced[key] = value
-    return sliced
-
-
-def _decode_rows(
-    model,
-    input_ids,
-    *,
-    drafter,
-    inputs_tensor,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    options,
-    policy,
-    stats,
-    **model_kwargs,
-):
-    batch = input_ids.shape[0]
-    pad = generation_config._pad_token_tensor
-    rows_end_early = pad is not None and any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-    row_stats = [SpeculativeStats(lenience=stats.lenience) for _ in range(batch)]
-    run = dict(generation_config=generation_config, options=options, policy=policy)
-    outputs, states = [], []
-    for row in range(batch):
-        row_kwargs = slice_kwargs(model_kwargs, row, batch, model)
-        row_ids = input_ids[row : row + 1]
-        row_processors = processors_for_row(logits_processor, row, batch)
-        row_drafter = drafter.for_call(
-            draft_context(
-                model, row_ids, row_processors, generation_config, row_kwargs, _source_row(inputs_tensor, row, batch)
-            )
-        )
-        sequence, _, _ = decode_sequence(
-            model,
-            row_ids,
-            logits_processor=row_processors,
-            stopping_criteria=stopping_criteria,
-            drafter=row_drafter,
-            stats=row_stats[row],
-            **run,
-            **row_kwargs,
-        )
-        outputs.append(sequence)
-        states.append((row_kwargs, row_processors, row_drafter))
-    if not rows_end_early:
-        # as in plain generate without an EOS criterion: rows that are done keep growing until every row is
-        # done; each row continues from where it stopped (its cache holds all but its newest token)
-        stop = max(s.shape[1] for s in outputs)
-        until_stop = StoppingCriteriaList([MaxLengthCriteria(stop)])
-        for row, (row_kwargs, row_processors, row_drafter) in enumerate(states):
-            grown = outputs[row].shape[1] - input_ids.shape[1]
-            if outputs[row].shape[1] < stop:
-                row_kwargs = model._update_model_kwargs_for_generation(
-                    {}, row_kwargs, is_encoder_decoder=model.config.is_encoder_decoder, num_new_tokens=grown
-                )
-                outputs[row], _, _ = decode_sequence(
-                    model,
-                    outputs[row],
-                    logits_processor=row_processors,
-                    stopping_criteria=until_stop,
-                    drafter=row_drafter,
-                    stats=row_stats[row],
-                    continuing=True,
-                    **run,
-                    **row_kwargs,
-                )
-    for one_row in row_stats:  # rows decoded one after another: each forward is its own
-        stats.merge(one_row)
-    stats.rows.extend(row_stats)
-    longest = max(s.shape[1] for s in outputs)
-    out = input_ids.new_full((batch, longest), int(pad.reshape(-1)[0]) if pad is not None else 0)
-    for row, sequence in enumerate(outputs):
-        out[row, : sequence.shape[1]] = sequence[0]
     return out

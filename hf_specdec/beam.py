@@ -33,21 +33,23 @@ taken and the forward's size.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.utils import ModelOutput
 
+from .beam_drafts import DraftBeams, DraftTree, select_rows
+from .beam_replay import TargetBeamSearch
 from .caches import CACHE_KWARG, is_static
 from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .drafters.model import ModelDrafter
-from .outputs import SpeculativeBeamDecoderOnlyOutput, SpeculativeBeamEncoderDecoderOutput
-from .rounds import draft_context, target_logits
+from .forward import target_logits
+from .policies import GammaPolicy
+from .proposals import draft_context
+from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 
 if TYPE_CHECKING:
@@ -95,13 +97,13 @@ def speculative_beam_search(
             f"{draft_beams} and num_beams={num_beams}: the drafter's beams must be able to hold the target's. Use "
             f"`speculative_draft_beams={num_beams}` or more, or leave it unset (2 x num_beams)."
         )
-    search = _BeamSearch(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    search = TargetBeamSearch(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
     cache = model_kwargs[CACHE_KWARG]
     cache.activate_past_recording()
     batch = search.batch_size
     # the drafter is reset on one row per prompt (the source, for an encoder-decoder drafter, is encoded once)
     first_rows = torch.arange(batch, device=input_ids.device) * num_beams
-    draft_model = _DraftBeams(
+    draft_model = DraftBeams(
         drafter.for_call(
             draft_context(
                 model,
@@ -134,33 +136,69 @@ def speculative_beam_search(
     stats.target_forward_tokens.append(input_ids.numel())
 
     gamma = options.with_default_gamma(DEFAULT_BEAM_GAMMA, "hf_specdec.beam.DEFAULT_BEAM_GAMMA").speculative_gamma
+    lane = BeamLane(model, search, draft_model, model_kwargs, generation_config, options, stats, draft_beams)
+    round_ = Round(model, GammaPolicy(gamma, gamma), stats)  # beam search drafts `gamma` steps every round
     while not search.finished:
-        # a node at depth d is a running beam of length cur_len + d; no step can start from max_length - 1 or later
-        depth = max(0, min(gamma, generation_config.max_length - 1 - search.cur_len))
-        start = time.perf_counter()
-        padding = None if model.config.is_encoder_decoder else model_kwargs.get("attention_mask")
-        tree = draft_model.search(search.flat_running(), search.running_beam_scores, padding, depth, draft_beams)
-        drafted = time.perf_counter()
-        stats.draft_time_s += drafted - start
-        row_logits = _score_paths(model, search.flat_running(), tree, model_kwargs)  # [rows, depth + 1, V]
-        steps, cache_rows, origins = search.replay(tree, row_logits)
-        # each running beam's cache: its parent's path, up to the parent (all but the beam's newest token)
-        cache.reorder_cache(cache_rows)
-        _crop(cache, search.cur_len - 1)
-        model_kwargs = model._update_model_kwargs_for_generation(
-            {},
-            select_rows(model_kwargs, origins, origins.shape[0]),
-            is_encoder_decoder=model.config.is_encoder_decoder,
-            num_new_tokens=steps,
-        )
-        draft_model.keep(origins)
-        stats.verify_time_s += time.perf_counter() - drafted
-        stats.record_round(depth, tree.num_nodes, steps - 1, [], depth=depth)
-        stats.emitted_tokens += steps
-        stats.beam_steps_history.append(steps)
-        stats.target_forward_tokens.append(tree.num_rows * (depth + 1))
+        round_.run(lane)
+    model_kwargs = lane.model_kwargs
 
     return search.output(model_kwargs, stats if attach_stats else None)
+
+
+class BeamLane(Lane):
+    """Beam search's side of a round: the drafter's beams are the draft, the target scores every path in one
+    forward, and the target's own beam search is replayed on those logits (see the module docstring)."""
+
+    def __init__(self, model, search, draft_model, model_kwargs, generation_config, options, stats, draft_beams):
+        super().__init__(generation_config, options)
+        self.model, self.search, self.draft_model, self.stats = model, search, draft_model, stats
+        self.model_kwargs, self.max_length, self.draft_beams = model_kwargs, generation_config.max_length, draft_beams
+        self.cache = model_kwargs[CACHE_KWARG]
+
+    def room(self, gamma: int) -> int:
+        # a node at depth d is a running beam of length cur_len + d; no step can start from max_length - 1 or later
+        return max(0, min(gamma, self.max_length - 1 - self.search.cur_len))
+
+    def draft(self, gamma: int, chosen_gamma: int) -> Draft:
+        search = self.search
+        padding = None if self.model.config.is_encoder_decoder else self.model_kwargs.get("attention_mask")
+        tree = self.draft_model.search(
+            search.flat_running(), search.running_beam_scores, padding, gamma, self.draft_beams
+        )
+        return Draft(tree, None, None, gamma)
+
+    def score(self, draft: Draft) -> Scores:
+        logits = _score_paths(self.model, self.search.flat_running(), draft.proposal, self.model_kwargs)
+        return Scores(logits, logits)  # [rows, depth + 1, V]: the processors run inside the replay, per step
+
+    def verify(self, draft: Draft, scores: Scores):
+        """The target's beam search replayed on the paths' logits: (steps taken, cache rows, origins)."""
+        return self.search.replay(draft.proposal, scores.logits)
+
+    def emit(self, draft: Draft, verdict, scores: Scores) -> None:
+        steps = verdict[0]
+        tree = draft.proposal
+        self.stats.record_round(tree.depth, tree.num_nodes, steps - 1, [], depth=tree.depth)
+        self.stats.emitted_tokens += steps
+        self.stats.beam_steps_history.append(steps)
+        self.stats.target_forward_tokens.append(tree.num_rows * (tree.depth + 1))
+        self.finished = self.search.finished
+
+    def keep(self, draft: Draft, verdict, scores: Scores) -> None:
+        steps, cache_rows, origins = verdict
+        # each running beam's cache: its parent's path, up to the parent (all but the beam's newest token)
+        self.cache.reorder_cache(cache_rows)
+        _crop(self.cache, self.search.cur_len - 1)
+        self.model_kwargs = self.model._update_model_kwargs_for_generation(
+            {},
+            select_rows(self.model_kwargs, origins, origins.shape[0]),
+            is_encoder_decoder=self.model.config.is_encoder_decoder,
+            num_new_tokens=steps,
+        )
+        self.draft_model.keep(origins)
+
+    def observe(self, policy, draft: Draft, verdict, draft_s: float, verify_s: float) -> None:
+        """A constant γ: nothing to learn."""
 
 
 def _check_beam_supported(model, generation_config, model_kwargs, drafter, options, streamer) -> None:
@@ -241,198 +279,14 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
         )
 
 
-def select_rows(model_kwargs: dict, rows: torch.LongTensor, batch: int) -> dict:
-    """The prepared model kwargs of `batch` rows, with rows `rows` (`[n]`, repeats allowed) of every tensor (and
-    of every tensor in a `ModelOutput`, such as `encoder_outputs`) whose first dimension is the batch; the cache is
-    shared, not copied."""
-
-    def pick(value):
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-            return value.index_select(0, rows.to(value.device))
-        return value
-
-    selected = {}
-    for key, value in model_kwargs.items():
-        if isinstance(value, ModelOutput):
-            value = type(value)(**{k: pick(v) for k, v in value.items()})
-        elif key != CACHE_KWARG:
-            value = pick(value)
-        selected[key] = value
-    return selected
-
-
 def _crop(cache, length: int) -> None:
     excess = cache.get_seq_length() - length
     if excess > 0:
         cache.crop(-excess)
 
 
-class _DraftTree:
-    """The drafter's beams of one round, as the target scores them: one row per root-to-leaf path.
-
-    `row_roots[r]`: the flat index (prompt x w + beam) of the target beam row r starts from; `row_tokens[r]`: its
-    path's tokens, right-padded to the depth; `nodes`: (root, path tokens) -> (row, depth) for every node."""
-
-    def __init__(self, row_roots: list[int], paths: list[list[int]], depth: int, pad: list[int], device):
-        self.nodes: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
-        for row, (root, path) in enumerate(zip(row_roots, paths)):
-            for d in range(len(path) + 1):
-                self.nodes.setdefault((root, tuple(path[:d])), (row, d))
-        self.num_rows = len(row_roots)
-        self.num_nodes = len(self.nodes) - len(set(row_roots))  # drafted nodes, roots excluded
-        self.depth = depth
-        self.row_roots = torch.tensor(row_roots, dtype=torch.long, device=device)  # [rows]
-        padded = [
-            path + [path[-1] if path else pad[root]] * (depth - len(path)) for root, path in zip(row_roots, paths)
-        ]
-        self.row_tokens = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(paths), depth)
-
-
-class _DraftBeams:
-    """The draft model's side: a cache with one row per target running beam (the beams' tokens up to the round's
-    start), and beam search of width u over γ steps from the target's running beams."""
-
-    def __init__(self, drafter: ModelDrafter, num_beams: int, generation_config: GenerationConfig, num_prompts: int):
-        self.drafter = drafter
-        self.model = drafter.model
-        self.num_beams = num_beams
-        eos = generation_config._eos_token_tensor
-        self.eos = None if eos is None else eos.reshape(-1)
-        # processor state sized to the target's beam rows (repetition penalty's prompt padding, one entry per beam
-        # row): kept per prompt, and picked for the drafter's rows (w, then u per prompt) at each call
-        self.padding_per_prompt: dict[int, torch.Tensor] = {}
-        for index, processor in enumerate(drafter.logits_processor):
-            ignore = getattr(processor, "prompt_ignore_length", None)
-            if isinstance(ignore, torch.Tensor) and ignore.shape[0] in (num_prompts, num_prompts * num_beams):
-                self.padding_per_prompt[index] = ignore.reshape(num_prompts, -1)[:, 0]
-
-    def _processors(self, batch_of_row: torch.LongTensor) -> LogitsProcessorList:
-        """The drafter's processors for rows of the prompts `batch_of_row` (`[rows]`)."""
-        if not self.padding_per_prompt:
-            return self.drafter.logits_processor
-        processors = LogitsProcessorList()
-        for index, processor in enumerate(self.drafter.logits_processor):
-            if index in self.padding_per_prompt:
-                processor = copy.copy(processor)  # the target's own keeps its state
-                ignore = self.padding_per_prompt[index]
-                processor.prompt_ignore_length = ignore[batch_of_row.to(ignore.device)]
-            processors.append(processor)
-        return processors
-
-    def _forward(
-        self, ids: torch.LongTensor, cache, batch_of_row: torch.LongTensor, attention_mask: torch.LongTensor | None
-    ) -> torch.FloatTensor:
-        """Feeds the uncached tail of `ids` (`[rows, len]`) and returns float32 log q of the last position."""
-        drafter = self.drafter
-        cached = cache.get_seq_length()
-        inputs = {drafter.cache_argument: cache, "use_cache": True}
-        tail = drafter._drafter_ids(ids[:, cached:]).to(drafter.device)
-        if drafter.encoder_inputs is not None:
-            for key, value in drafter.encoder_inputs.items():
-                if isinstance(value, ModelOutput):
-                    value = type(value)(**{k: v.index_select(0, batch_of_row.to(v.device)) for k, v in value.items()})
-                elif isinstance(value, torch.Tensor):
-                    value = value.index_select(0, batch_of_row.to(value.device))
-                inputs[key] = value
-            inputs["decoder_input_ids" if self.model.config.is_encoder_decoder else "input_ids"] = tail
-        else:
-            inputs["input_ids"] = tail
-            if attention_mask is not None:
-                mask = torch.cat(
-                    [attention_mask, attention_mask.new_ones(ids.shape[0], ids.shape[1] - attention_mask.shape[1])],
-                    dim=-1,
-                )
-                inputs["attention_mask"] = mask.to(drafter.device)
-                positions = mask.long().cumsum(-1) - 1
-            else:
-                positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            if drafter.accepts_position_ids:
-                inputs["position_ids"] = positions.clamp(0, drafter.max_position)[:, cached:].to(drafter.device)
-        if drafter.accepts_logits_to_keep:
-            inputs["logits_to_keep"] = 1
-        logits = self.model(**inputs).logits[:, -1]
-        logits = drafter._target_logits(logits)  # ids are on the target's device
-        return self._processors(batch_of_row)(ids, logits.log_softmax(dim=-1))  # [rows, V]
-
-    @torch.no_grad()
-    def search(
-        self, running: torch.LongTensor, root_scores: torch.FloatTensor, attention_mask, depth: int, width: int
-    ) -> _DraftTree:
-        """`running`: the target's running beams `[batch * w, cur_len]`; `root_scores`: their scores `[batch, w]`.
-        Returns the tree of the drafter's beams of width `width` over `depth` steps; at every depth its first w beams
-        are the best w children of the first w beams before (what the target keeps were p = q)."""
-        batch, w = root_scores.shape
-        device = running.device
-        base = self.drafter.cache
-        ids = running
-        batch_of_row = torch.arange(batch, device=device).repeat_interleave(w)  # [batch * w]
-        levels = []  # per depth: (parent index into the previous level [batch, u], token [batch, u])
-        if depth:
-            log_q = self._forward(ids, base, batch_of_row, attention_mask)  # [batch * w, V]; base: cur_len now
-            scores = root_scores
-            cache = None
-            for d in range(1, depth + 1):
-                vocab = log_q.shape[-1]
-                if self.eos is not None:  # a finished beam does not run on (ids past the vocabulary never occur)
-                    eos = self.eos.to(device)
-                    log_q[:, eos[eos < vocab]] = -float("inf")
-                previous = scores.shape[1]
-                total = (scores[:, :, None] + log_q.reshape(batch, previous, vocab)).reshape(batch, -1)
-                # the first w beams are the ones the target itself would keep were p = q (the best w children of
-                # the first w beams before), so that a drafter that agrees has every step accepted; the other
-                # u - w are the best of all the rest
-                primary_scores, primary = total[:, : w * vocab].topk(w, dim=-1)  # [batch, w]
-                rest = total.scatter(1, primary, -float("inf"))
-                extra_scores, extra = rest.topk(min(width, total.shape[1]) - w, dim=-1)  # [batch, u - w]
-                scores = torch.cat([primary_scores, extra_scores], dim=-1)  # [batch, u]
-                top = torch.cat([primary, extra], dim=-1)
-                parent, token = top // vocab, top % vocab
-                levels.append((parent, token))
-                if d == depth:
-                    break
-                flat_parent = (parent + torch.arange(batch, device=device)[:, None] * previous).reshape(-1)
-                ids = torch.cat([ids[flat_parent], token.reshape(-1, 1)], dim=-1)  # [batch * u, cur_len + d]
-                batch_of_row = batch_of_row[flat_parent]
-                if attention_mask is not None:
-                    attention_mask = attention_mask[flat_parent]
-                if cache is None:
-                    cache = copy.deepcopy(base)
-                cache.reorder_cache(flat_parent.to(self.drafter.device))
-                log_q = self._forward(ids, cache, batch_of_row, attention_mask)
-        return self._tree(running, batch, w, levels, depth)
-
-    def _tree(self, running, batch: int, w: int, levels, depth: int) -> _DraftTree:
-        """Root-to-leaf paths of the drafter's beams (host side: a few dozen nodes)."""
-        level_lists = [(parent.tolist(), token.tolist()) for parent, token in levels]
-        row_roots, paths = [], []
-        for b in range(batch):
-            # nodes per level as (parent slot, token); level 0: the w roots
-            sizes = [w] + [len(parents[b]) for parents, _ in level_lists]
-            has_child = [[False] * size for size in sizes]
-            for d, (parents, _) in enumerate(level_lists):
-                for p in parents[b]:
-                    has_child[d][p] = True
-            for d in range(len(sizes)):
-                for slot in range(sizes[d]):
-                    if has_child[d][slot]:
-                        continue
-                    path, level, index = [], d, slot
-                    while level > 0:
-                        parents, tokens = level_lists[level - 1]
-                        path.append(tokens[b][index])
-                        index, level = parents[b][index], level - 1
-                    row_roots.append(b * w + index)
-                    paths.append(path[::-1])
-        pad = running[:, -1].tolist()
-        return _DraftTree(row_roots, paths, depth, pad, running.device)
-
-    def keep(self, origins: torch.LongTensor) -> None:
-        """After a round: the cache row of each new running beam is its root's (`origins`: `[batch * w]`)."""
-        self.drafter.cache.reorder_cache(origins.to(self.drafter.device))
-
-
 @torch.no_grad()
-def _score_paths(model, running: torch.LongTensor, tree: _DraftTree, model_kwargs: dict) -> torch.FloatTensor:
+def _score_paths(model, running: torch.LongTensor, tree: DraftTree, model_kwargs: dict) -> torch.FloatTensor:
     """One target forward over every path of `tree`, each row after its root's cache (all of the root's tokens but
     the newest); returns float32 logits `[rows, depth + 1, V]`: position d follows the path's first d tokens."""
     cache = model_kwargs[CACHE_KWARG]
@@ -445,178 +299,3 @@ def _score_paths(model, running: torch.LongTensor, tree: _DraftTree, model_kwarg
     candidates = torch.cat([running[tree.row_roots], tree.row_tokens], dim=-1)  # [rows, cur_len + depth]
     # transformers' beam search runs its steps without `decode_step`'s kernel switch: so do these
     return target_logits(model, candidates, tree.depth, row_kwargs, first_round=False, decode_kernels=False)
-
-
-class _BeamSearch:
-    """transformers' `_beam_search` state and step (5.x), fed logits one step at a time. Every tensor and every
-    helper call is the one `_beam_search` makes, in the same order."""
-
-    def __init__(self, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
-        self.model = model
-        self.logits_processor = logits_processor
-        self.stopping_criteria = stopping_criteria
-        config = generation_config
-        self.config = config
-        self.num_beams = num_beams = config.num_beams
-        self.batch_size = batch = input_ids.shape[0] // num_beams
-        self.cur_len = self.decoder_prompt_len = input_ids.shape[1]
-        device = input_ids.device
-        pad_token_id, eos_token_id = config._pad_token_tensor, config._eos_token_tensor
-        n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
-        self.beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
-        self.top_num_beam_mask = torch.cat(
-            (torch.ones(num_beams, dtype=torch.bool), torch.zeros(self.beams_to_keep - num_beams, dtype=torch.bool))
-        ).to(device)
-        return_dict = config.return_dict_in_generate
-        self.all_scores = () if (return_dict and config.output_scores) else None
-        self.raw_logits = () if (return_dict and config.output_logits) else None
-        output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
-        self.running_sequences = torch.full(
-            (batch, num_beams, config.max_length), fill_value=output_fill_value, dtype=torch.int64, device=device
-        )
-        self.running_sequences[:, :, : self.cur_len] = model._unflatten_beam_dim(input_ids, batch, num_beams)
-        self.sequences = self.running_sequences.detach().clone()
-        self.running_beam_scores = torch.zeros((batch, num_beams), dtype=torch.float, device=device)
-        self.running_beam_scores[:, 1:] = -1e9
-        self.beam_scores = torch.full((batch, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
-        self.is_sent_finished = torch.zeros((batch, num_beams), dtype=torch.bool, device=device)
-        self.is_early_stop_heuristic_unsatisfied = torch.ones((batch, 1), dtype=torch.bool, device=device)
-        self.next_token_hits_stopping_criteria = torch.zeros((batch, num_beams), dtype=torch.bool, device=device)
-        self.running_beam_indices = torch.full(
-            (batch, num_beams, config.max_length - self.cur_len), fill_value=-1, dtype=torch.int32, device=device
-        )
-        self.beam_indices = self.running_beam_indices.detach().clone()
-        self.finished = False
-
-    def flat_running(self) -> torch.LongTensor:
-        return self.model._flatten_beam_dim(self.running_sequences[:, :, : self.cur_len])  # [batch * w, cur_len]
-
-    def parents_of_running(self) -> torch.LongTensor:
-        """`[batch * w]`: the flat index of the beam each running beam continued at the last step."""
-        column = self.cur_len - 1 - self.decoder_prompt_len
-        return self.model._flatten_beam_dim(self.running_beam_indices[..., column]).long()
-
-    def step(self, logits: torch.FloatTensor) -> None:
-        """One beam step from the target's logits after each running beam, `[batch * w, V]` (float32)."""
-        model, config = self.model, self.config
-        batch, num_beams, cur_len = self.batch_size, self.num_beams, self.cur_len
-        flat_running_sequences = self.flat_running()
-        log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
-        log_probs = self.logits_processor(flat_running_sequences, log_probs)
-        if self.raw_logits is not None:
-            self.raw_logits += (logits.clone(),)
-        if self.all_scores is not None:
-            self.all_scores += (log_probs.clone(),)
-        log_probs = model._unflatten_beam_dim(log_probs, batch, num_beams)
-        log_probs = log_probs + self.running_beam_scores[:, :, None]
-        log_probs = torch.reshape(log_probs, (batch, -1))
-        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
-            accumulated_log_probs=log_probs,
-            running_sequences=self.running_sequences,
-            running_beam_indices=self.running_beam_indices,
-            cur_len=cur_len,
-            decoder_prompt_len=self.decoder_prompt_len,
-            do_sample=config.do_sample,
-            beams_to_keep=self.beams_to_keep,
-            num_beams=num_beams,
-            batch_size=batch,
-        )
-        hits = self.stopping_criteria(
-            model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), self.all_scores
-        )
-        self.next_token_hits_stopping_criteria = model._unflatten_beam_dim(hits, batch, self.beams_to_keep)
-        self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
-            model._get_running_beams_for_next_iteration(
-                topk_log_probs=topk_log_probs,
-                topk_running_sequences=topk_running_sequences,
-                topk_running_beam_indices=topk_running_beam_indices,
-                next_token_hits_stopping_criteria=self.next_token_hits_stopping_criteria,
-                num_beams=num_beams,
-            )
-        )
-        self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = model._update_finished_beams(
-            sequences=self.sequences,
-            topk_running_sequences=topk_running_sequences,
-            beam_scores=self.beam_scores,
-            topk_log_probs=topk_log_probs,
-            beam_indices=self.beam_indices,
-            topk_running_beam_indices=topk_running_beam_indices,
-            is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
-            is_sent_finished=self.is_sent_finished,
-            next_token_hits_stopping_criteria=self.next_token_hits_stopping_criteria,
-            top_num_beam_mask=self.top_num_beam_mask,
-            num_beams=num_beams,
-            cur_len=cur_len,
-            decoder_prompt_len=self.decoder_prompt_len,
-            length_penalty=config.length_penalty,
-            early_stopping=config.early_stopping,
-        )
-        self.cur_len = cur_len = cur_len + 1
-        self.is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
-            is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
-            running_beam_scores=self.running_beam_scores,
-            beam_scores=self.beam_scores,
-            is_sent_finished=self.is_sent_finished,
-            cur_len=cur_len,
-            max_length=config.max_length,
-            decoder_prompt_len=self.decoder_prompt_len,
-            early_stopping=config.early_stopping,
-            length_penalty=config.length_penalty,
-        )
-        self.finished = not model._beam_search_has_unfinished_sequences(
-            self.is_early_stop_heuristic_unsatisfied,
-            self.is_sent_finished,
-            self.next_token_hits_stopping_criteria,
-            config.early_stopping,
-        )
-
-    def replay(self, tree: _DraftTree, row_logits: torch.FloatTensor):
-        """Beam steps on the logits of the tree's nodes while every running beam is a node. Returns (steps taken,
-        `[batch * w]` the row of each new running beam's parent node, `[batch * w]` each new beam's root)."""
-        start = self.cur_len
-        flat = self.batch_size * self.num_beams
-        origins = list(range(flat))  # the root of each running beam
-        nodes = [tree.nodes[(root, ())] for root in origins]  # (row, depth) of each running beam
-        steps = 0
-        while True:
-            rows = torch.tensor([row for row, _ in nodes], device=row_logits.device)
-            depths = torch.tensor([d for _, d in nodes], device=row_logits.device)
-            self.step(row_logits[rows, depths])
-            steps += 1
-            parents = self.parents_of_running().tolist()
-            parent_rows = [nodes[p][0] for p in parents]
-            origins = [origins[p] for p in parents]
-            if self.finished or steps > tree.depth:
-                break
-            paths = self.flat_running()[:, start:].tolist()
-            found = [tree.nodes.get((root, tuple(path))) for root, path in zip(origins, paths)]
-            if any(node is None for node in found):
-                break  # a running beam the drafter did not keep: its logits are the next round's
-            nodes = found
-        device = row_logits.device
-        return steps, torch.tensor(parent_rows, device=device), torch.tensor(origins, device=device)
-
-    def output(self, model_kwargs: dict, stats: SpeculativeStats | None):
-        """`_beam_search`'s return value, with `speculative_stats`."""
-        model, config = self.model, self.config
-        n = config.num_return_sequences
-        sequences = model._flatten_beam_dim(self.sequences[:, :n, :])
-        beam_scores = model._flatten_beam_dim(self.beam_scores[:, :n])
-        beam_indices = model._flatten_beam_dim(self.beam_indices[:, :n, :])
-        max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
-        sequences = sequences[:, : self.decoder_prompt_len + max_generated_length]
-        beam_indices = beam_indices[:, :max_generated_length]
-        if not config.return_dict_in_generate:
-            return sequences
-        output_class = (
-            SpeculativeBeamEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeBeamDecoderOnlyOutput
-        )
-        return output_class(
-            sequences=sequences,
-            sequences_scores=beam_scores if config.output_scores else None,
-            scores=self.all_scores,
-            logits=self.raw_logits,
-            beam_indices=beam_indices,
-            **{CACHE_KWARG: model_kwargs.get(CACHE_KWARG)},
-            speculative_stats=stats,
-        )

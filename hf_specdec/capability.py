@@ -8,10 +8,10 @@ import weakref
 
 import torch
 
-from .batching import slice_kwargs
+from .batch_rows import slice_kwargs
 from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
+from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
-from .rounds import per_token_prefix, target_logits
 
 __all__ = ["check_multi_token_forward"]
 

@@ -6,133 +6,31 @@ Vocabulary: a **row** is one input record (a dict with a text field and optional
 by one `generate` call. Batches are formed once, from the rows still missing, before they are dealt out to the
 processes, so the same rows meet in the same batches whatever the number of processes.
 
-The output file is written by the main process only. While the run goes on it appends each batch's rows as they
-come back (any order, each line carrying its `index`); at the end it rewrites the file in input order (a temporary
-file moved into place). After an interruption, `resume=True` reads the rows already there, drops a last line cut
-short by the interruption, and generates only the rows still missing: no row is lost or written twice.
+The output file is written by the main process only, created when the first rows come back (options that fail on
+the first batch leave no file behind). While the run goes on it appends each batch's rows as they come back (any
+order, each line carrying its `index`); at the end it rewrites the file in input order (a new file renamed into
+place; a link is never written through). After an interruption, `resume=True` reads the rows already there, drops a
+last line cut short by the interruption, and generates only the rows still missing: no row is lost or written twice.
+It resumes only a file this function wrote (`dataset_files.py` says how it recognises one), and refuses any other.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .dataset_files import WRITTEN, load_rows, named_rows, read_done, read_jsonl, rewrite_in_order
+from .file_writes import append_to
+
 __all__ = ["generate_dataset", "load_rows", "read_jsonl"]
 
-_WRITTEN = ("index", "num_new_tokens", "speculative_stats", "batch_size")  # besides the completion field
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSONL file (one JSON object per line, blank lines skipped).
-
-    A line that is not a JSON object raises a `ValueError` naming the file and the line number."""
-    return _read_jsonl_lines(path)[0]
-
-
-def _read_jsonl_lines(path) -> tuple[list[dict], list[int]]:
-    """`(rows, line_numbers)`."""
-    rows, numbers = [], []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"line {number} of {str(path)!r} is not valid JSON ({err.msg} at column {err.colno}); "
-                    'each line must be one JSON object, e.g. {"prompt": "..."}'
-                ) from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"line {number} of {str(path)!r} is a JSON {type(row).__name__}, not an object; "
-                    'each line must be one JSON object, e.g. {"prompt": "..."}'
-                )
-            rows.append(row)
-            numbers.append(number)
-    return rows, numbers
-
-
-def load_rows(dataset, text_field: str = "prompt", options_field: str = "generation_kwargs") -> list[dict]:
-    """The rows of `dataset` (a JSONL path, a `datasets.Dataset` or dicts) as dicts, checked: each has `text_field`
-    as a string and, if present, `options_field` as a dict. Errors name the row (and its line in a JSONL file)."""
-    if isinstance(dataset, (str, os.PathLike)):
-        path = Path(dataset)
-        if not path.is_file():
-            raise ValueError(
-                f"`dataset` {str(dataset)!r} is not a file; pass a JSONL file, a `datasets.Dataset` or a list of dicts"
-            )
-        rows, numbers = _read_jsonl_lines(path)
-        names = [f"row {index} (line {number} of {str(dataset)!r})" for index, number in enumerate(numbers)]
-    else:
-        if isinstance(dataset, (Mapping, str, bytes)) or not isinstance(dataset, Iterable):
-            raise TypeError(
-                f"`dataset` must be a JSONL path, a `datasets.Dataset` or a list of dicts, got {type(dataset).__name__}"
-            )
-        rows = []
-        for index, row in enumerate(dataset):
-            if not isinstance(row, Mapping):
-                raise TypeError(
-                    f"row {index} of `dataset` is a {type(row).__name__}, not a dict; each row must be a "
-                    'dict such as {"prompt": "..."}'
-                )
-            rows.append(dict(row))
-        names = [f"row {index} of `dataset`" for index in range(len(rows))]
-    for row, name in zip(rows, names):
-        text = row.get(text_field)
-        if not isinstance(text, str):
-            found = "has no" if text_field not in row else f"has a {type(text).__name__} in its"
-            raise ValueError(
-                f"{name} {found} {text_field!r} field (its fields: {sorted(row)}); every row needs the "
-                "prompt text there, or pass the field that holds it as `text_field` (--text-field)"
-            )
-        options = row.get(options_field)
-        if options is not None and not isinstance(options, dict):
-            raise ValueError(
-                f"{name}: {options_field!r} must be a dict of `generate` options such as "
-                f'{{"max_new_tokens": 32}}, got {options!r}'
-            )
-    return rows
-
-
-def _read_done(output: Path, rows: list[dict], text_field: str) -> tuple[dict[int, str], int]:
-    """`(done, keep_bytes)`: the rows a previous run wrote (index -> line) and how many bytes of the file to keep
-    (the last line, when cut short by an interruption, is dropped)."""
-    done, keep = {}, 0
-    with open(output, "rb") as file:
-        data = file.read()
-    lines = data.split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        last = number == len(lines)
-        if not raw.strip():
-            keep += len(raw) + (not last)
-            continue
-        try:
-            record = json.loads(raw)
-            index = record["index"]
-        except (ValueError, KeyError, TypeError):
-            if last:  # cut short by the interruption: generated again
-                break
-            raise ValueError(
-                f"cannot resume: line {number} of {str(output)!r} is not a row this function wrote; "
-                "pass a new output path, or remove the file to start over"
-            ) from None
-        known = isinstance(index, int) and 0 <= index < len(rows)
-        if not known or record.get(text_field) != rows[index][text_field]:
-            raise ValueError(
-                f"cannot resume: line {number} of {str(output)!r} (index {index!r}) is not a row of this "
-                "dataset; pass the dataset it was written for, or a new output path"
-            )
-        if index in done:
-            raise ValueError(f"cannot resume: row {index} appears twice in {str(output)!r} (line {number})")
-        done[index] = raw.decode("utf-8")
-        keep += len(raw) + (not last)
-    return done, keep
+# set by `generate_dataset` itself (from the row's prompt): never a row's or the caller's option
+_OWN_OPTIONS = ("input_ids", "inputs", "attention_mask", "return_dict_in_generate")
 
 
 def _batches(
@@ -178,13 +76,12 @@ def _generate_batch(
         ids = token_ids[index]
         input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         attention_mask[r, width - len(ids) :] = 1
-    options = {**generate_kwargs, **(rows[batch[0]].get(options_field) or {})}
+    options = {"pad_token_id": pad_id, **generate_kwargs, **(rows[batch[0]].get(options_field) or {})}
     if seed is not None:  # the batch's own seed: the same samples whatever process generates it
         torch.manual_seed(seed + min(batch))
     out = model.generate(
         input_ids.to(device),
         attention_mask=attention_mask.to(device),
-        pad_token_id=pad_id,
         return_dict_in_generate=True,
         **options,
     )
@@ -220,6 +117,32 @@ def _generate_batch(
         )
         records.append(record)
     return records
+
+
+def _check_options(model, rows, names, options_field: str, generate_kwargs: dict) -> None:
+    """Fails before any work on `generate` options that could never run: one `generate_dataset` sets itself, or a
+    value `GenerationConfig` refuses (`{"max_new_tokens": "5"}`); each distinct set of a row's options is checked once,
+    naming the first row that carries it."""
+    checked = set()
+    for row, name in zip(rows, names):
+        options = row.get(options_field) or {}
+        key = json.dumps(options, sort_keys=True, default=repr)
+        if key in checked:
+            continue
+        checked.add(key)
+        where = f"{name}: its {options_field!r} {options!r}" if options else "`generate_kwargs`"
+        own = [option for option in _OWN_OPTIONS if option in options]
+        if own:
+            raise ValueError(f"{where} set {own}, which `generate_dataset` sets itself (from the prompt); drop them")
+        config = copy.deepcopy(model.generation_config)
+        try:
+            config.update(**{**generate_kwargs, **options})
+            config.validate(user_set_attributes=set())  # errors only: warnings come once, from `generate`
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{where} are not valid `generate` options ({type(error).__name__}: {error}); fix them (e.g. "
+                '{"max_new_tokens": 32}, numbers as numbers)'
+            ) from None
 
 
 def process_state():
@@ -280,18 +203,20 @@ def generate_dataset(
         dataset (`str`, `os.PathLike`, `datasets.Dataset` or list of dicts):
             A JSONL file (one object per line), a `datasets` dataset, or dicts. Every row needs `text_field`.
         output_file (`str` or `os.PathLike`):
-            The JSONL file to write. It must not exist unless `resume=True`.
+            The JSONL file to write. It must not exist unless `resume=True`, and must not be a symbolic link.
         text_field (`str`, *optional*, defaults to `"prompt"`):
             The row field holding the prompt text.
         options_field (`str`, *optional*, defaults to `"generation_kwargs"`):
             An optional row field holding a dict of `generate` options for that row (e.g. `{"max_new_tokens": 16}`),
-            applied over `generate_kwargs`.
+            applied over `generate_kwargs`. Options that could never run fail before any work, naming the row.
         completion_field (`str`, *optional*, defaults to `"completion"`):
-            The output field holding the generated text.
+            The output field holding the generated text. A row that has a field of this name (or `index`,
+            `num_new_tokens`, `speculative_stats`, `batch_size`) is refused rather than overwritten.
         batch_size (`int`, *optional*, defaults to 8):
             Rows per `generate` call.
         resume (`bool`, *optional*, defaults to `False`):
-            Continue a partial `output_file` written by an interrupted run of the same dataset.
+            Continue a partial `output_file` written by an interrupted run of the same dataset. Any other file is
+            refused, never truncated.
         seed (`int`, *optional*):
             For sampling: each batch is seeded with `seed` plus its smallest row index, so the samples do not depend
             on the number of processes.
@@ -343,13 +268,19 @@ def generate_dataset(
     ):
         if not isinstance(value, str) or not value:
             raise ValueError(f"`{name}` must be a non-empty str, got {value!r}")
-    if completion_field in _WRITTEN or completion_field == text_field:
+    if completion_field in WRITTEN or completion_field == text_field:
         raise ValueError(
             f"`completion_field` {completion_field!r} clashes with a field this function writes; pick another name"
         )
-    if "return_dict_in_generate" in generate_kwargs or "attention_mask" in generate_kwargs:
-        raise ValueError("`generate_dataset` sets `return_dict_in_generate` and `attention_mask` itself; drop them")
+    own = [key for key in _OWN_OPTIONS if key in generate_kwargs]
+    if own:
+        raise ValueError(f"`generate_dataset` sets {own} itself (from each row's prompt); drop them")
     output = Path(output_file)
+    if output.is_symlink():
+        raise ValueError(
+            f"`output_file` {str(output_file)!r} is a symbolic link (to {os.readlink(output)!r}); "
+            "`generate_dataset` never writes through a link: pass the path of the file itself"
+        )
     if output.is_dir():
         raise ValueError(f"`output_file` {str(output_file)!r} is a directory; pass a file name")
     if not output.parent.is_dir():
@@ -361,8 +292,9 @@ def generate_dataset(
             f"`output_file` {str(output_file)!r} exists; pass `resume=True` (--resume) to continue it "
             "after an interruption, or choose another path"
         )
-    rows = load_rows(dataset, text_field, options_field)
+    rows, names = named_rows(dataset, text_field, options_field, completion_field)
     model = enable(model)
+    _check_options(model, rows, names, options_field, generate_kwargs)
 
     tensor_parallel = _tensor_parallel(model)
     for options in [generate_kwargs, *(row.get(options_field) or {} for row in rows)]:
@@ -383,7 +315,7 @@ def generate_dataset(
         state = process_state()
         processes, is_main = state.num_processes, state.is_main_process
 
-    done, keep_bytes = _read_done(output, rows, text_field) if output.exists() else ({}, 0)
+    done, keep_bytes, needs_newline = read_done(output, rows, text_field) if output.exists() else ({}, 0, False)
     _barrier(state, tensor_parallel)  # every process has read the file before the main process touches it
     token_ids = {
         index: tokenizer(rows[index][text_field], add_special_tokens=add_special_tokens)["input_ids"]
@@ -393,8 +325,7 @@ def generate_dataset(
     for index, ids in token_ids.items():
         if not ids:
             raise ValueError(
-                f"row {index} of `dataset`: its {text_field!r} is empty after tokenization; every prompt "
-                "needs at least one token"
+                f"{names[index]}: its {text_field!r} is empty after tokenization; every prompt needs at least one token"
             )
     lengths = {index: len(ids) for index, ids in token_ids.items()}
     batches = _batches(sorted(token_ids), lengths, rows, options_field, batch_size)
@@ -414,14 +345,11 @@ def generate_dataset(
 
     device = execution_device(model)
     pad_id = _pad_id(tokenizer, model)
-    file = None
-    if is_main:
-        if output.exists():
-            os.truncate(output, keep_bytes)
-            if keep_bytes and not output.read_bytes().endswith(b"\n"):
-                with open(output, "a", encoding="utf-8") as tail:
-                    tail.write("\n")
-        file = open(output, "a", encoding="utf-8")
+    file = None  # the output, opened (created) when the first rows come back: a failed first batch leaves none
+    if is_main and output.exists():  # resumed: the last line, if cut short, is dropped
+        file = append_to(output)
+        os.ftruncate(file.fileno(), keep_bytes)
+        file.write("\n" if needs_newline else "")
     progress = None
     if is_main and show_progress:
         from tqdm.auto import tqdm
@@ -430,28 +358,40 @@ def generate_dataset(
     written = 0
     try:
         for batch in mine:
-            records = (
-                _generate_batch(
-                    model,
-                    tokenizer,
-                    rows,
-                    batch,
-                    token_ids,
-                    pad_id,
-                    device,
-                    options_field,
-                    completion_field,
-                    generate_kwargs,
-                    seed,
+            try:
+                records = (
+                    _generate_batch(
+                        model,
+                        tokenizer,
+                        rows,
+                        batch,
+                        token_ids,
+                        pad_id,
+                        device,
+                        options_field,
+                        completion_field,
+                        generate_kwargs,
+                        seed,
+                    )
+                    if batch
+                    else []
                 )
-                if batch
-                else []
-            )
+            except (TypeError, ValueError) as error:  # named when the rows' own options may be the cause
+                options = rows[batch[0]].get(options_field)
+                if not options:
+                    raise
+                then = f", then go on with `resume=True` (--resume): {str(output)!r} keeps the rows written"
+                raise ValueError(
+                    f"{', '.join(names[index] for index in batch)}, with {options_field!r} {options!r}: `generate` "
+                    f"failed ({type(error).__name__}: {error}). Fix or drop these rows' {options_field!r}"
+                    + (then if written or done else "")
+                ) from error
             lines = [json.dumps(record, ensure_ascii=False) for record in records]
             if processes > 1:
                 lines = gather_object(lines)
             written += len(lines)
-            if file is not None:
+            if is_main and lines:
+                file = file if file is not None else append_to(output)
                 file.writelines(line + "\n" for line in lines)
                 file.flush()
             if progress is not None:
@@ -462,7 +402,7 @@ def generate_dataset(
         if file is not None:
             file.close()
     if is_main:
-        _rewrite_in_order(output)
+        rewrite_in_order(output)
     _barrier(state, tensor_parallel)
     return written
 
@@ -472,13 +412,3 @@ def _barrier(state, tensor_parallel: bool) -> None:
         torch.distributed.barrier()
     elif state is not None and state.num_processes > 1:
         state.wait_for_everyone()
-
-
-def _rewrite_in_order(output: Path) -> None:
-    """Sorts the finished file by row index: a temporary file moved into place, so an interruption here loses
-    nothing."""
-    lines = [line for line in output.read_text(encoding="utf-8").splitlines() if line.strip()]
-    lines.sort(key=lambda line: json.loads(line)["index"])
-    temporary = output.with_name(output.name + ".sorting")
-    temporary.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(temporary, output)

@@ -1,6 +1,6 @@
 """The entry point that `model.generate` calls with a drafter: one capability check, then the loop for one
-sequence (`sequence.py`, chains or token trees) or for a batch (`batching.py`), both built on the shared round of
-`rounds.py`.
+sequence (`sequence.py`, chains or token trees), for a batch (`batching.py`) or for beam search (`beam.py`), each
+running the shared round of `rounds.py` with its own lane.
 
 `generate` prepares everything as usual (generation config, logits processors, stopping criteria, cache, encoder
 outputs) and hands the loop the prepared pieces.
@@ -29,7 +29,7 @@ from .configuration import SpeculativeOptions
 from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
-from .rounds import draft_context
+from .proposals import draft_context
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention

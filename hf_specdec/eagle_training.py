@@ -1,10 +1,7 @@
 """Training an EAGLE-3 head on its target's own hidden states (`hf_specdec.distill.train_eagle_drafter`).
 
-The data are the target's own answers (self-distillation, as EAGLE-3 and Medusa-2 train): with `prompts`, the target
-first answers them, sampling in batches; with `texts`, it reads them as they are. Each training batch first runs the
-target (or its copy in `feature_dtype`) forward with `HiddenStateCapture` on the three layers the head reads: that
-gives the features and the target's logits, restricted to the draft vocabulary. Nothing is kept between batches, so
-the data may be far larger than memory (texts read at prefill speed, for instance).
+The data (the target's own answers, or texts as they are) and each batch's target features and logits come from
+`eagle_data.py`.
 
 The loss follows EAGLE-3's training-time test: the head is unrolled `ttt_steps` times, step j feeding at row t its
 own output of step j - 1 and the embedding of token x_{t+1+j}, at position t + j, attending the real rows up to t
@@ -18,158 +15,33 @@ tqdm bar, checkpoints every `save_every` steps in `output_dir`, and `resume_from
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .capture import HiddenStateCapture
 from .drafters.eagle import EagleDrafter
-from .modeling import logits_width
-from .rounds import HiddenStateCapture
+from .eagle_data import (
+    DATA_NAME,
+    answer_loss_masks,
+    batch_reader,
+    draft_vocabulary,
+    gather_sequences,
+    load_sequences,
+    read_saved,
+    save_sequences,
+    target_copy,
+)
+from .file_writes import replace_file, write_text
 
 __all__ = ["eagle_agreement", "train_eagle_drafter"]
 
-DATA_NAME = "eagle_data.pt"
 STATE_NAME = "training_state.pt"
-
-
-def _chat_prompt(tokenizer, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt)["input_ids"]]
-
-
-@torch.no_grad()
-def _answer_prompts(
-    target,
-    tokenizer,
-    prompts: Sequence[str],
-    *,
-    max_answer_tokens: int,
-    batch_size: int,
-    temperature: float,
-    show_progress: bool,
-    deadline: float | None = None,
-    seed: int = 0,
-) -> list[tuple[list[int], int]]:
-    """The target's own answers: `(prompt + answer ids, prompt length)` per prompt, sampled in left-padded batches
-    (in a seeded random order, prompts of similar length sharing a batch). No batch starts after `deadline`
-    (`time.perf_counter()`), so a budget may leave later prompts unanswered."""
-    from tqdm.auto import tqdm
-
-    encoded = [_chat_prompt(tokenizer, prompt) for prompt in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = target.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    shuffled = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()
-    block = 4 * batch_size  # sorted by length within blocks of 4 batches: little padding, no bias to short prompts
-    order = [
-        i
-        for start in range(0, len(shuffled), block)
-        for i in sorted(shuffled[start : start + block], key=lambda i: len(encoded[i]))
-    ]
-    sequences: list[tuple[list[int], int] | None] = [None] * len(encoded)
-    for start in tqdm(range(0, len(order), batch_size), desc="answering prompts", disable=not show_progress):
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        rows = order[start : start + batch_size]
-        width = max(len(encoded[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            ids[r, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-            mask[r, width - len(encoded[i]) :] = 1
-        generation = dict(do_sample=temperature > 0, max_new_tokens=max_answer_tokens, pad_token_id=pad)
-        if temperature > 0:
-            generation.update(temperature=temperature, top_k=0, top_p=1.0)
-        out = target.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), **generation)
-        for r, i in enumerate(rows):
-            answer = out[r, width:].tolist()
-            for position, token in enumerate(answer):
-                if token in eos:
-                    answer = answer[: position + 1]
-                    break
-            sequences[i] = (encoded[i] + answer, len(encoded[i]))
-    return [s for s in sequences if s is not None]
-
-
-@torch.no_grad()
-def _synthetic_prompts(
-    target,
-    tokenizer,
-    count: int,
-    *,
-    batch_size: int,
-    show_progress: bool,
-    deadline: float | None = None,
-    max_tokens: int = 64,
-) -> list[str]:
-    """Instructions the target writes itself (Magpie, Xu et al. 2024): sampled after the user-turn prefix of its
-    chat template, up to the template's end-of-turn token; unfinished or very short ones are dropped."""
-    from tqdm.auto import tqdm
-
-    marker = "\ue000hf_specdec\ue000"
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "`num_synthetic_prompts` needs a tokenizer with a chat template (the target writes "
-            "instructions after its user-turn prefix); pass `prompts=` or `texts=` instead."
-        )
-    template = tokenizer.apply_chat_template(
-        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
-    )
-    if marker not in template:
-        raise ValueError(
-            "`num_synthetic_prompts`: the tokenizer's chat template does not show the user's message "
-            "verbatim; pass `prompts=` or `texts=` instead."
-        )
-    prefix, suffix = template.split(marker, 1)
-    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    end_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
-    if not prefix_ids or not end_ids:
-        raise ValueError(
-            "`num_synthetic_prompts`: could not find the chat template's user-turn prefix and "
-            "end-of-turn token; pass `prompts=` or `texts=` instead."
-        )
-    end = end_ids[0]
-    found: list[str] = []
-    seen = set()
-    ids = torch.tensor([prefix_ids] * batch_size, device=target.device)
-    bar = tqdm(total=count, desc="writing prompts", disable=not show_progress)
-    for _ in range(4 * math.ceil(count / batch_size)):  # bounded: a model that never ends its turns stops here
-        if len(found) >= count or (deadline is not None and time.perf_counter() > deadline):
-            break
-        out = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=0.95,
-            max_new_tokens=max_tokens,
-            eos_token_id=end,
-            pad_token_id=end,
-        )
-        for row in out[:, len(prefix_ids) :].tolist():
-            if end not in row:
-                continue
-            text = tokenizer.decode(row[: row.index(end)], skip_special_tokens=True).strip()
-            if len(text) >= 12 and text not in seen and len(found) < count:
-                seen.add(text)
-                found.append(text)
-                bar.update(1)
-    bar.close()
-    return found
 
 
 def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8):
@@ -218,34 +90,6 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
     return total, agree, counted
 
 
-def _collate(reader, capture, hot_ids, loss_masks, sequences):
-    """Pads the sequences `indices` on the right and runs the target (`reader`) forward over them once: (ids, the
-    features `[b, T, 3h]` and the target's logits over the draft vocabulary `[b, T, dv]` in float32, whether its
-    argmax lies in the draft vocabulary, loss mask)."""
-    device = next(reader.parameters()).device
-    hot_ids = hot_ids.to(device)
-    in_draft = torch.zeros(logits_width(reader), dtype=torch.bool, device=device)
-    in_draft[hot_ids] = True
-
-    @torch.no_grad()
-    def collate(indices):
-        length = max(len(sequences[i][0]) for i in indices)
-        b = len(indices)
-        ids = torch.zeros(b, length, dtype=torch.long)
-        attention = torch.zeros(b, length, dtype=torch.long)
-        mask = torch.zeros(b, length, dtype=torch.bool)
-        for r, i in enumerate(indices):
-            n = len(sequences[i][0])
-            ids[r, :n] = torch.tensor(sequences[i][0])
-            attention[r, :n] = 1
-            mask[r, :n] = loss_masks[i]
-        logits = reader(input_ids=ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
-        features = capture.take().float()  # [b, T, 3h]
-        return ids, features, logits[..., hot_ids].float(), in_draft[logits.argmax(-1)], mask
-
-    return collate
-
-
 def _as_dtype(value, name: str) -> torch.dtype | None:
     if isinstance(value, str):
         if not isinstance(getattr(torch, value, None), torch.dtype):
@@ -254,15 +98,6 @@ def _as_dtype(value, name: str) -> torch.dtype | None:
     if value is not None and not isinstance(value, torch.dtype):
         raise TypeError(f"`{name}` must be a torch.dtype or its name, got {value!r}.")
     return value
-
-
-def _copy_in(target, dtype: torch.dtype | None, copies: dict):
-    """`target` itself, or one shared copy of it in `dtype` (the user's model is never converted)."""
-    if dtype in (None, target.dtype):
-        return target
-    if dtype not in copies:
-        copies[dtype] = copy.deepcopy(target).to(dtype).eval()
-    return copies[dtype]
 
 
 def train_eagle_drafter(
@@ -419,61 +254,33 @@ def train_eagle_drafter(
     # 1. data: the target's answers (or the texts), tokenized; saved so that a resumed run reuses them
     data_file = output_dir / DATA_NAME if output_dir is not None else None
     if checkpoint is not None and data_file is not None and data_file.exists():
-        saved = torch.load(data_file, weights_only=True)
-        sequences = [(ids.tolist(), int(start)) for ids, start in zip(saved["sequences"], saved["starts"])]
-        answer_seconds = float(saved["answer_seconds"])
-        written = int(saved.get("written_prompts", 0))
+        sequences, answer_seconds, written = load_sequences(data_file)
     else:
         answer_start = time.perf_counter()
         answer_minutes = (
             max_answer_minutes if max_answer_minutes is not None else (None if max_minutes is None else max_minutes / 2)
         )
         deadline = None if answer_minutes is None else answer_start + 60.0 * answer_minutes
-        sequences = []
-        written = 0
-        all_prompts = list(prompts or [])
-        if all_prompts or num_synthetic_prompts:
-            answerer = _copy_in(target, answer_dtype, copies)
-            if num_synthetic_prompts:
-                # writing prompts gets at most a quarter of the answering budget
-                write_deadline = None if deadline is None else answer_start + 0.25 * (deadline - answer_start)
-                synthetic = _synthetic_prompts(
-                    answerer,
-                    tokenizer,
-                    num_synthetic_prompts,
-                    batch_size=generation_batch_size,
-                    show_progress=show,
-                    deadline=write_deadline,
-                )
-                all_prompts += synthetic
-                written = len(synthetic)
-            sequences += _answer_prompts(
-                answerer,
-                tokenizer,
-                all_prompts,
-                max_answer_tokens=max_answer_tokens,
-                batch_size=generation_batch_size,
-                temperature=answer_temperature,
-                show_progress=show,
-                deadline=deadline,
-                seed=seed,
-            )
-        for text in texts or []:
-            ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
-            if len(ids) >= 3:
-                sequences.append(([int(i) for i in ids], 1))
+        sequences, written = gather_sequences(
+            target,
+            tokenizer,
+            prompts,
+            texts,
+            num_synthetic_prompts=num_synthetic_prompts,
+            answer_dtype=answer_dtype,
+            copies=copies,
+            max_answer_tokens=max_answer_tokens,
+            answer_temperature=answer_temperature,
+            generation_batch_size=generation_batch_size,
+            answer_start=answer_start,
+            deadline=deadline,
+            seed=seed,
+            show_progress=show,
+        )
         answer_seconds = time.perf_counter() - answer_start
         if data_file is not None and accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {
-                    "sequences": [torch.tensor(ids) for ids, _ in sequences],
-                    "starts": torch.tensor([start for _, start in sequences]),
-                    "answer_seconds": answer_seconds,
-                    "written_prompts": written,
-                },
-                data_file,
-            )
+            save_sequences(data_file, sequences, answer_seconds, written)
     if len(sequences) < 2:
         raise ValueError(f"train_eagle_drafter got {len(sequences)} usable sequence(s); give more prompts or texts.")
     generator = torch.Generator().manual_seed(seed)
@@ -482,16 +289,7 @@ def train_eagle_drafter(
     eval_ids, train_ids = order[:num_eval], order[num_eval:]
 
     # 2. the draft vocabulary: the most frequent tokens the head is trained to predict
-    counts = Counter(token for i in train_ids for token in sequences[i][0][max(sequences[i][1], 1) :])
-    vocab = logits_width(target)
-    size = min(draft_vocab_size or 32000, vocab)
-    eos = target.generation_config.eos_token_id
-    must = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None and 0 <= t < vocab]
-    ranked = must + [token for token, _ in counts.most_common() if token not in must]
-    if draft_vocab_size is None:
-        ranked = ranked[:size]
-    else:
-        ranked = (ranked + [t for t in range(vocab) if t not in set(ranked)])[:size]
+    ranked = draft_vocabulary(target, sequences, train_ids, draft_vocab_size)
     if checkpoint is not None:
         drafter = EagleDrafter.from_pretrained(checkpoint, target)
     else:
@@ -504,15 +302,11 @@ def train_eagle_drafter(
     for dtype in list(copies):
         if dtype != feature_dtype:
             del copies[dtype]
-    reader = _copy_in(target, feature_dtype, copies)
-    loss_masks = []
-    for ids, start in sequences:
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[max(start - 1, 0) :] = True  # predictions of answer tokens (position s predicts x_{s+1})
-        loss_masks.append(mask)
+    reader = target_copy(target, feature_dtype, copies)
+    loss_masks = answer_loss_masks(sequences)
     capture = HiddenStateCapture(reader, model.config.eagle_layers, owner="train_eagle_drafter")
     try:
-        read = _collate(reader, capture, hot_ids, loss_masks, sequences)
+        read = batch_reader(reader, capture, hot_ids, loss_masks, sequences)
         feature_seconds = 0.0
 
         def collate(indices):
@@ -560,13 +354,7 @@ def train_eagle_drafter(
         # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
         optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
         if checkpoint is not None:
-            saved_state = torch.load(Path(checkpoint) / STATE_NAME, weights_only=True)
-            optimizer.load_state_dict(saved_state["optimizer"])
-            state.update(
-                step=int(saved_state["step"]),
-                train_seconds=float(saved_state["train_seconds"]),
-                loss_tokens=int(saved_state.get("loss_tokens", 0)),
-            )
+            _restore_state(Path(checkpoint) / STATE_NAME, optimizer, state)
         embeddings_device = next(embeddings.parameters()).device
 
         def embed(tokens):
@@ -635,9 +423,8 @@ def train_eagle_drafter(
     }
     if output_dir is not None and accelerator.is_main_process:
         drafter.save_pretrained(output_dir)
-        (output_dir / "training_log.json").write_text(
-            json.dumps({"info": drafter.training_info, "log": log}, indent=1) + "\n"
-        )
+        record = json.dumps({"info": drafter.training_info, "log": log}, indent=1)
+        write_text(output_dir / "training_log.json", record + "\n")
     return drafter
 
 
@@ -662,15 +449,27 @@ def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: 
     folder = output_dir / f"checkpoint-{state['step']}"
     snapshot = EagleDrafter(model, target_name=drafter.target_name)
     snapshot.save_pretrained(folder)
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "step": state["step"],
-            "train_seconds": state["train_seconds"],
-            "loss_tokens": state["loss_tokens"],
-        },
-        folder / STATE_NAME,
+    saved = {
+        "optimizer": optimizer.state_dict(),
+        **{key: state[key] for key in ("step", "train_seconds", "loss_tokens")},
+    }
+    replace_file(folder / STATE_NAME, lambda file: torch.save(saved, file))
+
+
+def _restore_state(file: Path, optimizer, state: dict) -> None:
+    """Loads the optimizer and the step counts a checkpoint saved; a file that is not what `_save_checkpoint` wrote
+    fails naming it and the fix."""
+    fix = (
+        f"Resume from an earlier checkpoint-<step> folder (delete {file.parent}), or start over without "
+        "`resume_from_checkpoint` (--resume)."
     )
+    saved = read_saved(file, fix)
+    try:
+        optimizer.load_state_dict(saved["optimizer"])
+        step, seconds, tokens = int(saved["step"]), float(saved["train_seconds"]), int(saved.get("loss_tokens", 0))
+        state.update(step=step, train_seconds=seconds, loss_tokens=tokens)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise OSError(f"{file} is not the training state `train_eagle_drafter` saves ({error!r}). {fix}") from None
 
 
 def _find_checkpoint(resume, output_dir: Path | None) -> Path | None:
@@ -679,9 +478,17 @@ def _find_checkpoint(resume, output_dir: Path | None) -> Path | None:
     if resume is True:
         if output_dir is None:
             raise ValueError("`resume_from_checkpoint=True` needs `output_dir=` (where the checkpoints are).")
-        folders = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+        folders = sorted(
+            (path for path in output_dir.glob("checkpoint-*") if path.name.removeprefix("checkpoint-").isdigit()),
+            key=lambda path: int(path.name.removeprefix("checkpoint-")),
+        )
         if not folders:
             raise ValueError(f"`resume_from_checkpoint=True`, but {output_dir} holds no checkpoint-<step> folder.")
+        if not (folders[-1] / STATE_NAME).is_file():
+            raise ValueError(
+                f"`resume_from_checkpoint=True`: the latest checkpoint {folders[-1]} has no {STATE_NAME} (cut short "
+                "while it was written?); delete that folder to resume from the one before it."
+            )
         return folders[-1]
     path = Path(resume)
     if not (path / STATE_NAME).exists():

@@ -62,6 +62,7 @@ FAMILIES = (
     Family("zoo", "Zoo: code model and drafters", r"^zoo_", "bench_zoo.py"),
     Family("overhead", "Loop overhead and host reads", r"^overhead_", "bench_overhead.py"),
     Family("gpu", "GPU", r"^gpu_", "bench_gpu.py"),
+    Family("native", "Drafters that ship with the model", r"^native_drafters_", "bench_native_drafters.py"),
     Family("other", "Other results", r"", None),
 )
 

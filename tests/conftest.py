@@ -14,6 +14,7 @@ from transformers.generation import GenerationMixin
 
 import hf_specdec
 from hf_specdec.drafters.base import _REGISTRY as _DRAFTERS
+from hf_specdec.mixin import _install_into_transformers
 from hf_specdec.policies import _POLICIES
 
 # tiny models gain nothing from intra-op threads, and on a loaded 2-core machine threads oversubscribe badly
@@ -61,6 +62,8 @@ def _global_state() -> dict:
         "hf_specdec policy registry": dict(_POLICIES._classes),
         "transformers pipeline registry": {task: dict(spec) for task, spec in registry.supported_tasks.items()},
         "transformers pipeline aliases": dict(registry.task_aliases),
+        # hf_specdec's registration wraps `check_task` on the registry instance (4.x's "translation_XX_to_YY" names)
+        "transformers pipeline registry check_task": registry.__dict__.get("check_task"),
         "transformers AutoConfig registry": dict(CONFIG_MAPPING._extra_content),
         "transformers causal LM registry": dict(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content),
         "transformers seq2seq registry": dict(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING._extra_content),
@@ -68,8 +71,19 @@ def _global_state() -> dict:
     }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def installed_into_transformers():
+    """What the first `hf_specdec.enable` of a process installs into transformers, once (hf_specdec's pipelines in
+    its registry, the hint in its unused-arguments error), installed before the first test.
+
+    Every test then starts from that state, whichever test enables a model first, and `leaves_global_state_as_found`
+    fails a test that changes it in any other way. tests/test_enable.py checks, in fresh processes, that importing
+    hf_specdec installs nothing and that `enable` and `register_pipelines` install this."""
+    _install_into_transformers()
+
+
 @pytest.fixture(autouse=True)
-def leaves_global_state_as_found(request):
+def leaves_global_state_as_found(request, installed_into_transformers):
     """Fails a test that leaves torch's or transformers' global state (or our registries) changed: a later test, in
     this process or on a fresh machine with another test order, would otherwise run under it."""
     before = _global_state()

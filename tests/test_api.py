@@ -284,7 +284,6 @@ def test_drafter_argument_errors():
         ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
         ("target_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
         ("assistant_ensemble_weight", 0.5, "`speculative_lenience`"),
-        ("use_mtp", True, "multi-token prediction"),
         ("speculation_type", "dflash", "speculation of that type"),
     ],
 )
@@ -301,6 +300,28 @@ def test_transformers_assisted_generation_settings_are_refused_not_ignored(name,
         model.generate(prompt(), drafter="prompt_lookup", generation_config=config)
     assert getattr(config, name) == value  # the user's config is left as it was
     # unset (None) or switched off (use_mtp=False): not refused
+    model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: False if name == "use_mtp" else None})
+
+
+@pytest.mark.parametrize(
+    "name, value, registered", [("use_mtp", True, "mtp"), ("assistant_early_exit", 2, "early_exit")]
+)
+def test_requests_for_the_models_own_drafter_beside_another_drafter_are_refused(name, value, registered):
+    """`use_mtp=True` and `assistant_early_exit=k` ask for the drafter that ships with the model (served by
+    hf_specdec's drafter of that family): beside another drafter they are refused, in the call and in a passed
+    config, which is left as it was."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    message = (
+        rf"`{name}={value!r}` asks for the model's own drafter, but the call also passes .*drafter=\"{registered}\""
+    )
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: value})
+    config = GenerationConfig(max_new_tokens=3, do_sample=False)
+    setattr(config, name, value)
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt(), drafter="prompt_lookup", generation_config=config)
+    assert getattr(config, name) == value
+    # unset (None) or switched off (use_mtp=False): another drafter runs
     model.generate(prompt(), assistant_model=model, max_new_tokens=3, **{name: False if name == "use_mtp" else None})
 
 

@@ -94,6 +94,50 @@ def test_model_drafters_match_plain_batched_generate(batch_setup):
     assert torch.equal(sequences, plain) and 0 < stats.accepted_tokens < stats.drafted_tokens
 
 
+class HostRealigned(hf_specdec.ModelDrafter):
+    """A draft model that records what its cache holds (the ids fed, per row) after each round."""
+
+    def __init__(self, model, held: list):
+        super().__init__(model)
+        self.held = held  # per round: the ids the cache holds, `[rows, cached]` (shared with the per-call copy)
+
+    def on_verified(self, input_ids, num_accepted, attention_mask=None, accepted_nodes=None, **hints):
+        super().on_verified(input_ids, num_accepted, attention_mask, accepted_nodes, **hints)
+        self.held.append(self.fed_ids.clone())
+
+
+class DeviceRealigned(HostRealigned):
+    """The same without the loop's host-side padding: it realigns its cache from the device (one read per round), as
+    any padded-batch drafter without it does."""
+
+    def on_verified(self, input_ids, num_accepted, attention_mask=None, accepted_nodes=None):
+        super().on_verified(input_ids, num_accepted, attention_mask, accepted_nodes)
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_draft_cache_realigned_from_host_padding_holds_what_the_device_realignment_keeps(batch_setup, do_sample):
+    """The draft model's cache, realigned from the padding the loop hands it, holds after every round
+    exactly what the device-side realignment keeps: the same ids, the same drafts, the same output."""
+    target, ids, mask, plain = batch_setup
+    draft = noisy_copy(target, scale=0.5)
+    runs = []
+    for drafter_class in (HostRealigned, DeviceRealigned):
+        torch.manual_seed(3)
+        held = []
+        sequences, stats = run(target, ids, mask, gamma=2, drafter=drafter_class(draft, held), do_sample=do_sample)
+        runs.append((sequences, held, [(row.accepted_tokens, row.drafted_tokens) for row in stats.rows]))
+        # rounds where a row takes every draft (its cache then lacks the last one)
+        histogram = stats.accepted_length_histogram
+        assert histogram[-1] > 0
+    (host, host_held, host_rows), (device, device_held, device_rows) = runs
+    assert torch.equal(host, device) and host_rows == device_rows
+    assert len(host_held) == len(device_held) > 0
+    assert all(torch.equal(a, b) for a, b in zip(host_held, device_held))
+    if not do_sample:
+        assert torch.equal(host, plain)
+    assert 0 < sum(a for a, _ in host_rows) < sum(d for _, d in host_rows)  # partly right: the caches matter
+
+
 @pytest.mark.parametrize("period", (None, 1, 2, 3))
 def test_per_row_drafters_match_plain_batched_generate(batch_setup, period):
     target, ids, mask, plain = batch_setup

@@ -16,7 +16,7 @@ BATCH_ONLY_ONE = {"transformers", "ours_tree"}  # transformers' assisted generat
 
 @pytest.fixture
 def bench_gpu():
-    """The script as a module: benchmarks/ on sys.path while the test runs (its sibling imports need it)."""
+    """The script as a module: benchmarks/ on sys.path while the test runs (it imports harness.py and pairs.py)."""
     saved_path, saved_modules = list(sys.path), set(sys.modules)
     sys.path.insert(0, str(BENCHMARKS))
     try:

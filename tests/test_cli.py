@@ -66,14 +66,14 @@ def test_demo_on_a_local_model(capsys):
 
 
 def test_demo_exits_non_zero_when_an_output_differs(capsys, monkeypatch):
-    from hf_specdec import cli
+    from hf_specdec.cli import loading
 
-    load_drafter = cli._load_drafter
+    load_drafter = loading.load_drafter
 
     def suppressing(spec, **kwargs):  # a "drafter" that also bans most tokens: its output cannot be plain's
         return {**load_drafter(spec, **kwargs), "suppress_tokens": list(range(1, 8192))}
 
-    monkeypatch.setattr(cli, "_load_drafter", suppressing)
+    monkeypatch.setattr(loading, "load_drafter", suppressing)
     status, out, _ = run(capsys, *FAST_DEMO)
     assert status == 1
     assert "output identical to plain generate: False" in out and "THE OUTPUTS DIFFER" in out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import transformers
@@ -71,9 +73,9 @@ def test_more_prompts_than_the_task_has(capsys):
 
 
 def test_output_paths_are_checked_before_any_work(capsys, tmp_path, monkeypatch):
-    import hf_specdec.cli as cli
+    from hf_specdec.cli import loading
 
-    monkeypatch.setattr(cli, "_load_target", lambda *a, **k: pytest.fail("loaded a model before checking --output"))
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("loaded a model before checking --output"))
     missing = str(tmp_path / "no" / "such" / "rows.json")
     assert_error(
         capsys,
@@ -194,6 +196,14 @@ def test_version(capsys):
     assert out.startswith("hf-specdec 0.") and "torch " in out and "transformers " in out
 
 
+@pytest.mark.parametrize("module", ["hf_specdec", "hf_specdec.cli"])
+def test_python_dash_m_runs_the_command(module):
+    # `python -m hf_specdec.cli` is how `torchrun` and `accelerate launch` start it
+    result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("hf-specdec 0.")
+
+
 def subcommands():
     parser = _parser()
     action = next(a for a in parser._actions if a.dest == "command")
@@ -239,4 +249,5 @@ def test_bench_reports_medians_spread_and_threads(capsys, tmp_path):
     result = json.loads((tmp_path / "rows.json").read_text())
     row = result["rows"][0]
     assert result["repeats"] == 2 and len(row["runs_s"]["plain"]) == 2 and len(row["runs_s"]["transformers"]) == 2
+    assert result["machine"]["threads"] >= 1 and result["machine"]["date"]  # written by hf_specdec.benchmarking
     assert row["v"] > 0 and row["theorem_3_8_at_measured_v"] > 0 and row["identical_to_plain"]

@@ -32,8 +32,8 @@ from hf_specdec.drafters.cross_tokenizer import (
     IncrementalDetokenizer,
     IncrementalRetokenizer,
     shared_vocabulary,
-    token_strings,
 )
+from hf_specdec.drafters.retokenization import token_strings
 from hf_specdec.mixin import resolve_drafter
 from hf_specdec.modeling import logits_width
 
@@ -390,7 +390,7 @@ def test_proposal_q_is_the_shared_vocabulary(tokenizers, targets):
         tiny_model("llama", seed=5, vocab_size=len(assistant_tokenizer)), tokenizer, assistant_tokenizer
     )
     ids = encode(tokenizer, PROMPTS[0])
-    from hf_specdec.rounds import draft_context
+    from hf_specdec.proposals import draft_context
 
     generation_config, _ = target._prepare_generation_config(None, do_sample=True, temperature=1.0, top_k=0)
     call = drafter.for_call(

@@ -257,7 +257,7 @@ def test_sampling_follows_the_target(tree_budget):
 def test_sampling_proposals_carry_q_over_the_full_vocabulary():
     target, drafter = trained_head("llama")
     ids = prompt(6, seed=3)
-    context = hf_specdec.rounds.draft_context(
+    context = hf_specdec.proposals.draft_context(
         target, ids, processors(target, ids, dict(temperature=0.8, top_k=5)), target.generation_config, {}, None
     )
     context.generation_config = target.generation_config.__class__(do_sample=True)
@@ -483,8 +483,8 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
 def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_feature_dtype():
     """Features and target logits come from one forward per training batch (right-padded), at the head's layers, by
     a copy of the target in `feature_dtype`; the user's model is neither converted nor left with hooks."""
-    from hf_specdec.eagle_training import _collate
-    from hf_specdec.rounds import HiddenStateCapture
+    from hf_specdec.capture import HiddenStateCapture
+    from hf_specdec.eagle_data import batch_reader
 
     target = eagle_target("llama", seed=2)
     texts = own_samples(target, count=6, length=12, seed=1)
@@ -496,7 +496,7 @@ def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_featur
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
         reader = copy.deepcopy(target).to(dtype)
         with HiddenStateCapture(reader, layers) as capture:
-            ids, features, logits, in_draft, loss_mask = _collate(reader, capture, hot, masks, sequences)([0, 1, 2])
+            ids, features, logits, in_draft, loss_mask = batch_reader(reader, capture, hot, masks, sequences)([0, 1, 2])
         for row, i in enumerate([0, 1, 2]):
             n = len(texts[i])
             with torch.no_grad():
@@ -686,7 +686,7 @@ def test_the_target_writes_and_answers_its_own_prompts_in_another_dtype(local_to
     end-of-turn token, then answered like `prompts`; `answer_dtype` answers with a converted copy, never the model."""
     import copy
 
-    from hf_specdec.eagle_training import _synthetic_prompts
+    from hf_specdec.eagle_data import synthetic_prompts
 
     tokenizer = copy.deepcopy(local_tokenizer)
     tokenizer.chat_template = (
@@ -710,7 +710,7 @@ def test_the_target_writes_and_answers_its_own_prompts_in_another_dtype(local_to
     target.generation_config.eos_token_id = None
     before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
     torch.manual_seed(0)
-    written = _synthetic_prompts(target, tokenizer, 6, batch_size=8, show_progress=False)
+    written = synthetic_prompts(target, tokenizer, 6, batch_size=8, show_progress=False)
     assert 1 <= len(written) <= 6 and len(set(written)) == len(written)
     assert all(len(text) >= 12 and "<eos>" not in text for text in written)
     drafter = train_eagle_drafter(

@@ -234,7 +234,15 @@ def test_misspelt_speculative_field_in_a_config_fails_like_the_keyword(target, t
         (
             "ngram",
             {"pretrained_model_name_or_path": str(ZOO_DIR / "ngram"), "top": 2},
-            r"Unknown option\(s\) \['top'\] for `NGramDrafter.from_pretrained`, got \{'top': 2\}. It accepts \['n', 'top_k'",
+            r"Unknown `drafter_kwargs` key\(s\) \['top'\] for NGramDrafter, got drafter_kwargs=\{"
+            r"'pretrained_model_name_or_path': '.*ngram', 'top': 2\}. NGramDrafter accepts "
+            r"\['pretrained_model_name_or_path', 'n', 'top_k'",
+        ),
+        (
+            "eagle",
+            {"pretrained": "unused", "tree_topk": 2},
+            r"Unknown `drafter_kwargs` key\(s\) \['tree_topk'\] for EagleDrafter, got drafter_kwargs="
+            r"\{'pretrained': 'unused', 'tree_topk': 2\}. EagleDrafter accepts \['model', 'pretrained'",
         ),
     ],
 )

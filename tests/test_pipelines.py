@@ -1,5 +1,9 @@
 """hf_specdec.pipelines: the text2text-generation, summarization and translation pipelines, and speculative arguments
-passed through transformers' pipelines (speculative output == plain output)."""
+passed through transformers' pipelines (speculative output == plain output).
+
+`pipeline(task, ...)` builds hf_specdec's pipelines once they are registered: by the process's first `hf_specdec.enable`
+or by `register_pipelines()`. Each test enables its models or calls `register_pipelines()` as a user would; conftest's
+session fixture has already installed both before the first test, so those calls change nothing here."""
 
 from __future__ import annotations
 
@@ -20,9 +24,9 @@ from hf_specdec.pipelines import (
     Text2TextGenerationPipeline,
     TextGenerationPipeline,
     TranslationPipeline,
-    _load_path_assistants_safely,
     register_pipelines,
 )
+from hf_specdec.pipelines.registration import _load_path_assistants_safely
 
 PAD, EOS, UNK = 0, 1, 2  # the tokenizer's special tokens, in this order; the decoder starts from PAD (as T5)
 NEW_TOKENS = 20
@@ -289,6 +293,7 @@ def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(to
 
 
 def test_wrong_model_kind_is_a_clear_error(tokenizer):
+    register_pipelines()  # no model is enabled here: the tasks are registered as a user would register them
     decoder_only = tiny_model("llama", vocab_size=len(tokenizer))
     with pytest.raises(
         ValueError,
@@ -363,7 +368,13 @@ def test_registration_keeps_tasks_transformers_has():
     assert custom.supported_tasks["automatic-speech-recognition"]["impl"] is object
     assert custom.supported_tasks["text-generation"]["impl"] is int
 
-    # transformers 5.x lacks all three, so importing hf_specdec.pipelines registered them
+    # a registry's generating entries are pointed by `register_pipelines` itself
+    registry = PipelineRegistry({"text-generation": {"impl": TransformersTextGeneration}}, {})
+    assert register_pipelines(registry, {}) == ["text2text-generation", "summarization", "translation"]
+    assert registry.check_task("text-generation")[1]["impl"] is TextGenerationPipeline
+
+    # transformers 5.x lacks all three, so the process's first `enable` registered them (in this suite, conftest's
+    # session fixture installs what that `enable` installs; tests/test_enable.py checks it in a fresh process)
     from transformers.pipelines import PIPELINE_REGISTRY
 
     for task, pipeline_class in [

@@ -1,8 +1,13 @@
-"""hf_specdec.pipelines: transformers' generating pipelines that importing hf_specdec replaces with subclasses
+"""hf_specdec.pipelines: transformers' generating pipelines that hf_specdec's registration replaces with subclasses
 (image-text-to-text, any-to-any, table and document question answering, text-to-audio). The speculative arguments
 reach `generate` from the construction and from a call (a call's over the construction's), also where transformers
 drops them; the output equals the plain output; assistants given by path load from safetensors only; and
-speculative arguments are refused where the model does not generate or is not enabled."""
+speculative arguments are refused where the model does not generate or is not enabled.
+
+The subclasses are registered by the process's first `hf_specdec.enable` or by `register_pipelines()`, never by
+importing hf_specdec (tests/test_enable.py). Each test enables its models or calls `register_pipelines()` as a user
+would; conftest's session fixture has already installed both before the first test, so those calls change nothing
+here."""
 
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ from hf_specdec.pipelines import (
     ImageTextToTextPipeline,
     TableQuestionAnsweringPipeline,
     TextToAudioPipeline,
+    register_pipelines,
 )
 
 IMAGE_PROMPT = "<image> the cat sat on the"
@@ -126,9 +132,10 @@ def random_image(size: int, seed: int = 0) -> Image.Image:
         ("text-to-speech", TextToAudioPipeline),  # transformers' alias of text-to-audio
     ],
 )
-def test_importing_hf_specdec_points_the_tasks_at_its_subclasses(task, pipeline_class):
+def test_registration_points_the_tasks_at_its_subclasses(task, pipeline_class):
     import transformers.pipelines
 
+    register_pipelines()  # as the first `enable` does
     assert transformers.pipelines.PIPELINE_REGISTRY.check_task(task)[1]["impl"] is pipeline_class
     assert issubclass(pipeline_class, getattr(transformers.pipelines, pipeline_class.__name__))  # transformers' own
 
@@ -704,6 +711,7 @@ def test_musicgen_refuses_speculative_decoding_clearly(tokenizer):
 
 
 def test_models_that_do_not_generate_refuse_speculative_arguments(tokenizer):
+    register_pipelines()  # no model is enabled here: the tasks are pointed as a user would point them
     vits = tiny_vits(len(tokenizer))
     with pytest.raises(
         ValueError,

@@ -831,7 +831,7 @@ def test_a_custom_policy_with_observe_only_still_serves_batches(target):
 
 
 def test_first_draft_acceptance_is_what_verification_would_accept():
-    from hf_specdec.rounds import first_draft_acceptance
+    from hf_specdec.verdicts import first_draft_acceptance
 
     scores = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0]))  # p over 4 tokens
     chain = hf_specdec.DraftProposal(tokens=torch.tensor([[1, 2]]))

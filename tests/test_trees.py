@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import hf_specdec
 from hf_specdec.caches import compact_cache
-from hf_specdec.rounds import TreeLayout
+from hf_specdec.layouts import TreeLayout
 from hf_specdec.trees import ancestor_mask, chain_parents, tree_attention_bias, tree_depths
 
 NEW_TOKENS = 24

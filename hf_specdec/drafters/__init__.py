@@ -3,7 +3,9 @@
 from .base import DraftContext, Drafter, DraftProposal, get_drafter_class, list_drafters, register_drafter
 from .cross_tokenizer import CrossTokenizerDrafter
 from .eagle import EagleDrafter
+from .early_exit import EarlyExitDrafter
 from .model import ModelDrafter
+from .mtp import MtpDrafter
 from .ngram import NGramDrafter
 from .prompt_lookup import PromptLookupDrafter
 
@@ -13,7 +15,9 @@ __all__ = [
     "DraftProposal",
     "Drafter",
     "EagleDrafter",
+    "EarlyExitDrafter",
     "ModelDrafter",
+    "MtpDrafter",
     "NGramDrafter",
     "PromptLookupDrafter",
     "get_drafter_class",

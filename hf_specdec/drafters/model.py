@@ -12,19 +12,15 @@ import inspect
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel, StaticCache
-from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import logging
 
 from ..caches import (
-    CACHE_KWARG,
     cache_argument,
     cached_length,
     croppable_after_first_forward,
-    is_static,
     realign_cache,
     rewind_cache,
     slice_cache,
-    static_rewind_problem,
 )
 from ..devices import execution_device
 from ..modeling import logits_width
@@ -32,6 +28,8 @@ from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
 from .base import DraftContext, Drafter, DraftProposal, register_drafter
+from .batch_realignment import batch_realignment
+from .model_setup import compiled_forward, encoder_inputs, static_draft_cache
 from .tree_builder import DynamicTree
 
 __all__ = ["ModelDrafter"]
@@ -177,13 +175,16 @@ class ModelDrafter(Drafter):
                     "target's vocabulary."
                 )
             self.attention_mask = context.model_kwargs.get("attention_mask")  # [batch, prompt_len] or None
-            if static and self.attention_mask is not None and bool((self.attention_mask != 0).all()):
-                self.attention_mask = None  # no padding: the causal mask over the cache, one shape for every forward
+            if self.attention_mask is not None and bool((self.attention_mask != 0).all()):
+                # no padding: the causal mask over the cache (one shape for every forward of a static cache), and no
+                # mask to extend and check at each drafted token; a padded batch passes its mask every round
+                self.attention_mask = None
             cache = None if static else DynamicCache(config=model.config)
             # a padded batch: what the cache holds, per row (nothing yet: a round may come before any drafting)
             batch = context.input_ids.shape[0]
             self.fed_ids = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
             self.fed_mask = context.input_ids.new_zeros(batch, 0)  # [batch, cached]
+            self.host_padding = None  # each row's left padding in what the cache holds, on the host, once known
         else:
             if static:
                 raise ValueError(
@@ -193,7 +194,7 @@ class ModelDrafter(Drafter):
                     '(`cache_implementation=None`); the target itself may still use `cache_implementation="static"`.'
                 )
             self.attention_mask = None  # decoder prompts (start tokens) are never padded
-            self.encoder_inputs = self._encoder_inputs(context, forward_params)
+            self.encoder_inputs = encoder_inputs(model, context, self.device, forward_params)
             # cross-attention reads the whole encoder output: no sliding-window layers there, whatever the decoder's
             # self-attention uses (as t5gemma's own generate builds it; a windowed cross cache drops encoder keys)
             cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache())
@@ -226,22 +227,8 @@ class ModelDrafter(Drafter):
             # a single prompt may still carry left padding: its nodes must not see it, and positions skip it
             mask = self.attention_mask
             self.tree_padding = 0 if mask is None else int((mask == 0).sum())
-        if (
-            static
-            and hasattr(model, "_valid_auto_compile_criteria")
-            and model._valid_auto_compile_criteria({CACHE_KWARG: cache}, context.generation_config)
-        ):
-            # transformers' own compiled call, cached on the model by transformers as for plain decoding
-            compiled = model.get_compiled_call(context.generation_config.compile_config)
-            if getattr(getattr(compiled, "__wrapped__", None), "__self__", model) is model:
-                self.compiled = compiled
-            else:
-                logger.warning_once(
-                    f"The draft model ({type(model).__name__}) holds a compiled forward that transformers made for "
-                    "another model (`copy.deepcopy` of a model that has generated with a static cache copies its "
-                    "`_compiled_call`, which runs the original's weights), so the drafter drafts eagerly. Delete it "
-                    "(`del draft._compiled_call`) to compile the draft model's own forward."
-                )
+        if static:
+            self.compiled = compiled_forward(model, cache, context.generation_config)
 
     def _static_cache(self, context: DraftContext) -> StaticCache:
         """A preallocated cache for one sequence of this call. A round feeds at most `max_length - 1` positions of
@@ -251,22 +238,7 @@ class ModelDrafter(Drafter):
         model = self.model
         nodes = self.tree_top_k * self.tree_budget if self.tree_budget is not None else 0
         self.capacity = context.generation_config.max_length + nodes + max(_COMPILED_TOKENS, self.tree_top_k)
-        cache = StaticCache(config=model.config, max_cache_len=self.capacity)
-        if not is_static(cache):
-            layers = sorted({type(layer).__name__ for layer in cache.layers})
-            raise ValueError(
-                f"`ModelDrafter(cache_implementation='static')`: the drafter model ({type(model).__name__}) gets "
-                f"cache layers {layers} from `StaticCache`, not preallocated attention layers that can be rolled back "
-                "by moving their write position. Leave the drafter's cache dynamic (`cache_implementation=None`)."
-            )
-        problem = static_rewind_problem(cache, self.capacity + 1)
-        if problem is not None:
-            raise ValueError(
-                f"`ModelDrafter(cache_implementation='static')` cannot roll the drafter's static cache of "
-                f"{self.capacity} positions back: {problem}. Leave the drafter's cache dynamic "
-                "(`cache_implementation=None`), which keeps what a sliding window needs."
-            )
-        return cache
+        return static_draft_cache(model, self.capacity)
 
     def _compiled(self, inputs: dict):
         """Runs the compiled forward; past torch's recompile limit (graphs of other models built in this process
@@ -281,75 +253,6 @@ class ModelDrafter(Drafter):
             )
             self.compiled = None
             return self.model(**inputs)
-
-    def _encoder_inputs(self, context: DraftContext, forward_params) -> dict:
-        """The source for a drafter of an encoder-decoder target, computed once per call."""
-        model, target = self.model, context.target
-        encoder_mask = context.model_kwargs.get("attention_mask")  # [batch, src_len] or None
-        if encoder_mask is not None:
-            encoder_mask = encoder_mask.to(self.device)
-        if model.config.is_encoder_decoder:
-            # its own encoder, once, on the same source the target encoded, under the encoder's own input name
-            # (a composite model's is not the encoder's: SpeechEncoderDecoderModel takes `inputs`, Wav2Vec2
-            # `input_values`)
-            encoder = model.get_encoder()
-            input_name = getattr(encoder, "main_input_name", None) or model.main_input_name
-            source = context.inputs_tensor
-            # without a source, generate passes a placeholder of -100s
-            token_ids = source is not None and not source.is_floating_point()
-            if (
-                input_name == "input_ids"
-                and source is not None
-                and not token_ids
-                and source.shape[-1] == model.config.get_text_config(decoder=False).hidden_size
-                and "inputs_embeds" in inspect.signature(encoder.forward).parameters
-            ):
-                # a source given as embeddings (Pop2Piano's `generate` always passes `inputs_embeds`), of the
-                # width the drafter's encoder takes: encoded as embeddings
-                input_name = "inputs_embeds"
-            if (
-                source is None
-                or (token_ids and bool((source < 0).any()))
-                or (input_name == "input_ids" and not token_ids)
-            ):
-                raise ValueError(
-                    f"The encoder-decoder `assistant_model` ({type(model).__name__}) needs the source as "
-                    f"`{input_name}`, but the target was called with "
-                    f"{'no input tensor' if source is None else 'a different kind of input'}. Call `generate` with "
-                    "the tokenized source (e.g. `input_ids=...`, not `encoder_outputs=` or `inputs_embeds=`)."
-                )
-            source = source.to(device=self.device, dtype=model.dtype if input_name == "inputs_embeds" else None)
-            encoder_outputs = encoder(**{input_name: source}, attention_mask=encoder_mask, return_dict=True)
-            return {"encoder_outputs": encoder_outputs, "attention_mask": encoder_mask}
-        # a decoder-only drafter reads the target's encoder outputs through its cross-attention (distil-whisper)
-        hidden_size = model.config.get_text_config(decoder=True).hidden_size
-        target_states = context.model_kwargs["encoder_outputs"].last_hidden_state  # [batch, src_len, hidden]
-        takes_states = "encoder_hidden_states" in forward_params
-        if not takes_states and "encoder_outputs" in forward_params and target_states.shape[-1] == hidden_size:
-            # WhisperForCausalLM takes the encoder's output object itself
-            return {
-                "encoder_outputs": BaseModelOutput(
-                    last_hidden_state=target_states.to(device=self.device, dtype=model.dtype)
-                )
-            }
-        if not takes_states or getattr(model.config, "add_cross_attention", True) is False:
-            raise ValueError(
-                f"`assistant_model` ({type(model).__name__}) is decoder-only without cross-attention, so it cannot "
-                f"read the source of the encoder-decoder target ({type(context.target).__name__}). Use an "
-                "encoder-decoder drafter, or a decoder with cross-attention (e.g. `BartForCausalLM`, or a config "
-                "with `add_cross_attention=True`)."
-            )
-        if target_states.shape[-1] != hidden_size:
-            raise ValueError(
-                f"`assistant_model` ({type(model).__name__}) has cross-attention for encoder states of size "
-                f"{hidden_size}, but the target's encoder ({type(target).__name__}) outputs size "
-                f"{target_states.shape[-1]}. A decoder-only drafter shares the target's encoder outputs only when "
-                "its hidden size matches; use an encoder-decoder drafter instead."
-            )
-        return {
-            "encoder_hidden_states": target_states.to(device=self.device, dtype=model.dtype),
-            "encoder_attention_mask": encoder_mask,
-        }
 
     def propose(
         self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
@@ -380,7 +283,10 @@ class ModelDrafter(Drafter):
         num_accepted: torch.LongTensor,
         attention_mask: torch.LongTensor | None = None,
         accepted_nodes: torch.LongTensor | None = None,
+        padding: list[int] | None = None,
     ) -> None:
+        """See `Drafter.on_verified`. In a padded batch, `padding` (each row's left padding in `input_ids`, on the
+        host) lets the cache be realigned without reading the device."""
         if self.check_croppable:
             if not self.cache.is_croppable:
                 raise ValueError(
@@ -400,31 +306,25 @@ class ModelDrafter(Drafter):
                 rewind_cache(self.cache, keep)  # a crop, or a static cache's write position moved back
             return
         if not self.fed_ids.shape[1]:  # a padded batch whose rounds have not drafted yet: nothing is cached
+            self.host_padding = padding
             return
         # a padded batch, re-padded so that rows end together: keep, per row, the cached tokens that are still its
         # prefix, moved to the row's new columns (the same realignment as the target's cache)
-        old_pad = (self.fed_mask == 0).sum(-1)  # [batch]: left padding of what the cache holds
-        new_pad = (attention_mask == 0).sum(-1)  # [batch]
-        moved = new_pad - old_pad  # [batch]: how far each row moved right
-        width = input_ids.shape[1] - 1  # the newest token is never cached
-        positions = torch.arange(width, device=input_ids.device)[None, :]  # [1, width]
-        columns = positions - moved[:, None]  # [batch, width]: where each new column was
-        fed_here = self.fed_ids.gather(1, columns.clamp(0, self.fed_ids.shape[1] - 1))
-        in_cache = (columns >= 0) & (columns < self.fed_ids.shape[1])
-        # a row's cached prefix stays valid up to its first column that is not what it now holds (padding is masked)
-        same = (in_cache & (fed_here == input_ids[:, :width])) | (positions < new_pad[:, None])
-        kept, shift, alike = torch.stack(
-            [same.long().cumprod(-1).sum(-1).min(), moved[0], (moved == moved[0]).all().long()]
-        ).tolist()  # one device sync
+        kept, shift, alike, columns = batch_realignment(
+            self.fed_ids, self.fed_mask, input_ids, attention_mask, self.host_padding, padding
+        )
         if alike and shift <= 0:  # every row moved alike (left, or not at all): a slice of the cache
             slice_cache(self.cache, -shift, kept)
         else:
             realign_cache(self.cache, columns[:, :kept])
         self.fed_ids, self.fed_mask = input_ids[:, :kept], attention_mask[:, :kept]
+        self.host_padding = padding
 
     def select_rows(self, indices: torch.LongTensor) -> None:
         self.cache.batch_select_indices(indices.to(self.device))
         self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
+        if self.host_padding is not None:
+            self.host_padding = [self.host_padding[i] for i in indices.tolist()]
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
         """EAGLE-2's dynamic tree ([`DynamicTree`]) for one sequence (`input_ids`: `[1, seq_len]`), at most
@@ -468,7 +368,7 @@ class ModelDrafter(Drafter):
             if self.capacity is not None:  # a static cache attends over all its columns: those past the nodes hidden
                 allowed = torch.nn.functional.pad(allowed, (0, self.capacity - allowed.shape[1]), value=False)
             inputs = {
-                "input_ids": self._drafter_ids(tokens[None]).to(device),
+                "input_ids": self.drafter_ids(tokens[None]).to(device),
                 "attention_mask": additive_bias(allowed[None, None], self.model.dtype),  # [1, 1, f, keys]
                 "position_ids": torch.full(
                     (1, size + filler), min(root_position + depth, self.max_position), dtype=torch.long, device=device
@@ -480,7 +380,7 @@ class ModelDrafter(Drafter):
             logits = outputs.logits[0, :size]  # [f, vocab]
             if filler:
                 rewind_cache(self.cache, cached + size)
-            logits = self._target_logits(logits)
+            logits = self.target_logits(logits)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
             tree.grow(self.logits_processor(prefixes, logits).log_softmax(dim=-1))
@@ -493,7 +393,7 @@ class ModelDrafter(Drafter):
             return self._compiled_next_logits(ids, cached)
         batch, seq_len = ids.shape
         inputs = {
-            "input_ids": self._drafter_ids(ids[:, cached:]).to(self.device),
+            "input_ids": self.drafter_ids(ids[:, cached:]).to(self.device),
             self.cache_argument: self.cache,
             "use_cache": True,
         }
@@ -526,7 +426,7 @@ class ModelDrafter(Drafter):
                 "whose own `generate` feeds it more per step (audio frames, ...) cannot draft that way. Use prompt "
                 "lookup, an n-gram table, or another draft model."
             ) from error
-        return self._target_logits(logits)
+        return self.target_logits(logits)
 
     def _compiled_next_logits(self, ids: torch.LongTensor, cached: int) -> torch.FloatTensor:
         """`_next_logits` through the compiled forward of a static draft cache, in one shape: the uncached tail in
@@ -544,7 +444,7 @@ class ModelDrafter(Drafter):
             chunk = ids[:, start : start + count]
             chunk = torch.cat([chunk, chunk[:, -1:].expand(-1, _COMPILED_TOKENS - count)], dim=-1)
             inputs = {
-                "input_ids": self._drafter_ids(chunk).to(device),
+                "input_ids": self.drafter_ids(chunk).to(device),
                 self.cache_argument: self.cache,
                 "use_cache": True,
             }
@@ -563,16 +463,22 @@ class ModelDrafter(Drafter):
             start += count
         if count < _COMPILED_TOKENS:
             rewind_cache(self.cache, seq_len)
-        return self._target_logits(logits)
+        return self.target_logits(logits)
 
-    def _drafter_ids(self, ids: torch.LongTensor) -> torch.LongTensor:
-        """`ids` as the drafter can embed them: a target id past its vocabulary (padding) becomes its last id."""
-        return ids.clamp(max=self.width - 1) if self.width < self.target_width else ids
+    def drafter_ids(self, target_ids: torch.LongTensor) -> torch.LongTensor:
+        """Target token ids (`[batch, n]`) as the draft model can embed them. With a vocabulary padded to fewer
+        logits than the target's (`same_tokenizer=True`), an id past the drafter's vocabulary (one of the target's
+        padding ids) becomes the drafter's last id; otherwise the ids are returned as they are. Valid after `reset`.
 
-    def _target_logits(self, logits: torch.Tensor) -> torch.FloatTensor:
-        """The drafter's logits `[..., width]` as the target's: a float32 copy on the target's device (the model may
-        reuse its buffer), cut or filled up with -inf to the target's width."""
-        logits = logits.to(device=self.target_device, dtype=torch.float32, copy=True)
+        For code that runs the draft model itself (speculative beam search), with `target_logits` for its output.
+        """
+        return target_ids.clamp(max=self.width - 1) if self.width < self.target_width else target_ids
+
+    def target_logits(self, drafter_logits: torch.Tensor) -> torch.FloatTensor:
+        """The draft model's logits (`[..., drafter_width]`) as logits over the target's vocabulary (`[..., vocab]`):
+        a float32 copy on the target's device (the model may reuse its buffer), cut to the target's width or filled
+        up with `-inf` (the drafter never drafts a token it has no logit for). Valid after `reset`."""
+        logits = drafter_logits.to(device=self.target_device, dtype=torch.float32, copy=True)
         if self.width > self.target_width:
             return logits[..., : self.target_width]
         if self.width < self.target_width:

@@ -1,0 +1,53 @@
+"""The model pairs and prompts the benchmark scripts share (the timing is in `harness.py`).
+
+- `FULL_PAIR`: TinyLlama-1.1B's shape for `hf_specdec.toy.build_early_exit_pair`, the memory-bound pair of
+  `bench_memory_bound.py` (also timed by `bench_gpu.py`, `bench_offload.py`, `bench_static_compile.py`,
+  `bench_beam.py` and `bench_prompt_lookup.py --memory-bound`); `QUICK_PAIR`: the same construction at smoke-test size.
+- `early_exit`: the first layers of any causal LM as its untrained drafter (the real-model benchmark's baseline).
+- `random_prompts`: seeded random token prompts; `padded_prompts`: a left-padded batch of prompts of mixed lengths.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["FULL_PAIR", "PAD", "QUICK_PAIR", "early_exit", "padded_prompts", "random_prompts"]
+
+# TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
+FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
+QUICK_PAIR = dict(num_layers=4, hidden_size=256, intermediate_size=704, num_key_value_heads=2, vocab_size=2048)
+PAD = 0  # the padding token of `padded_prompts`
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int = 0, low: int = 1) -> list[torch.LongTensor]:
+    """`count` prompts of `length` token ids drawn uniformly from [low, vocab) with one seeded generator, each
+    `[1, length]`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (1, length), generator=generator) for _ in range(count)]
+
+
+def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, longest: int = 48):
+    """`(input_ids, attention_mask)`, both `[batch, longest length drawn]`: rows of random lengths in
+    [shortest, longest], left-padded with `PAD`."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=generator).tolist()
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def early_exit(target, layers: int = 6):
+    """The target's first `layers` layers, its final norm and head: a drafter nobody trained."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    model.load_state_dict(target.state_dict(), strict=False)
+    return model.eval()

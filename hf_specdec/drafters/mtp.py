@@ -1,0 +1,303 @@
+"""`MtpDrafter`: drafts with the multi-token-prediction (MTP) layers a checkpoint ships next to its decoder.
+
+DeepSeek-V3, GLM-4 MoE, Mellum, Step and others are trained with MTP layers (`config.num_mtp_layers`, stored as
+`num_nextn_predict_layers`), which transformers builds as an `MtpModel` (`transformers.modeling_layers`) and serves
+with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the same module, the same way:
+
+- **Weights.** `MtpModel.from_pretrained(target)`, transformers' own loader: the checkpoint's MTP keys (the target's
+  `_keys_to_ignore_on_load_unexpected` patterns, renamed by its conversion mapping), the layers built from
+  `config.get_mtp_config()`. The token embeddings, the head and the rotary embedding *are* the target's modules
+  (`MtpModel.tie_with_main_model`): nothing is copied.
+- **What is fed.** MTP layer k at slot i (a position of the target whose hidden state is known) reads the previous
+  stage's hidden state at i and the embedding of token x_{i+1+k}, at position i+1+k, and its output predicts
+  x_{i+2+k}. Stage 0's hidden state is the target's `last_hidden_state` (after the final norm, as transformers feeds
+  it: `output_hidden_states` with `tie_last_hidden_states`); stage k's is MTP layer k-1's output. The round already
+  records the output of the target's last decoder layer during its verification forward (`target_hidden_layers`,
+  `HiddenStateCapture`); the drafter applies the target's own final norm module to it, which is exactly
+  `last_hidden_state`. No second target forward, no hidden states of the other layers.
+- **Caches.** Each MTP layer attends over its own keys and values of every earlier slot (transformers' `MtpCache`,
+  one layer per MTP layer), so every layer is fed every slot. A round feeds all layers the slots not yet exact, in
+  one forward per layer (the last k slots of layer k read this round's drafts x_n, ..., x_{n-1+k}, n being the
+  sequence length), as `MtpModel.forward` does. After verification a slot's keys stay only if every token it read
+  was accepted; the others are cropped and fed again in the next round (transformers crops and refeeds them too, in
+  `MTPCandidateGenerator.get_candidates`).
+- **Drafts.** Stage k's output at the last slot gives draft k+1 through the shared head
+  (`MtpModel._project_to_logits`: the head applied as the target applies it), standardized by the target's logits
+  processors with the draft's own prefix, as transformers applies them. Greedy calls take the argmax; sampling calls
+  sample it and return q = softmax of the standardized logits, so Algorithm 1 stays exact. With γ equal to the
+  number of MTP layers, the drafts are transformers'. A longer chain goes on past the last layer reusing the layers in
+  turn (layer j mod L for draft j+1, as vLLM's DeepSeek MTP cycles `spec_step_idx % num_mtp_layers`), each step fed
+  the previous step's output and the token it drafted, one slot further on; those keys are cropped after the round. A
+  shorter chain still runs every layer over the new slots, so that their caches stay complete.
+
+Like EAGLE, the first round is the prompt's prefill and drafts nothing: the target's hidden states are not known
+before its first forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from ..sampling import sample_tokens
+from .base import DraftContext, Drafter, DraftProposal, register_drafter
+
+__all__ = ["MtpDrafter"]
+
+
+def _mtp_layer_count(target: PreTrainedModel) -> int:
+    """The number of MTP layers the target's config declares; a clear error for a target without any."""
+    text = target.config.get_text_config(decoder=True)
+    count = getattr(text, "num_mtp_layers", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    declared = getattr(text, "num_nextn_predict_layers", None)
+    if declared and count is None:
+        detail = (
+            f"its config declares `num_nextn_predict_layers={declared}`, but transformers builds no `MtpModel` for "
+            f"{text.model_type} (its config has no `num_mtp_layers`)"
+        )
+    else:
+        detail = f"its config declares none (`num_mtp_layers={count!r}`)"
+    raise ValueError(
+        f'`drafter="mtp"` (or `use_mtp=True`) drafts with the target\'s multi-token-prediction layers, but '
+        f"{type(target).__name__} has none: {detail}. Use a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4 MoE, "
+        'Mellum, ...), or another drafter: `drafter="prompt_lookup"`, `assistant_model=<a small model>`.'
+    )
+
+
+def _load_mtp_model(target: PreTrainedModel):
+    """The target's MTP layers, loaded from its checkpoint by transformers' own loader, on the device of the target's
+    last decoder layer (transformers' choice)."""
+    from transformers.modeling_layers import MtpModel
+
+    _mtp_layer_count(target)
+    where = target.config.name_or_path
+    fix = (
+        '`drafter="mtp"` reads them from the checkpoint the target was loaded from (`from_pretrained`); for a model '
+        "built otherwise, pass `MtpDrafter(mtp_model=MtpModel(target, num_mtp_layers))` with weights of your own."
+    )
+    if not where:
+        raise ValueError(
+            f"Could not load the MTP layers of {type(target).__name__}: it was not loaded from a checkpoint "
+            f"(`config.name_or_path={where!r}`). {fix}"
+        )
+    last_layer = target.get_decoder().layers[-1]
+    device = next((p.device for p in last_layer.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    try:
+        return MtpModel.from_pretrained(target, device_map={"": device})
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ValueError(
+            f"Could not load the MTP layers of {type(target).__name__} from its checkpoint "
+            f"(`config.name_or_path={where!r}`): {type(error).__name__}: {error}. {fix}"
+        ) from error
+
+
+class MtpDrafter(Drafter):
+    r"""
+    Drafts with the target's own multi-token-prediction layers, loaded and run as transformers' `use_mtp=True`
+    does (see the module docstring): `generate(drafter="mtp")` after `hf_specdec.enable(model)`.
+
+    Greedy and sampled decoding are both exact. It drafts chains (one sequence at a time; batches are decoded row by
+    row, as for every drafter that reads the target's hidden states).
+
+    Args:
+        mtp_model (`transformers.modeling_layers.MtpModel`, *optional*):
+            The MTP layers, sharing the target's embeddings and head (`MtpModel.from_pretrained(target)` or
+            `MtpModel(target, num_mtp_layers)`). Without it, each `generate` call loads them from the target's
+            checkpoint, as transformers does; to load them once for many calls, use `MtpDrafter.from_target(model)`.
+
+    Example:
+
+    ```python
+    >>> import torch, hf_specdec
+    >>> from transformers import AutoConfig, AutoModelForCausalLM
+    >>> from transformers.modeling_layers import MtpModel
+    >>> config = AutoConfig.for_model("deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...     moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4,
+    ...     num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+    ...     qk_nope_head_dim=8, v_head_dim=8, num_mtp_layers=1)
+    >>> target = hf_specdec.enable(AutoModelForCausalLM.from_config(config))
+    >>> mtp = MtpModel(target, 1)  # random weights here; with a checkpoint, `drafter="mtp"` loads its own
+    >>> for weight in mtp.layers.parameters():
+    ...     _ = torch.nn.init.normal_(weight, std=0.1)
+    >>> drafter = hf_specdec.drafters.mtp.MtpDrafter(mtp)
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> plain = target.generate(ids, max_new_tokens=8, do_sample=False)
+    >>> fast = target.generate(ids, drafter=drafter, max_new_tokens=8, do_sample=False)
+    >>> bool((plain == fast).all())
+    True
+
+    ```
+    """
+
+    reads_target_hidden_states = True
+    default_gamma = 3
+    """SGLang's recipe for DeepSeek-V3's one MTP layer (`--speculative-num-steps 3`): reused past its trained depth,
+    an MTP layer's acceptance falls off quickly. The γ policy adapts it."""
+
+    def __init__(self, mtp_model=None):
+        if mtp_model is not None:
+            from transformers.modeling_layers import MtpModel
+
+            if not isinstance(mtp_model, MtpModel):
+                raise TypeError(
+                    f"`mtp_model` must be a `transformers.modeling_layers.MtpModel`, got {type(mtp_model).__name__}. "
+                    "Load one with `MtpModel.from_pretrained(target)`, or leave it out to load the target's."
+                )
+        self.mtp_model = mtp_model
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel) -> MtpDrafter:
+        """A drafter holding `target`'s MTP layers, loaded once from its checkpoint (reuse it across calls)."""
+        return cls(_load_mtp_model(target))
+
+    def reset(self, context: DraftContext) -> None:
+        from transformers.cache_utils import MtpCache
+
+        target = context.target
+        if target.config.is_encoder_decoder:
+            raise ValueError(
+                f"MtpDrafter drafts for decoder-only targets; {type(target).__name__} is an encoder-decoder model. "
+                'Use `assistant_model=` or `drafter="prompt_lookup"` with it.'
+            )
+        num_layers = _mtp_layer_count(target)
+        model = self.mtp_model if self.mtp_model is not None else _load_mtp_model(target)
+        head = target.get_output_embeddings()
+        if model.shared_head is not head:
+            raise ValueError(
+                f"`mtp_model` was not built for this {type(target).__name__}: its head is not the target's own (an "
+                "MtpModel shares the target's embeddings and head, nothing copied). Build it from this target: "
+                "`MtpModel.from_pretrained(target)` or `MtpModel(target, num_mtp_layers)`."
+            )
+        if len(model.layers) != num_layers:
+            raise ValueError(
+                f"`mtp_model` has {len(model.layers)} MTP layers, but {type(target).__name__}'s config declares "
+                f"`num_mtp_layers={num_layers}`. Build it with `MtpModel(target, {num_layers})`."
+            )
+        decoder = target.get_decoder()
+        self.final_norm = getattr(decoder, "norm", None)
+        if not isinstance(self.final_norm, torch.nn.Module):
+            raise ValueError(
+                f"MtpDrafter feeds the MTP layers the target's last hidden state (after its final norm), but "
+                f"{type(decoder).__name__} keeps no final norm where hf_specdec looks (`get_decoder().norm`). Use "
+                'another drafter with this model (`drafter="prompt_lookup"`, `assistant_model=...`).'
+            )
+        self.model = model
+        self.num_layers = num_layers
+        self.target_hidden_layers = [target.config.get_text_config(decoder=True).num_hidden_layers]
+        self.cache = MtpCache(config=target.config.get_mtp_config())
+        self.cache.activate_past_recording()  # a sliding-window layer keeps what a crop may need back
+        if not all(getattr(layer, "is_croppable", False) for layer in self.cache.layers):
+            raise ValueError(
+                f"The MTP layers of {type(target).__name__} keep state that cannot be rolled back after a rejected "
+                "draft (a recurrent or linear-attention MTP layer); MtpDrafter cannot draft for it."
+            )
+        self.device = model.layers[0].eh_proj.weight.device
+        self.dtype = model.layers[0].eh_proj.weight.dtype
+        self.embed_device = model.embed_tokens.weight.device
+        self.target_device = context.input_ids.device
+        self.vocab_size = context.vocab_size
+        self.logits_processor = context.logits_processor
+        self.do_sample = context.do_sample
+        self.exact = 0  # leading slots whose keys are exact in every MTP layer's cache
+        self.pending: torch.Tensor | None = None  # [1, n, hidden]: the target's last hidden state at slots exact, ...
+        self.proposed_at: int | None = None  # the sequence length at which the layers last ran
+
+    def _drafted(self, hidden: torch.Tensor, prefix: torch.LongTensor):
+        """Draft from an MTP output `[1, hidden]` after `prefix` (`[1, len]`): the token `[1, 1]`, its q `[1, vocab]`
+        (sampling) or None, and whether the processors left any token (a 0-dim bool)."""
+        logits = self.model._project_to_logits(hidden).to(device=self.target_device, dtype=torch.float32)
+        width = logits.shape[-1]
+        if width < self.vocab_size:  # a head narrower than the target's logits (never seen): the rest get -inf
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        scores = self.logits_processor(prefix, logits[..., : self.vocab_size])  # [1, vocab]: standardized
+        usable = torch.isfinite(scores).any()
+        if not self.do_sample:
+            return scores.argmax(dim=-1, keepdim=True), None, usable
+        q = scores.softmax(dim=-1)
+        q = torch.where(usable, q, torch.full_like(q, 1.0 / q.shape[-1]))  # cut below when unusable
+        return sample_tokens(q)[:, None], q, usable
+
+    def _draft_into(self, hidden: torch.Tensor, ids: torch.LongTensor, probs: list, usable: list) -> torch.LongTensor:
+        """Drafts the token after `ids` from the last slot of an MTP output `hidden` (`[1, T, hidden]`), records its
+        q and usability, and returns `ids` with it appended."""
+        token, q, ok = self._drafted(hidden[:, -1], ids)
+        probs.append(q)
+        usable.append(ok)
+        return torch.cat([ids, token], dim=-1)
+
+    def _run_layer(self, index: int, hidden: torch.Tensor, tokens: torch.LongTensor, first_position: int):
+        """MTP layer `index` over `tokens` (`[1, T]`, at positions first_position, ...) and the previous stage's
+        `hidden` (`[1, T, hidden]`); appends their keys to the layer's cache. Returns its output `[1, T, hidden]`."""
+        positions = torch.arange(first_position, first_position + tokens.shape[1], device=self.device)[None]
+        return self.model.forward_layer(index, hidden, positions, self.cache, input_ids=tokens.to(self.embed_device))
+
+    @torch.no_grad()
+    def propose(
+        self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
+    ) -> DraftProposal:
+        batch, length = input_ids.shape
+        if batch != 1:
+            raise ValueError("MtpDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row).")
+        if num_tokens == 0 or self.pending is None:  # a plain step, or the prompt's prefill: the layers wait
+            return DraftProposal.empty(batch, input_ids.device)
+        if self.exact + self.pending.shape[1] != length - 1:
+            raise RuntimeError(
+                f"MtpDrafter holds the target's hidden states up to position {self.exact + self.pending.shape[1] - 1}"
+                f", but the sequence has {length} tokens: the loop did not hand it the hidden states of every kept "
+                "position."
+            )
+        for layer in self.cache.layers:  # drop the keys of slots that read a rejected draft, or a reused layer's
+            layer.crop(self.exact - layer.get_seq_length())
+        ids = input_ids
+        probs, usable = [], []  # per draft: its q (sampling) and whether the processors left any token
+        hidden = self.pending.to(device=self.device, dtype=self.dtype)  # stage 0: slots exact .. length - 2
+        for index in range(self.num_layers):
+            # layer `index` reads token x_{i+1+index} at slot i: the last `index` of them are this round's drafts
+            tokens = ids[:, self.exact + 1 + index : length + index]
+            hidden = self._run_layer(index, hidden, tokens, self.exact + 1 + index)
+            if len(usable) < max(num_tokens, self.num_layers - 1):  # the next layer reads this draft
+                ids = self._draft_into(hidden, ids, probs, usable)
+        while len(usable) < num_tokens:  # past the last layer: the layers again, one slot further each step
+            step = len(usable)
+            hidden = self._run_layer(step % self.num_layers, hidden[:, -1:], ids[:, -1:], length - 1 + step)
+            ids = self._draft_into(hidden, ids, probs, usable)
+        self.proposed_at = length
+        # drafts before the first step where the processors left no token (one host read)
+        kept = int(torch.stack(usable[:num_tokens]).long().cumprod(0).sum())
+        tokens = ids[:, length : length + kept]  # [1, kept]
+        if not self.do_sample:
+            return DraftProposal(tokens=tokens)
+        return DraftProposal(tokens=tokens, probs=torch.stack(probs[:kept], dim=1))  # [1, kept, vocab]
+
+    def on_verified(
+        self,
+        input_ids: torch.LongTensor,
+        num_accepted: torch.LongTensor,
+        attention_mask: torch.LongTensor | None = None,
+        accepted_nodes: torch.LongTensor | None = None,
+        target_hidden_states: torch.Tensor | None = None,
+    ) -> None:
+        if target_hidden_states is None:
+            raise ValueError(
+                "MtpDrafter needs the target's hidden states after each verification (`target_hidden_states`), but "
+                "the caller did not pass them. hf_specdec's loops do; a custom loop must capture them "
+                "(`hf_specdec.capture.HiddenStateCapture`)."
+            )
+        with torch.no_grad():
+            last_hidden = self.final_norm(target_hidden_states)  # [1, n, hidden]: the target's last_hidden_state
+        self.pending = last_hidden if self.pending is None else torch.cat([self.pending, last_hidden], dim=1)
+        if self.proposed_at is None:
+            return
+        # layer k's slot i read x_{i+1+k}, a draft when i+1+k >= proposed_at: its keys stay if that draft is now in
+        # the sequence. The drafts kept are read off its length (no host read of `num_accepted`; never more than
+        # were accepted); slots exact before this round stay so
+        length = self.proposed_at
+        accepted = max(0, input_ids.shape[1] - length - 1)
+        exact = max(self.exact, length - 1 - max(0, self.num_layers - 1 - accepted))
+        self.pending = self.pending[:, exact - self.exact :]
+        self.exact, self.proposed_at = exact, None
+
+
+register_drafter("mtp", MtpDrafter)
