@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,8 +133,15 @@ class RoundStreamer(BaseStreamer):
 
 @contextlib.contextmanager
 def rounds_of(target, streamer: RoundStreamer):
-    """Tells `streamer` whenever a forward of `target` starts (a forward pre-hook, removed on exit)."""
-    handle = target.register_forward_pre_hook(lambda module, args: streamer.new_round())
+    """Tells `streamer` whenever a forward of `target` starts in this thread (a forward pre-hook, removed on exit:
+    another thread's call on the same model is not this demo's round)."""
+    thread = threading.get_ident()
+
+    def new_round(module, args):
+        if threading.get_ident() == thread:
+            streamer.new_round()
+
+    handle = target.register_forward_pre_hook(new_round)
     try:
         yield streamer
     finally:

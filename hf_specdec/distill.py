@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .eagle_training import eagle_agreement, train_eagle_drafter
+from .file_writes import save_into, write_text
 
 __all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement", "eagle_agreement", "train_eagle_drafter"]
 
@@ -279,7 +280,7 @@ def distill_drafter(
     drafter = accelerator.unwrap_model(drafter, keep_fp32_wrapper=False).eval()
     if output_dir is not None and accelerator.is_main_process:
         output_dir = Path(output_dir)
-        drafter.save_pretrained(output_dir)
+        save_into(output_dir, drafter.save_pretrained)  # never through a link standing in the folder
         record = {
             "objective": objective,
             "temperature": temperature,
@@ -290,7 +291,7 @@ def distill_drafter(
             "seed": seed,
             "log": log,
         }
-        (output_dir / "distill_log.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_text(output_dir / "distill_log.json", json.dumps(record, indent=1) + "\n")
     return drafter
 
 

@@ -120,16 +120,17 @@ class SequenceLane(Lane):
         # an encoder-decoder's decoder prompt is a token or a few: the encoder's inputs are not chunked by generate
         self.chunked_prefill = generation_config.prefill_chunk_size is not None and not self.is_encoder_decoder
         self.capacity = static_capacity(self.cache)  # None: the cache grows
-        # a drafter that reads the target's hidden states gets those of the positions each round keeps
-        self.capture = capture_for(model, drafter)
         # compiled where plain generate compiles (a static cache), in a few padded shapes
         self.forward = TargetForward.for_call(
             model,
             generation_config,
             model_kwargs,
             1 + (self.tree_budget if self.tree_budget is not None else policy.max_gamma),
-            reads_hidden_states=self.capture is not None,
+            reads_hidden_states=getattr(drafter, "target_hidden_layers", None) is not None,
         )
+        # a drafter that reads the target's hidden states gets those of the positions each round keeps (hooks on
+        # the target's layers, set last: `close` removes them)
+        self.capture = capture_for(model, drafter)
         policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
         policy.trees = self.tree_budget is not None
         self.policy = policy

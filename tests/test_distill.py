@@ -67,6 +67,21 @@ def test_config_builds_an_early_exit_drafter_and_saves(target, corpus, tmp_path)
     assert log["objective"] == "kl" and log["steps"] == 3 and log["log"][-1]["step"] == 3
 
 
+def test_saving_never_writes_through_a_planted_link(target, corpus, tmp_path):
+    """The drafter's files and the training log replace links standing in the output folder, never write through."""
+    output, outside = tmp_path / "drafter", tmp_path / "outside"
+    output.mkdir()
+    outside.mkdir()
+    for name in ("config.json", "distill_log.json", "model.safetensors"):
+        (outside / name).write_text("keep me")
+        (output / name).symlink_to(outside / name)
+    distill_drafter(target, corpus, one_layer_config(), num_steps=1, show_progress=False, output_dir=output)
+    for name in ("config.json", "distill_log.json", "model.safetensors"):
+        assert (outside / name).read_text() == "keep me"
+        assert not (output / name).is_symlink() and (output / name).stat().st_size > 0
+    assert AutoModelForCausalLM.from_pretrained(output).config.num_hidden_layers == 1
+
+
 def test_texts_are_tokenized_with_the_tokenizer():
     from hf_specdec.zoo import load_tokenizer
 

@@ -446,3 +446,51 @@ def test_processors_that_ban_every_token_are_not_taken_for_stateful_ones():
     plain = model.generate(ids, **kwargs)
     for drafter in ({"drafter": "prompt_lookup"}, {"assistant_model": model}):
         assert torch.equal(model.generate(ids, speculative_gamma=5, **drafter, **kwargs), plain)
+
+
+def test_the_demos_round_marker_ignores_other_threads_forwards():
+    """`rounds_of` hooks the user's target: a forward another thread runs on the same model is not a round of the
+    demo's call."""
+    import threading
+
+    from hf_specdec.demo import rounds_of
+
+    class Marker:
+        rounds = 0
+
+        def new_round(self):
+            self.rounds += 1
+
+    model = tiny_model("llama")
+    marker = Marker()
+    with torch.no_grad(), rounds_of(model, marker):
+        model(prompt(4))
+        other = threading.Thread(target=lambda: model(prompt(4)))
+        other.start()
+        other.join()
+    assert marker.rounds == 1
+
+
+def test_a_call_that_fails_before_its_first_round_leaves_no_hook_on_the_target(monkeypatch):
+    """The hidden-state hooks of a drafter that reads the target's features are set last, after everything else the
+    call prepares, so an error while preparing leaves the user's model without them."""
+
+    class Reading(hf_specdec.Drafter):
+        reads_target_hidden_states = True
+
+        def reset(self, context):
+            self.target_hidden_layers = [1]
+
+        def propose(self, input_ids, num_tokens):
+            return hf_specdec.DraftProposal.empty(1, input_ids.device)
+
+    model = hf_specdec.enable(tiny_model("llama"))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("preparing the forward failed")
+
+    monkeypatch.setattr(hf_specdec.sequence.TargetForward, "for_call", failing)
+    with pytest.raises(RuntimeError, match="preparing the forward failed"):
+        model.generate(prompt(4), drafter=Reading(), max_new_tokens=3)
+    layers = [model.get_input_embeddings(), *model.model.layers]
+    assert not any(layer._forward_hooks for layer in layers)

@@ -68,6 +68,34 @@ def test_line_separators_in_prompts_survive_the_reorder_and_resume(text_model, l
     assert output.read_bytes() == finished
 
 
+def test_a_completion_with_a_line_separator_survives_the_reorder(text_model, local_tokenizer, tmp_path):
+    """A completion holding U+2028 (the model is made to write it: every step scores only the next token of its
+    encoding) is one JSONL line like any other, and the file is put back in order."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    forced = local_tokenizer.encode("a\u2028b", add_special_tokens=False)
+    data = write_rows(tmp_path / "rows.jsonl", [{"prompt": "the cat"}, {"prompt": "the dog sat"}])
+
+    class Force(LogitsProcessor):
+        """The forced tokens after each row's prompt (a function of the prefix: the prompt ends before them)."""
+
+        def __call__(self, input_ids, scores):
+            for row, ids in enumerate(input_ids.tolist()):
+                # how much of the encoding the row has written: the longest prefix of it that the row ends with
+                step = next(k for k in range(min(len(forced), len(ids)), -1, -1) if ids[len(ids) - k :] == forced[:k])
+                if step < len(forced):
+                    scores[row] = torch.where(torch.arange(scores.shape[-1]) == forced[step], 0.0, float("-inf"))
+            return scores
+
+    output = tmp_path / "out.jsonl"
+    run = dict(RUN, max_new_tokens=len(forced), batch_size=1, logits_processor=LogitsProcessorList([Force()]))
+    assert generate_dataset(text_model, local_tokenizer, data, output, **run) == 2
+    rows = read_jsonl(output)
+    assert [row["index"] for row in rows] == [0, 1]
+    assert all("\u2028" in row["completion"] for row in rows)
+    assert output.read_text(encoding="utf-8").count("\n") == 2
+
+
 def test_train_drafter_prompts_are_split_at_newlines_only(tmp_path, local_tokenizer, capsys, monkeypatch):
     target = _saved_target(tmp_path, local_tokenizer)
     (tmp_path / "prompts.txt").write_text("the cat\u2028sat\r\ndef add(a, b):\n")

@@ -173,3 +173,28 @@ def test_speculative_greedy_equals_plain_with_each_zoo_drafter(default_models, d
     out = target.generate(ids, speculative_gamma=4, return_dict_in_generate=True, **kwargs, **common)
     assert torch.equal(out.sequences, plain)
     assert 0 < out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens
+
+
+def test_prompt_offsets_count_lines_as_the_parser_does():
+    """Form feeds (common in the standard library's sources) and other separators `str.splitlines` breaks at are not
+    line breaks for Python's parser: every function's offset must still land on its `def`."""
+    import ast
+
+    from hf_specdec.zoo.tasks import _line_offsets
+
+    source = "x = 1\x0c\n\x0c\ndef f():\n    return '\u2028'\n\x0c\ndef g():\n    return 2\n"
+    offsets = _line_offsets(source)
+    functions = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)]
+    assert [source[offsets[node.lineno - 1] :].split("(")[0] for node in functions] == ["def f", "def g"]
+
+
+def test_the_manifest_never_writes_through_a_link(tmp_path):
+    from hf_specdec.zoo.corpus import load_manifest, write_manifest
+
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep me")
+    path = tmp_path / "manifest.json"
+    path.symlink_to(outside)
+    write_manifest([], path)
+    assert outside.read_text() == "keep me" and not path.is_symlink()
+    assert load_manifest(path)["files"] == []

@@ -21,6 +21,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..file_writes import write_text
+
 __all__ = ["CorpusFile", "build_manifest", "load_manifest", "read_split", "stdlib_root", "write_manifest"]
 
 MAX_FILE_BYTES = 200_000
@@ -100,7 +102,7 @@ def write_manifest(
         "num_bytes": {split: sum(f.num_bytes for f in files if f.split == split) for split in ("train", "test")},
         "files": [f.__dict__ for f in files],
     }
-    Path(path).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_text(path, json.dumps(manifest, indent=1) + "\n")  # never through a link
     return manifest
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -35,9 +36,15 @@ def _functions(source: str):
             yield node
 
 
+def _lines(source: str) -> list[str]:
+    """`source`'s lines as Python's parser counts them (ends kept): broken at "\n", "\r\n" and "\r" only, not at
+    the form feeds, U+2028 and other separators `str.splitlines` also breaks at."""
+    return io.StringIO(source, newline="").readlines()
+
+
 def _line_offsets(source: str) -> list[int]:
     offsets, total = [0], 0
-    for line in source.splitlines(keepends=True):
+    for line in _lines(source):
         total += len(line)
         offsets.append(total)
     return offsets
@@ -75,7 +82,7 @@ def _candidates(path: str, source: str) -> dict[str, list[dict]]:
             renamed = first.replace(f"def {node.name}(", f"def {node.name}_v2(", 1)
             if renamed != first:
                 found["editing"].append(_at_token_boundary(key, f"{function}\n\n{renamed}\n", rest))
-    lines = source.splitlines(keepends=True)
+    lines = _lines(source)
     if len(lines) > 120:
         for first_line in range(20, len(lines) - 60, 150):
             window = "".join(lines[first_line : first_line + 40])
