@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,3 +285,24 @@ def local_tokenizer():
     )
     tokenizer.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@contextlib.contextmanager
+def benchmark_script(name: str):
+    """The benchmark script `benchmarks/<name>.py` as a module, with benchmarks/ on `sys.path` while it is used (the
+    scripts import `harness` and `pairs` from there); the path and the modules imported from there are put back."""
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path[:] = saved_path
+        for module in set(sys.modules) - saved_modules:
+            if (
+                getattr(sys.modules[module], "__file__", None)
+                and Path(sys.modules[module].__file__).parent == BENCHMARKS
+            ):
+                del sys.modules[module]

@@ -3,12 +3,10 @@ CPU, so that the script keeps running between the runs on a lent GPU."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 BATCHES = (1, 8)  # the script's defaults
 EVERY_METHOD = {"plain", "plain_compiled", "transformers", "ours", "ours_tree", "ours_compiled"}
 BATCH_ONLY_ONE = {"transformers", "ours_tree"}  # transformers' assisted generation and our token trees refuse batches
@@ -16,18 +14,8 @@ BATCH_ONLY_ONE = {"transformers", "ours_tree"}  # transformers' assisted generat
 
 @pytest.fixture
 def bench_gpu():
-    """The script as a module: benchmarks/ on sys.path while the test runs (it imports harness.py and pairs.py)."""
-    saved_path, saved_modules = list(sys.path), set(sys.modules)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_gpu
-
-        yield bench_gpu
-    finally:
-        sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:
-            if getattr(sys.modules[name], "__file__", None) and Path(sys.modules[name].__file__).parent == BENCHMARKS:
-                del sys.modules[name]
+    with benchmark_script("bench_gpu") as module:
+        yield module
 
 
 def test_smoke_run_covers_every_method_and_batch(bench_gpu, tmp_path):

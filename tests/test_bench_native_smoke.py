@@ -2,28 +2,15 @@
 so that the script keeps running between full runs; every output equal to plain `generate`'s."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from conftest import benchmark_script
 
 
 @pytest.fixture
 def bench_native():
-    """The script as a module: benchmarks/ on sys.path while the test runs (it imports harness.py and pairs.py)."""
-    saved_path, saved_modules = list(sys.path), set(sys.modules)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_native_drafters
-
-        yield bench_native_drafters
-    finally:
-        sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:
-            if getattr(sys.modules[name], "__file__", None) and Path(sys.modules[name].__file__).parent == BENCHMARKS:
-                del sys.modules[name]
+    with benchmark_script("bench_native_drafters") as module:
+        yield module
 
 
 def test_quick_run_covers_every_method_exactly(bench_native, tmp_path):

@@ -162,6 +162,17 @@ class Drafter:
         return drafter
 
 
+def require_hidden_states(drafter: Drafter, target_hidden_states) -> None:
+    """Fails clearly when a drafter that reads the target's hidden states (`reads_target_hidden_states`) is told of
+    a verification without them: a loop other than hf_specdec's must capture them."""
+    if target_hidden_states is None:
+        raise ValueError(
+            f"{type(drafter).__name__} needs the target's hidden states after each verification "
+            "(`target_hidden_states`), but the caller did not pass them. hf_specdec's loops do; a custom loop must "
+            "capture them (`hf_specdec.capture.HiddenStateCapture`)."
+        )
+
+
 def check_options(cls: type, options: dict[str, Any], signature_of=None) -> None:
     """Fails unless `options` (a drafter's `drafter_kwargs`) bind to `signature_of` (default: `cls`'s constructor):
     an unknown key is a typo that would otherwise be ignored or end as a bare `TypeError`."""

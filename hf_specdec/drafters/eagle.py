@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..devices import execution_device
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
 from .eagle_checkpoint import HUB_OPTIONS, check_hub_options, load_head, model_card, save_head
 from .eagle_head import Eagle3DraftModel, default_eagle_layers, initial_head, text_config
 from .tree_builder import DynamicTree
@@ -339,12 +339,7 @@ class EagleDrafter(Drafter):
         accepted_nodes: torch.LongTensor | None = None,
         target_hidden_states: torch.Tensor | None = None,
     ) -> None:
-        if target_hidden_states is None:
-            raise ValueError(
-                "EagleDrafter needs the target's hidden states after each verification (`target_hidden_states`), "
-                "but the caller did not pass them. hf_specdec's loops do; a custom loop must capture them "
-                "(`hf_specdec.capture.HiddenStateCapture`)."
-            )
+        require_hidden_states(self, target_hidden_states)
         pending = (
             target_hidden_states if self.pending is None else torch.cat([self.pending, target_hidden_states], dim=1)
         )

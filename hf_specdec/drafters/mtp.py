@@ -40,7 +40,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter
+from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
 
 __all__ = ["MtpDrafter"]
 
@@ -279,12 +279,7 @@ class MtpDrafter(Drafter):
         accepted_nodes: torch.LongTensor | None = None,
         target_hidden_states: torch.Tensor | None = None,
     ) -> None:
-        if target_hidden_states is None:
-            raise ValueError(
-                "MtpDrafter needs the target's hidden states after each verification (`target_hidden_states`), but "
-                "the caller did not pass them. hf_specdec's loops do; a custom loop must capture them "
-                "(`hf_specdec.capture.HiddenStateCapture`)."
-            )
+        require_hidden_states(self, target_hidden_states)
         with torch.no_grad():
             last_hidden = self.final_norm(target_hidden_states)  # [1, n, hidden]: the target's last_hidden_state
         self.pending = last_hidden if self.pending is None else torch.cat([self.pending, last_hidden], dim=1)
