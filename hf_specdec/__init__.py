@@ -7,11 +7,13 @@ from .configuration import SpeculativeGenerationConfig
 from .dataset_generation import generate_dataset
 from .drafters import (
     CrossTokenizerDrafter,
+    DFlashDrafter,
     DraftContext,
     Drafter,
     DraftProposal,
     EagleDrafter,
     EarlyExitDrafter,
+    Gemma4AssistantDrafter,
     ModelDrafter,
     MtpDrafter,
     NGramDrafter,
@@ -31,11 +33,13 @@ from .theory import expected_operations, expected_speedup, optimal_gamma
 
 __all__ = [
     "CrossTokenizerDrafter",
+    "DFlashDrafter",
     "DraftContext",
     "DraftProposal",
     "Drafter",
     "EagleDrafter",
     "EarlyExitDrafter",
+    "Gemma4AssistantDrafter",
     "ModelDrafter",
     "MtpDrafter",
     "NGramDrafter",

@@ -254,8 +254,9 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
     if not isinstance(drafter, ModelDrafter) or drafter.reads_target_hidden_states:
         raise ValueError(
             f"Speculative beam search (`num_beams` > 1) needs a draft model that can run beam search of its own "
-            f"(`assistant_model=...` or a `hf_specdec.ModelDrafter`), got {type(drafter).__name__}. Use an "
-            "assistant model, or `num_beams=1` with this drafter."
+            f"(`assistant_model=...` or a `hf_specdec.ModelDrafter`), got {type(drafter).__name__}. Use a draft "
+            "model that runs on its own (a Gemma 4 assistant drafts from the target's states at one position), or "
+            "`num_beams=1` with this drafter."
         )
     if drafter.cache_implementation == "static":
         raise ValueError(

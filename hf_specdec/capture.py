@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
-from .drafters.base import Drafter
+if TYPE_CHECKING:
+    from .drafters.base import Drafter
 
 __all__ = ["HiddenStateCapture", "capture_for", "decoder_layers"]
 

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from .drafters.base import Drafter, get_drafter_class
 from .drafters.cross_tokenizer import CrossTokenizerDrafter
+from .drafters.gemma4_assistant import Gemma4AssistantDrafter, is_gemma4_assistant
 from .drafters.model import ModelDrafter
 from .modeling import logits_width
 
@@ -52,11 +53,11 @@ def resolve_drafter(
             "Configure a drafter instance through its constructor instead."
         )
     if assistant_model is not None:
-        return ModelDrafter(assistant_model)
+        return _model_drafter(assistant_model)
     if isinstance(drafter, Drafter):
         return drafter
     if isinstance(drafter, PreTrainedModel):
-        return ModelDrafter(drafter)
+        return _model_drafter(drafter)
     if isinstance(drafter, str):
         if drafter_kwargs is not None and not isinstance(drafter_kwargs, Mapping):
             raise TypeError(
@@ -69,6 +70,12 @@ def resolve_drafter(
         f"`drafter` must be a registered drafter name, a `hf_specdec.Drafter` or a `PreTrainedModel`, got "
         f"{type(drafter).__name__}. Registered names: see `hf_specdec.list_drafters()`."
     )
+
+
+def _model_drafter(model: PreTrainedModel) -> Drafter:
+    """A draft model as its drafter: a Gemma 4 assistant drafts from the target's shared key/value states, any other
+    model as a `ModelDrafter`."""
+    return Gemma4AssistantDrafter(model) if is_gemma4_assistant(model) else ModelDrafter(model)
 
 
 def _cross_tokenizer_drafter(
@@ -100,6 +107,13 @@ def _cross_tokenizer_drafter(
         and hasattr(assistant_tokenizer, "get_vocab")
         and tokenizer.get_vocab() == assistant_tokenizer.get_vocab()
     )
+    if is_gemma4_assistant(model):
+        if same:
+            return Gemma4AssistantDrafter(model)
+        raise ValueError(
+            f"{type(model).__name__} is a Gemma 4 assistant, which drafts in its target's vocabulary, but "
+            "`assistant_tokenizer` differs from the target's tokenizer. Drop `assistant_tokenizer`."
+        )
     if same:  # one vocabulary: token ids need no translation (the models' logits may be padded to other widths)
         return ModelDrafter(model, same_tokenizer=True)
     return CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)

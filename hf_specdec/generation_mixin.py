@@ -20,6 +20,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
 from .drafter_arguments import resolve_drafter
+from .drafters.base import get_drafter_class
 from .generate_call import _BoundCall
 from .stats import SpeculativeStats
 
@@ -83,6 +84,9 @@ class SpeculativeGenerationMixin:
         ]
         options = resolve_speculative_options(call.extra, call.get("generation_config"), self.generation_config)
         drafter, drafter_kwargs = _native_drafter_request(call, drafter, assistant_model, drafter_kwargs, self)
+        drafter, drafter_kwargs, assistant_model = _speculation_type_request(
+            call, drafter, assistant_model, drafter_kwargs, self
+        )
         if assistant_model is None and drafter is None:
             if drafter_kwargs is not None:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
@@ -351,6 +355,63 @@ def _native_drafter_request(call, drafter, assistant_model, drafter_kwargs, mode
     return drafter, drafter_kwargs
 
 
+# transformers' `speculation_type` values -> (hf_specdec's registered drafter, the `drafter_kwargs` key that takes the
+# call's `assistant_model`)
+SPECULATION_TYPES = {"dflash": ("dflash", "model")}
+
+
+def _speculation_type_request(call, drafter, assistant_model, drafter_kwargs, model):
+    """Serves transformers' `speculation_type` (in the call, its `generation_config` or the model's) with hf_specdec's
+    drafter of that type: `generate(assistant_model=m, speculation_type="dflash")` is `drafter="dflash",
+    drafter_kwargs={"model": m}`. Returns the call's (drafter, drafter_kwargs, assistant_model) and takes the request
+    out of the call. Without a drafter it is left to transformers (which then decodes plainly), unless the call set
+    it itself."""
+    generation_config = call.get("generation_config")
+    in_call = "speculation_type" in call.extra
+    if in_call:
+        value = call.extra["speculation_type"]
+    else:
+        in_call = generation_config is not None and getattr(generation_config, "speculation_type", None) is not None
+        config = generation_config if generation_config is not None else model.generation_config
+        value = getattr(config, "speculation_type", None)
+    if value is None or (assistant_model is None and drafter is None and not in_call):
+        return drafter, drafter_kwargs, assistant_model
+    if value not in SPECULATION_TYPES:
+        raise ValueError(
+            f"`speculation_type={value!r}` is not a speculation type hf_specdec serves (it serves "
+            f"{sorted(SPECULATION_TYPES)}, as transformers does). Drop it, or choose a drafter by name: "
+            "`drafter=...` (see `hf_specdec.list_drafters()`)."
+        )
+    registered, option = SPECULATION_TYPES[value]
+    if drafter is not None and drafter != registered and not isinstance(drafter, get_drafter_class(registered)):
+        raise ValueError(
+            f"`speculation_type={value!r}` asks for the {value} drafter, but the call passes `drafter={drafter!r}`. "
+            f'Drop one of them (`speculation_type={value!r}` with `assistant_model=m` is `drafter="{registered}", '
+            f"drafter_kwargs={{'{option}': m}}`)."
+        )
+    if assistant_model is not None:
+        if drafter is not None or (drafter_kwargs is not None and option in drafter_kwargs):
+            raise ValueError(
+                f"`speculation_type={value!r}` takes its drafter model from `assistant_model` or from "
+                f"`drafter_kwargs={{'{option}': ...}}` with `drafter=\"{registered}\"`; the call passes both. Drop one."
+            )
+        drafter, drafter_kwargs, assistant_model = registered, {**(drafter_kwargs or {}), option: assistant_model}, None
+    elif drafter is None:
+        raise ValueError(
+            f"`speculation_type={value!r}` needs its drafter model: pass `assistant_model=<the {value} drafter>` (or "
+            f"`drafter=\"{registered}\", drafter_kwargs={{'{option}': <the {value} drafter>}}`), or drop it."
+        )
+    # the request is served here: transformers must not run its own generator for it too (a kwarg next to a
+    # `generation_config` would warn: set only where it was given, or over the model's own config)
+    if "speculation_type" in call.extra or generation_config is None:
+        call.set("speculation_type", None)
+    if generation_config is not None and getattr(generation_config, "speculation_type", None) is not None:
+        generation_config = copy.deepcopy(generation_config)  # the user's config is never modified
+        generation_config.speculation_type = None
+        call.set("generation_config", generation_config)
+    return drafter, drafter_kwargs, assistant_model
+
+
 def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_config, model_config, kwargs) -> None:
     if custom_generate is not None:
         raise ValueError(
@@ -407,5 +468,4 @@ _TRANSFORMERS_ASSISTED_SETTINGS = {
         "Drop it (it verifies against a mixture of the target and the drafter, so the output is no longer the "
         "target's); `speculative_lenience` is hf_specdec's documented trade of exactness for acceptance."
     ),
-    "speculation_type": "Drop it, or drop `assistant_model`/`drafter` to use transformers' speculation of that type.",
 }

@@ -284,7 +284,6 @@ def test_drafter_argument_errors():
         ("assistant_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
         ("target_lookbehind", 20, "`CrossTokenizerDrafter` realigns"),
         ("assistant_ensemble_weight", 0.5, "`speculative_lenience`"),
-        ("speculation_type", "dflash", "speculation of that type"),
     ],
 )
 def test_transformers_assisted_generation_settings_are_refused_not_ignored(name, value, fix):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,31 @@ def test_no_import_circles_between_modules():
     for name in sorted(names):
         if name not in state:
             visit(name, [name])
+
+
+FIRST_IMPORTS = """
+import importlib, sys
+import torch, transformers  # imported once: only hf_specdec's modules are imported afresh
+failed = []
+for name in sys.argv[1:]:
+    for module in [m for m in sys.modules if m == "hf_specdec" or m.startswith("hf_specdec.")]:
+        del sys.modules[module]
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        failed.append(f"{name}: {type(error).__name__}: {error}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_module_imports_first_without_a_circle():
+    """Each module, imported before any other of hf_specdec's, imports: an import circle (a module importing, through
+    a package's `__init__`, a module that imports it back before it is defined) fails exactly when the user happens
+    to import that module first."""
+    names = sorted(
+        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__") for path in modules()
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORTS, *names], capture_output=True, text=True, cwd=PACKAGE.parent, check=True
+    )
+    assert result.stdout.strip() == "", result.stdout

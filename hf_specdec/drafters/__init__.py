@@ -2,8 +2,10 @@
 
 from .base import DraftContext, Drafter, DraftProposal, get_drafter_class, list_drafters, register_drafter
 from .cross_tokenizer import CrossTokenizerDrafter
+from .dflash import DFlashDrafter
 from .eagle import EagleDrafter
 from .early_exit import EarlyExitDrafter
+from .gemma4_assistant import Gemma4AssistantDrafter
 from .model import ModelDrafter
 from .mtp import MtpDrafter
 from .ngram import NGramDrafter
@@ -11,11 +13,13 @@ from .prompt_lookup import PromptLookupDrafter
 
 __all__ = [
     "CrossTokenizerDrafter",
+    "DFlashDrafter",
     "DraftContext",
     "DraftProposal",
     "Drafter",
     "EagleDrafter",
     "EarlyExitDrafter",
+    "Gemma4AssistantDrafter",
     "ModelDrafter",
     "MtpDrafter",
     "NGramDrafter",

@@ -64,7 +64,9 @@ class DraftContext:
     """`speculative_tree_budget`: the most draft nodes one proposal may hold when it is a tree (`None`: the call
     verifies chains only, so a proposal must not set `parents`)."""
     model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """The target's prepared model kwargs at the start of decoding (attention mask, encoder outputs...)."""
+    """The target's prepared model kwargs at the start of decoding (attention mask, encoder outputs...). Their cache
+    (`model_kwargs["cache"]`, or `past_key_values`) is the object the rounds keep updating in place: at each
+    `propose` it holds every token of `input_ids` but the newest (a drafter may read it, never change it)."""
     inputs_tensor: torch.Tensor | None = None
     """The tensor `generate` was called with (encoder input for encoder-decoder targets)."""
 

@@ -8,7 +8,8 @@ audio features, VoxtralRealtime's streamed log-mel features); speech models get 
 shape. A model type that transformers cannot build even from a valid tiny config (`tiny.py`: a generic shrink plus
 per-type overrides), or whose own plain `generate` fails on it, is listed in `NOT_RUN` with the error it raises; the
 sweep asserts that error, so the list stays true as transformers changes. `KNOWN_DEFECTS` lists hf_specdec's own
-failures on a type, asserted until fixed. Sparse-indexer models, refused at the sweep's top-k of 8, are also run with
+failures on a type, asserted until fixed. Assistants that cannot generate alone (Gemma 4's, which read their target's
+key/value states) run as drafters of their targets (`test_gemma4_assistants`). Sparse-indexer models, refused at the sweep's top-k of 8, are also run with
 a top-k covering the context (`test_sparse_indexer_covering_the_context`).
 """
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import hf_specdec
+import hf_specdec.drafters.gemma4_assistant  # registers `drafter="gemma4_assistant"`
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import VOCAB, mapping_types, tiny_model
@@ -61,16 +63,20 @@ NOT_RUN = {
     # the multimodal wrapper needs timm and PIL (whichever is missing is named first), not installed here
     # (gemma3n_text runs)
     "gemma3n": ("build", "ImportError: TimmWrapperModel requires the "),
-    # Gemma 4 assistants share every layer's cache with their target (the config requires it), but transformers
-    # 5.23's Gemma4TextConfig.kv_sharing_modes requires a producing layer of each kind: the model does not build even
-    # from a valid config (tiny.DEFAULTS). From 5.24 gemma4_assistant builds, and plain `generate` fails on its cache,
-    # which holds no attention layer of its own. They only run inside a Gemma 4 target's `generate` anyway: their
-    # forward requires the target's `inputs_embeds` and `shared_kv_states`.
+    # Gemma 4 assistants read every layer's keys and values from their target (the config requires it), but
+    # transformers 5.23's Gemma4TextConfig.kv_sharing_modes requires a producing layer of each kind: the model does
+    # not build even from a valid config (tiny.DEFAULTS). From 5.24 they build, and plain `generate` fails on their
+    # cache, which holds no attention layer of their own: they cannot generate alone (their forward requires the
+    # target's `inputs_embeds` and `shared_kv_states`). They run as drafters of their targets in
+    # `test_gemma4_assistants`.
     "gemma4_assistant": [
         ("build", "ValueError: The set of layer types producing a cache is diff"),
         ("generate", "ValueError: `get_seq_length` can only be called on Attention layers"),
     ],
-    "gemma4_unified_assistant": ("build", "ValueError: The set of layer types producing a cache is diff"),
+    "gemma4_unified_assistant": [
+        ("build", "ValueError: The set of layer types producing a cache is diff"),
+        ("generate", "ValueError: `get_seq_length` can only be called on Attention layers"),
+    ],
     # its generate needs `diffusers`, not installed here
     "vibevoice": ("generate", "ImportError: The default VibeVoice noise scheduler (`DPMSolv"),
 }
@@ -223,6 +229,45 @@ def test_architecture(model_type):
     # a model refused for one drafter is refused for all: the reason is the target's
     refused = {label for label, result in results.items() if result.startswith("refused")}
     assert refused in (set(), set(results)) or all("assistant_model" in results[r] for r in refused), results
+
+
+# assistants that draft from a target's shared key/value states (transformers' SinglePositionMultiTokenCandidateGenerator)
+# -> the target types they serve
+ASSISTANT_TARGETS = {
+    "gemma4_assistant": ("gemma4", "gemma4_text"),
+    "gemma4_unified_assistant": ("gemma4_unified", "gemma4_unified_text"),
+}
+
+
+@pytest.mark.parametrize(
+    "assistant_type, target_type", [(a, t) for a, targets in ASSISTANT_TARGETS.items() for t in targets]
+)
+def test_gemma4_assistants(assistant_type, target_type):
+    """A tiny target with a tiny assistant of the type: transformers' own assisted `generate` and hf_specdec's (one
+    sequence, the assistant as `assistant_model` and as `drafter="gemma4_assistant"`; a left-padded batch of two)
+    give plain `generate`'s ids."""
+    warnings.simplefilter("ignore")
+    target, assistant = tiny_model(target_type), tiny_model(assistant_type)
+    assistant.generation_config.num_assistant_tokens = GAMMA  # what transformers drafts per round
+    inputs = {1: inputs_for(target, 1), 2: inputs_for(target, 2)}
+    plain = {batch: greedy(target, x).sequences for batch, x in inputs.items()}
+    assert torch.equal(greedy(target, inputs[1], assistant_model=assistant).sequences, plain[1])
+    hf_specdec.enable(target)
+    by_name = dict(drafter="gemma4_assistant", drafter_kwargs={"assistant_model": assistant})
+    runs = {"assistant_model": (1, dict(assistant_model=assistant)), "drafter": (1, by_name), "batch": (2, by_name)}
+    results = {}
+    for label, (batch, drafter) in runs.items():
+        run = functools.partial(
+            target.generate,
+            **inputs[batch],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            speculative_gamma=GAMMA,
+            **drafter,
+        )
+        if not raises_known_defect(assistant_type, label, run):
+            results[label] = outcome(target, inputs[batch], plain[batch], **drafter)
+    assert set(results.values()) == {"identical"}, results
 
 
 # sparse attention whose indexer picks `index_topk` keys per query: with the sweep's top-k of 8 the model is refused

@@ -135,6 +135,7 @@ VOCAB_NAMES = ("vocab_size", "unpadded_vocab_size")
 # what a default config leaves undefined, or sets for its full size, for a tiny one (by model type, nested configs
 # included; applied after shrinking)
 _GEMMA3N_TEXT = dict(
+    vocab_size_per_layer_input=VOCAB,  # per-layer embeddings: a row per token (262144 by default)
     num_hidden_layers=4,
     layer_types=["sliding_attention", "full_attention"] * 2,
     intermediate_size=[128] * 4,
@@ -194,6 +195,11 @@ OVERRIDES = {
         adapter_rank=8,
     ),
     "gemma3n_text": _GEMMA3N_TEXT,
+    # per-layer embeddings: a row per token (262144 by default, 134M parameters at the tiny size)
+    "gemma4_text": dict(vocab_size_per_layer_input=VOCAB),
+    # a Gemma 4 assistant reads its target's hidden states: the tiny Gemma 4 models' size
+    "gemma4_assistant": dict(backbone_hidden_size=HIDDEN),
+    "gemma4_unified_assistant": dict(backbone_hidden_size=HIDDEN),
     "speech_to_text": dict(conv_channels=64, max_source_positions=256),
     "seamless_m4t": _SEAMLESS,
     "seamless_m4t_v2": _SEAMLESS,
@@ -272,7 +278,10 @@ OVERRIDES = {
     "voxtral_realtime": dict(tie_word_embeddings=False),
     # sub-configs without a model type of their own, keyed "<model type>.<sub-config name>"
     "fun_asr_nano.adaptor_config": dict(intermediate_size=HIDDEN // 4),  # a quarter of the text hidden size
-    "gemma4_assistant.text_config": dict(num_kv_shared_layers=LAYERS),  # an assistant shares every layer's cache
+    # a Gemma 4 assistant reads every layer's keys and values from its target (its config requires it), and has no
+    # per-layer embeddings
+    "gemma4_assistant.text_config": dict(num_kv_shared_layers=LAYERS, vocab_size_per_layer_input=0),
+    "gemma4_unified_assistant.text_config": dict(num_kv_shared_layers=LAYERS),
     "nemotron3_diarization.head_config": dict(audio_hidden_size=HIDDEN),  # the diarization audio encoder's width
     "nemotron3_5_transcribe_word_timestamp": dict(blank_token_id=VOCAB - 1),  # the last class of its vocabulary
     # MusicGen's decoder: pad (= BOS = decoder start) is the id after its codebook entries, as in its checkpoints
