@@ -164,6 +164,15 @@ class Drafter:
         return drafter
 
 
+def chain_proposal(ids: torch.LongTensor, start: int, usable: list, probs: list) -> DraftProposal:
+    """The chain drafted step by step into `ids[:, start:]`, cut before the first step at which the logits
+    processors left no token (`usable`: one 0-dim bool per step; one host read for all of them), with the q of each
+    kept step (`probs`: `[batch, vocab]` per step; empty when the drafts were chosen deterministically)."""
+    kept = int(torch.stack(usable).long().cumprod(0).sum()) if usable else 0
+    tokens = ids[:, start : start + kept]  # [batch, kept]
+    return DraftProposal(tokens=tokens, probs=torch.stack(probs[:kept], dim=1) if probs else None)
+
+
 def require_hidden_states(drafter: Drafter, target_hidden_states) -> None:
     """Fails clearly when a drafter that reads the target's hidden states (`reads_target_hidden_states`) is told of
     a verification without them: a loop other than hf_specdec's must capture them."""

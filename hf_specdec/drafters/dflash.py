@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from ..devices import execution_device
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
+from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
 from .tree_builder import DynamicTree
 
 __all__ = ["DFlashDrafter"]
@@ -305,9 +305,7 @@ class DFlashDrafter(Drafter):
             else:
                 token = scores.argmax(dim=-1, keepdim=True)
             ids = torch.cat([ids, token], dim=-1)
-        kept = int(torch.stack(usable).long().cumprod(0).sum())  # drafts before the first position with nothing left
-        tokens = ids[:, input_ids.shape[1] : input_ids.shape[1] + kept]  # [1, kept]
-        return DraftProposal(tokens=tokens, probs=torch.stack(probs, dim=1)[:, :kept] if probs else None)
+        return chain_proposal(ids, input_ids.shape[1], usable, probs)
 
     def _propose_tree(self, input_ids: torch.LongTensor, logits: torch.FloatTensor) -> DraftProposal:
         """A token tree from the block's logits (`[1, depth, vocab]`): node scores by cumulative log q, each

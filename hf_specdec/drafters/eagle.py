@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ..devices import execution_device
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
+from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
 from .eagle_checkpoint import HUB_OPTIONS, check_hub_options, load_head, model_card, save_head
 from .eagle_head import Eagle3DraftModel, default_eagle_layers, initial_head, text_config
 from .tree_builder import DynamicTree
@@ -285,9 +285,7 @@ class EagleDrafter(Drafter):
                 past_values=values,
             )
             keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, new_values], dim=2)
-        kept = int(torch.stack(usable).long().cumprod(0).sum())  # drafts before the first step with nothing left
-        tokens = ids[:, input_ids.shape[1] : input_ids.shape[1] + kept]
-        return DraftProposal(tokens=tokens, probs=torch.stack(probs, dim=1)[:, :kept] if probs else None)
+        return chain_proposal(ids, input_ids.shape[1], usable, probs)
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, hidden: torch.Tensor) -> DraftProposal:
         """EAGLE-2's dynamic tree ([`DynamicTree`]) over the layer's outputs: `hidden` `[1, 1, h]` is the output at

@@ -51,7 +51,7 @@ from ..capture import decoder_layers
 from ..devices import execution_device
 from ..modeling import logits_width
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
+from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
 
 __all__ = ["Gemma4AssistantDrafter", "is_gemma4_assistant"]
 
@@ -294,12 +294,7 @@ class Gemma4AssistantDrafter(Drafter):
             hidden = outputs.last_hidden_state  # [1, 1, hidden]: projected back to the target's size
             probs.append(q)
             usable.append(ok)
-        # drafts before the first step where the processors left no token (one host read)
-        kept = int(torch.stack(usable).long().cumprod(0).sum())
-        tokens = ids[:, length : length + kept]  # [1, kept]
-        if not self.do_sample:
-            return DraftProposal(tokens=tokens)
-        return DraftProposal(tokens=tokens, probs=torch.stack(probs[:kept], dim=1))  # [1, kept, vocab]
+        return chain_proposal(ids, length, usable, probs if self.do_sample else [])
 
     def on_verified(
         self,

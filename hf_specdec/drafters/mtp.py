@@ -40,7 +40,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..sampling import sample_tokens
-from .base import DraftContext, Drafter, DraftProposal, register_drafter, require_hidden_states
+from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
 
 __all__ = ["MtpDrafter"]
 
@@ -264,12 +264,7 @@ class MtpDrafter(Drafter):
             hidden = self._run_layer(step % self.num_layers, hidden[:, -1:], ids[:, -1:], length - 1 + step)
             ids = self._draft_into(hidden, ids, probs, usable)
         self.proposed_at = length
-        # drafts before the first step where the processors left no token (one host read)
-        kept = int(torch.stack(usable[:num_tokens]).long().cumprod(0).sum())
-        tokens = ids[:, length : length + kept]  # [1, kept]
-        if not self.do_sample:
-            return DraftProposal(tokens=tokens)
-        return DraftProposal(tokens=tokens, probs=torch.stack(probs[:kept], dim=1))  # [1, kept, vocab]
+        return chain_proposal(ids, length, usable[:num_tokens], probs[:num_tokens] if self.do_sample else [])
 
     def on_verified(
         self,
