@@ -306,3 +306,22 @@ def benchmark_script(name: str):
                 and Path(sys.modules[module].__file__).parent == BENCHMARKS
             ):
                 del sys.modules[module]
+
+
+def saved_target(tmp_path, tokenizer):
+    """A tiny 4-layer Llama for `tokenizer`, saved with it under `tmp_path / "target"` (for the CLI's path flags)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    return tmp_path / "target"

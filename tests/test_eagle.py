@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import VOCAB, prompt, tiny_config
+from conftest import VOCAB, prompt, saved_target, tiny_config
 from test_sampling_distribution import exact_distribution, goodness_of_fit, processors
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -529,20 +529,7 @@ def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_featur
 def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokenizer, capsys):
     from hf_specdec.cli import main
 
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(local_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(tmp_path / "target")
-    local_tokenizer.save_pretrained(tmp_path / "target")
+    saved_target(tmp_path, local_tokenizer)
     (tmp_path / "prompts.txt").write_text("the cat sat\na quick brown fox\n\ndef add(a, b):\n")
     (tmp_path / "text.txt").write_text("the dog sat on the log and the cat watches the fox " * 8)
     code = main(

@@ -11,11 +11,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import saved_target, tiny_model
 from test_cli_hardening import assert_error
 from test_eagle import eagle_target, published_layout
 from test_hardening_eagle import _write_head
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_specdec
 from hf_specdec.cli import main
@@ -97,7 +96,7 @@ def test_a_completion_with_a_line_separator_survives_the_reorder(text_model, loc
 
 
 def test_train_drafter_prompts_are_split_at_newlines_only(tmp_path, local_tokenizer, capsys, monkeypatch):
-    target = _saved_target(tmp_path, local_tokenizer)
+    target = saved_target(tmp_path, local_tokenizer)
     (tmp_path / "prompts.txt").write_text("the cat\u2028sat\r\ndef add(a, b):\n")
     seen = []
 
@@ -321,27 +320,9 @@ def test_training_replaces_links_in_its_output_folder(trained_folder, tmp_path):
     assert not any(path.is_symlink() for path in folder.rglob("*"))
 
 
-def _saved_target(tmp_path, tokenizer):
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    return tmp_path / "target"
-
-
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_cli_train_drafter_replaces_a_linked_data_file_and_names_a_malicious_state(tmp_path, local_tokenizer, capsys):
-    target = _saved_target(tmp_path, local_tokenizer)
+    target = saved_target(tmp_path, local_tokenizer)
     texts = [tmp_path / "one.txt", tmp_path / "two.txt"]
     texts[0].write_text("the dog sat on the log and the cat watches the fox " * 4)
     texts[1].write_text("def add(a, b):\n    return a + b\n" * 4)
