@@ -31,10 +31,12 @@ greedy, the methods are interleaved and repeated (`harness.interleaved`), summar
 - `ours_tree` (batch 1 only: token trees are verified one sequence at a time): the same with
   `speculative_tree_budget=--tree-budget`;
 - `ours_compiled`: the defaults with `cache_implementation="static"` and the `CompileConfig` (`mode=
-  "reduce-overhead"` on a GPU: CUDA graphs). In a batch, hf_specdec decodes static caches one row at a time (exact,
-  without the batching speedup): measured as it is;
+  "reduce-overhead"` on a GPU: CUDA graphs); at batch 1 the drafter keeps its own static cache
+  (`ModelDrafter(cache_implementation="static")`), so its step is compiled and captured too. In a batch, hf_specdec
+  decodes static caches one row at a time (exact, without the batching speedup): measured as it is;
 - `ours_1b` (8b pair): our defaults with the 1B drafter.
 
+A method whose first call raises is reported under the group's `failed` (the error) and left out of the timings.
 Reported per method: median seconds and speedup over `plain` (compiled rows also over `plain_compiled`), new tokens per
 target call (all rows' tokens over target forwards: plain decoding's is the batch size; forwards from
 `speculative_stats`, a forward hook for transformers, one per token for plain), ours' mean accepted length, α, host
@@ -242,6 +244,14 @@ def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tupl
     static = dict(cache_implementation="static", compile_config=compile_config(args.device, args.smoke))
     assistant = assistant_with_gamma(drafter, args.gamma)
     tree = dict(speculative_tree_budget=args.tree_budget)
+
+    # one sequence: the drafter's own static cache (kept by the `ModelDrafter` from call to call), whose step is
+    # compiled too (CUDA graphs on a GPU); a batch: the dynamic draft cache (a static draft cache holds one sequence)
+    static_drafter = hf_specdec.ModelDrafter(drafter, cache_implementation="static")
+
+    def compiled_drafting() -> dict:
+        return dict(drafter=static_drafter) if batch == 1 else dict(assistant_model=drafter)
+
     methods = {
         "plain": Method(lambda: GenerationMixin.generate(target, ids, **common)),
         "plain_compiled": Method(lambda: GenerationMixin.generate(target, ids, **common, **static), None, True),
@@ -250,7 +260,7 @@ def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tupl
         ),
         "ours": Method(lambda: target.generate(ids, assistant_model=drafter, **common), first),
         "ours_tree": Method(lambda: target.generate(ids, assistant_model=drafter, **tree, **common), first),
-        "ours_compiled": Method(lambda: target.generate(ids, assistant_model=drafter, **common, **static), first, True),
+        "ours_compiled": Method(lambda: target.generate(ids, **compiled_drafting(), **common, **static), first, True),
     }
     for name, other in list(pair.drafters.items())[1:]:
         methods[f"ours_{name}"] = Method(
@@ -317,10 +327,18 @@ def run_group(pair: Pair, batch: int, compiled: bool, args) -> dict:
 
         return run
 
-    rows, outputs = {}, {}
-    for name, method in methods.items():  # first calls: compilation and capability probes, timed on their own
+    rows, outputs, failed = {}, {}, {}
+    for name, method in list(methods.items()):  # first calls: compilation and capability probes, timed on their own
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        first_s, _ = timed(synchronized(method))
+        try:
+            first_s, _ = timed(synchronized(method))
+        except Exception as error:  # reported in the results, the other methods still measured
+            if name == "plain":
+                raise
+            failed[name] = f"{type(error).__name__}: {error}"[:2000]
+            print(f"  {name}: FAILED {failed[name][:300]}", flush=True)
+            del methods[name]
+            continue
         rows[name] = {
             "first_call_s": first_s,
             "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
@@ -403,6 +421,7 @@ def run_group(pair: Pair, batch: int, compiled: bool, args) -> dict:
         "costs": group_costs,
         "methods": rows,
         "skipped": skipped,
+        "failed": failed,
     }
     if "1b" in pair.drafters and "early_exit" in alpha_of_drafter:
         group["theorem_3_8_if_1b_agreed_like_early_exit"] = bound(

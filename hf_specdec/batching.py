@@ -39,6 +39,7 @@ from transformers import DynamicCache
 
 from .batch_rows import decode_rows, padded_batch_processors, processors_for_row, row_context
 from .caches import CACHE_KWARG, realign_cache, slice_cache
+from .devices import to_device
 from .drafters.base import Drafter, DraftProposal
 from .forward import standardize, target_logits
 from .layouts import ChainLayout
@@ -266,7 +267,7 @@ class PaddedBatchLane(Lane):
         most = max(emitted)
         for i, r in enumerate(rows):
             self.padding[r] += most - emitted[i]
-        shift = torch.tensor([most - e for e in emitted], device=device)  # [rows]: extra left padding per row
+        shift = to_device([most - e for e in emitted], device)  # [rows]: extra left padding per row
         columns = torch.arange(width + most, device=device)[None, :] - shift[:, None]  # [rows, width + most]
         source_ids = torch.cat([self.ids, self.new_tokens], dim=-1)
         source_mask = torch.cat([self.mask, self.mask.new_ones(len(rows), num_drafted + 1)], dim=-1)
@@ -283,7 +284,7 @@ class PaddedBatchLane(Lane):
             for r in rows:
                 self.generated[r] = self.generated[r][: stop - self.prompt_len]
         if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device, dtype=torch.long)
+            index = to_device(keep, device)
             ids, mask, columns = ids[index], mask[index], columns[index]
             cache.batch_select_indices(index)
             if self.batch_drafter is not None and keep:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["HostReads", "decode_step", "execution_device", "seconds_agreement"]
+__all__ = ["HostReads", "decode_step", "execution_device", "seconds_agreement", "to_device"]
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:
@@ -29,6 +29,16 @@ def execution_device(model: torch.nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
+
+
+def to_device(values: list, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of the host's `values` on `device`, without waiting for the device: `torch.tensor(values,
+    device="cuda")` copies from pageable memory, which synchronizes the stream (the host waits for every queued
+    kernel); from pinned memory the copy is queued behind them instead."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def decode_step(model: torch.nn.Module):

@@ -35,13 +35,16 @@ def target_logits(
     overrides: dict | None = None,
     forward: TargetForward | None = None,
     decode_kernels: bool = True,
+    cached: int | None = None,
 ) -> torch.FloatTensor:
     """One target forward over the uncached tail of `candidate_ids`; float32 logits of the last k + 1 positions.
     `overrides` replaces prepared inputs (a tree's attention mask and position ids); `forward` says how to call the
     target (eagerly when None). Every forward but the first round's runs in plain decoding's context (`decode_step`)
-    unless `decode_kernels` is False (beam search, as transformers' own)."""
+    unless `decode_kernels` is False (beam search, as transformers' own). `cached`, the positions the cache holds,
+    where the caller knows it: otherwise it is read (a device sync for a static cache on an accelerator)."""
     cache = model_kwargs[CACHE_KWARG]
-    cached = cached_length(cache)  # read once: a device sync for a static cache on an accelerator
+    if cached is None:
+        cached = cached_length(cache)
     new_tokens = candidate_ids.shape[1] - cached
     call, padding = None, 0
     if forward is not None and not first_round:

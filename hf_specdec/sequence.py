@@ -210,6 +210,7 @@ class SequenceLane(Lane):
             self.first_round and not prefilled,
             overrides,
             self.forward,
+            cached=cached,
         )  # [1, k + 1, V]
         scores = logits
         if len(self.logits_processor):

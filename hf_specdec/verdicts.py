@@ -12,6 +12,7 @@ from transformers import MaxLengthCriteria, StoppingCriteriaList
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftProposal
 from .proposals import ProposalCheck
+from .block_verification import verify_block
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling
 
 __all__ = ["Verdict", "first_draft_acceptance", "first_stops", "read_verdict", "verify_round"]
@@ -41,14 +42,14 @@ def read_verdict(verdict: Verdict, check: ProposalCheck) -> Verdict:
     rows, device = verdict.accepted.shape[0], verdict.accepted.device
     tree = verdict.tree_depth is not None
     failed = check.failed if check.failed is not None else verdict.accepted.new_zeros((), dtype=torch.bool)
-    depth = verdict.tree_depth if tree else verdict.accepted.new_tensor(verdict.betas.shape[1])
-    # one column each, all as float32 (small counts and flags are exact): accepted, failed, depth[, in place], betas
-    columns = [verdict.accepted[:, None], failed.to(device).expand(rows, 1), depth.to(device).expand(rows, 1)]
+    # one column each, all as float32 (small counts and flags are exact): accepted, failed[, depth, in place], betas.
+    # A chain's depth is its drafts' count, known on the host (a tensor made from it would be a copy to the device)
+    columns = [verdict.accepted[:, None], failed.to(device).expand(rows, 1)]
     if tree:
-        columns.append(verdict.tree_path_in_place[:, None])
+        columns += [verdict.tree_depth.to(device).expand(rows, 1), verdict.tree_path_in_place[:, None]]
     values = torch.cat([*(column.to(torch.float32) for column in columns), verdict.betas.float()], dim=1).tolist()
     check.raise_if(bool(values[0][1]))
-    verdict.depth = int(values[0][2])
+    verdict.depth = int(values[0][2]) if tree else verdict.betas.shape[1]
     if tree:
         verdict.path_in_place = [bool(row[3]) for row in values]
     verdict.accepted_counts = [int(row[0]) for row in values]
@@ -89,12 +90,16 @@ def first_stops(stopping_criteria, rows: list[tuple[torch.LongTensor, int, int]]
 def verify_round(
     do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor, options: SpeculativeOptions
 ) -> Verdict:
-    """Algorithm 1 on a chain of drafts, on standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
+    """Algorithm 1 (or, sampling with `speculative_verification="block"`, block verification) on a chain of drafts, on
+    standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
     tokens, probs = proposal.tokens, proposal.probs
     num_drafted = tokens.shape[1]
     if do_sample:
         target_probs = target_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
-        accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)
+        if options.speculative_verification == "block":
+            accepted, next_tokens = verify_block(tokens, probs, target_probs)
+        else:
+            accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)
         betas = draft_target_overlap(tokens, probs, target_probs)  # [batch, k]
     else:
         accepted, next_tokens = verify_greedy(tokens, target_scores, lenience=options.speculative_lenience)

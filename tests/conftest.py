@@ -33,11 +33,13 @@ def _config_module_state(name: str):
 
 
 # set by pytest itself, by `tokenizers` when a process that used its thread pool forks (pipelines' data loaders), and
-# by torch's inductor for the compile workers it starts
+# by torch's inductor for the compile workers it starts and, on a GPU, for triton's cache and assembler
 _ENVIRONMENT_SET_BY_LIBRARIES = (
     "PYTEST_CURRENT_TEST",
     "TOKENIZERS_PARALLELISM",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    "TRITON_CACHE_DIR",
+    "TRITON_PTXAS_PATH",
 )
 
 

@@ -38,7 +38,7 @@ class DeviceTree(hf_specdec.Drafter):
         return hf_specdec.DraftProposal(tokens=torch.cat([first, (truth + 2) % VOCAB], dim=-1), parents=parents)
 
 
-def reads_per_round(target, drafter, input_ids, eos_token_id=VOCAB - 1, **kwargs):
+def reads_per_round(target, drafter, input_ids, eos_token_id=VOCAB - 1, new_tokens=NEW_TOKENS, **kwargs):
     common = dict(
         # an EOS criterion, read on the device (max length alone is decided on the host, without a read)
         eos_token_id=eos_token_id,
@@ -52,9 +52,9 @@ def reads_per_round(target, drafter, input_ids, eos_token_id=VOCAB - 1, **kwargs
     target.generate(input_ids, max_new_tokens=4, **drafting, **common)  # the first call probes the model once
     models = [target] + ([] if isinstance(drafter, hf_specdec.Drafter) else [drafter])
     counts = []
-    for new_tokens in (NEW_TOKENS // 3, NEW_TOKENS):
+    for tokens in (new_tokens // 3, new_tokens):
         with HostReads(outside_of=models) as reads:
-            out = target.generate(input_ids, max_new_tokens=new_tokens, **drafting, **common)
+            out = target.generate(input_ids, max_new_tokens=tokens, **drafting, **common)
         stats = out.speculative_stats
         assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens  # partly right: both paths
         counts.append((reads.count, stats.target_calls))
@@ -110,6 +110,32 @@ def test_a_draft_models_dynamic_tree_reads_the_host_at_most_three_times_per_roun
     assert reads_per_round(target, drafter, prompt(8), speculative_tree_budget=8, do_sample=do_sample) < 3.5
 
 
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_static_caches_compiled_read_the_host_at_most_three_times_per_round(pair, do_sample):
+    # a static cache keeps its length in a tensor: the target's and the drafter's lengths are counted on the host.
+    # The loop reads twice; the third read is transformers' own: for a static cache, `prepare_inputs_for_generation`
+    # builds the mask outside the forward, and for a query of several tokens `create_causal_mask` compares the
+    # cache's offset tensor with 0 (plain decoding's one-token queries never get there)
+    from test_static_cache import compile_config
+
+    target, drafter = pair
+    static_drafter = hf_specdec.ModelDrafter(drafter, cache_implementation="static")
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        per_round = reads_per_round(
+            target,
+            static_drafter,
+            prompt(8),
+            cache_implementation="static",
+            compile_config=compile_config(dynamic=False),
+            do_sample=do_sample,
+        )
+    finally:
+        torch._dynamo.reset()
+    assert per_round <= 3
+
+
 def test_host_reads_counts_reads_outside_the_given_forwards_and_restores_the_tensor_methods():
     model = tiny_model("llama", seed=0)
     methods = {name: torch.Tensor.__dict__.get(name) for name in ("item", "tolist", "__bool__", "cpu")}
@@ -123,3 +149,47 @@ def test_host_reads_counts_reads_outside_the_given_forwards_and_restores_the_ten
         torch.ones(()).item()
     assert loop.count == 1
     assert {name: torch.Tensor.__dict__.get(name) for name in methods} == methods
+
+
+def test_a_chain_round_makes_no_tensor_from_host_values(pair):
+    """`torch.tensor(values, device="cuda")` copies from pageable memory, which synchronizes the stream like a read:
+    a chain's rounds make no tensor from host values (`torch.tensor`, `new_tensor`) outside the models' forwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    target, drafter = pair
+    inside = [0]
+    handles = []
+    for model in (target, drafter):
+        handles.append(model.register_forward_pre_hook(lambda *args: inside.__setitem__(0, inside[0] + 1)))
+        handles.append(
+            model.register_forward_hook(lambda *args: inside.__setitem__(0, inside[0] - 1), always_call=True)
+        )
+
+    class HostTensors(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.lift_fresh.default and not inside[0]:
+                HostTensors.count += 1
+            return func(*args, **(kwargs or {}))
+
+    kwargs = dict(
+        assistant_model=drafter,
+        do_sample=False,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        pad_token_id=0,
+    )
+    try:
+        counts = []
+        for new_tokens in (NEW_TOKENS // 3, NEW_TOKENS):
+            HostTensors.count = 0
+            with HostTensors():
+                out = target.generate(prompt(8), max_new_tokens=new_tokens, return_dict_in_generate=True, **kwargs)
+            counts.append((HostTensors.count, out.speculative_stats.target_calls))
+    finally:
+        for handle in handles:
+            handle.remove()
+    (short, short_rounds), (long, long_rounds) = counts
+    assert long_rounds > short_rounds + 3
+    assert long == short, counts  # the call's own (transformers' special tokens), none per round

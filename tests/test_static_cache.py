@@ -552,3 +552,72 @@ def test_a_static_draft_cache_is_refused_where_it_cannot_serve(llama):
         r"sliding-window layers keep 16 positions",
     ):
         llama.generate(ids, max_new_tokens=NEW_TOKENS, drafter=static_drafter(windowed))
+
+
+def test_a_static_draft_cache_is_kept_from_call_to_call(llama):
+    """One `ModelDrafter(cache_implementation="static")` for several calls, as a user keeps it: the next call reuses
+    its cache in place when it is large enough (so graphs captured over its tensors replay) and drafts exactly what a
+    fresh drafter drafts; a call that needs more room gets a new cache."""
+    config = compile_config(dynamic=False)
+    draft = noisy_copy(llama, 0.3)
+    kept = static_drafter(draft)
+    kwargs = dict(
+        do_sample=False,
+        compile_config=config,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+    )
+    caches = []
+    for seed, new_tokens in ((3, 2 * NEW_TOKENS), (4, NEW_TOKENS), (3, 2 * NEW_TOKENS), (4, 3 * NEW_TOKENS)):
+        ids = prompt(seed=seed)
+        out = llama.generate(ids, drafter=kept, max_new_tokens=new_tokens, **kwargs)
+        fresh = llama.generate(ids, drafter=static_drafter(draft), max_new_tokens=new_tokens, **kwargs)
+        assert torch.equal(out.sequences, fresh.sequences), seed
+        assert out.speculative_stats.drafted_history == fresh.speculative_stats.drafted_history
+        assert out.speculative_stats.accepted_length_histogram == fresh.speculative_stats.accepted_length_histogram
+        assert 0 < out.speculative_stats.acceptance_rate < 1
+        ((_, _, cache),) = kept.static_caches.idle  # back once the call's copy is gone
+        caches.append(cache)
+    assert caches[1] is caches[0] and caches[2] is caches[0]  # smaller or equal: the same tensors, emptied
+    assert caches[3] is not caches[0]  # a longer call needs a larger cache
+
+
+def test_concurrent_calls_with_one_static_drafter_each_hold_their_own_cache(llama):
+    """Two threads generate at once with the same `ModelDrafter(cache_implementation="static")`: each call takes a
+    cache of its own from the drafter's pool (a shared one would mix the two sequences' keys), and each output equals
+    plain greedy decoding's."""
+    import threading
+
+    draft = noisy_copy(llama, 0.3)
+    kept = static_drafter(draft)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, speculative_gamma=3, speculative_gamma_policy="constant")
+    prompts = [prompt(seed=21), prompt(seed=22)]
+    plain = [llama.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False) for ids in prompts]
+    llama.generate(prompts[0], drafter=kept, **kwargs)  # a cache is idle in the pool now
+    taken, barrier = [], threading.Barrier(2)
+    take = kept.static_caches.take
+
+    def take_and_wait(owner, *args):
+        cache, capacity = take(owner, *args)
+        taken.append(cache)
+        barrier.wait(timeout=60)  # both calls hold their caches at once
+        return cache, capacity
+
+    kept.static_caches.take = take_and_wait
+    try:
+        outputs = [None, None]
+
+        def run(i):
+            outputs[i] = llama.generate(prompts[i], drafter=kept, **kwargs)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        del kept.static_caches.take
+    assert len(taken) == 2 and taken[0] is not taken[1]
+    for out, reference in zip(outputs, plain):
+        assert torch.equal(out, reference)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel, StaticCache
+from transformers import DynamicCache, EncoderDecoderCache, PreTrainedModel
 from transformers.utils import logging
 
 from ..caches import (
@@ -22,19 +22,18 @@ from ..caches import (
     rewind_cache,
     slice_cache,
 )
-from ..devices import execution_device
+from ..devices import execution_device, to_device
 from ..modeling import logits_width
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
 from .base import DraftContext, Drafter, DraftProposal, register_drafter
 from .batch_realignment import batch_realignment
-from .model_setup import compiled_forward, encoder_inputs, static_draft_cache
+from .model_setup import _COMPILED_TOKENS, StaticCachePool, compiled_forward, encoder_inputs, static_draft_capacity
 from .tree_builder import DynamicTree
 
 __all__ = ["ModelDrafter"]
 
-_COMPILED_TOKENS = 2  # a static draft cache's compiled forwards over the context: this many tokens each, one graph
 logger = logging.get_logger(__name__)
 
 
@@ -78,7 +77,9 @@ class ModelDrafter(Drafter):
         cache_implementation (`str`, *optional*):
             `None` or `"dynamic"` (the default): the drafter's cache grows as it drafts. `"static"`: it preallocates a
             `StaticCache` for the call (`max_length` positions, plus room for a tree's expanded nodes) and rolls
-            rejected drafts back by moving the write position, as the target's static cache does. Where transformers
+            rejected drafts back by moving the write position, as the target's static cache does. The drafter keeps
+            it for later calls (emptied, when large enough; concurrent calls each take their own), so that graphs
+            captured over its tensors (CUDA graphs) replay rather than record again. Where transformers
             would compile a forward over that cache (`model._valid_auto_compile_criteria` with the call's
             `compile_config` and `disable_compile`: CUDA and other accelerators, or any device when the config asks
             for it), the drafter's forwards after its first run through transformers' own compiled call
@@ -139,6 +140,7 @@ class ModelDrafter(Drafter):
         self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tree_top_k = tree_top_k
         self.same_tokenizer = same_tokenizer
+        self.static_caches = StaticCachePool()  # shared by the per-call copies (`for_call`)
 
     def reset(self, context: DraftContext) -> None:
         model = self.model
@@ -204,6 +206,8 @@ class ModelDrafter(Drafter):
         self.tree_budget = context.tree_budget if one_sequence else None
         self.tree_context_length = None  # cache length before the last tree's nodes, until `on_verified`
         self.compiled, self.capacity = None, None  # a static cache's compiled forward and size
+        self.static_length = 0  # the positions a static cache holds, counted on the host (`_cached`)
+        self.keep_index = {}  # tokens in a compiled forward -> its `logits_to_keep` index tensor, on the device
         if static:
             if context.input_ids.shape[0] != 1:
                 raise ValueError(
@@ -211,7 +215,8 @@ class ModelDrafter(Drafter):
                     f"handed it a batch of {context.input_ids.shape[0]}. Leave the drafter's cache dynamic for this "
                     "call (`cache_implementation=None`)."
                 )
-            cache = self._static_cache(context)
+            capacity = static_draft_capacity(context, self.tree_top_k, self.tree_budget)
+            cache, self.capacity = self.static_caches.take(self, model, self.device, capacity)
         cache.activate_past_recording()
         # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
         # again in `on_verified`
@@ -229,16 +234,6 @@ class ModelDrafter(Drafter):
             self.tree_padding = 0 if mask is None else int((mask == 0).sum())
         if static:
             self.compiled = compiled_forward(model, cache, context.generation_config)
-
-    def _static_cache(self, context: DraftContext) -> StaticCache:
-        """A preallocated cache for one sequence of this call. A round feeds at most `max_length - 1` positions of
-        context and drafts; a tree's expanded nodes (at most `tree_top_k` per depth, each among the best
-        `tree_budget`, so at most `tree_top_k * tree_budget`) sit after the context until `on_verified`; and a
-        padded compiled forward's filler positions sit after its last token until it returns."""
-        model = self.model
-        nodes = self.tree_top_k * self.tree_budget if self.tree_budget is not None else 0
-        self.capacity = context.generation_config.max_length + nodes + max(_COMPILED_TOKENS, self.tree_top_k)
-        return static_draft_cache(model, self.capacity)
 
     def _compiled(self, inputs: dict):
         """Runs the compiled forward; past torch's recompile limit (graphs of other models built in this process
@@ -302,8 +297,9 @@ class ModelDrafter(Drafter):
             keep = input_ids.shape[1] - 1
             if self.tree_context_length is not None:
                 keep, self.tree_context_length = min(keep, self.tree_context_length), None
-            if cached_length(self.cache) > keep:  # after a fully accepted chain it holds one position less
+            if self._cached() > keep:  # after a fully accepted chain it holds one position less
                 rewind_cache(self.cache, keep)  # a crop, or a static cache's write position moved back
+                self.static_length = keep
             return
         if not self.fed_ids.shape[1]:  # a padded batch whose rounds have not drafted yet: nothing is cached
             self.host_padding = padding
@@ -380,15 +376,21 @@ class ModelDrafter(Drafter):
             logits = outputs.logits[0, :size]  # [f, vocab]
             if filler:
                 rewind_cache(self.cache, cached + size)
+            self.static_length = cached + size
             logits = self.target_logits(logits)
             # each row standardized with its own prefix: the context and its path (all paths have length `depth`)
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, seq_len + depth]
             tree.grow(self.logits_processor(prefixes, logits).log_softmax(dim=-1))
         return tree.proposal()
 
+    def _cached(self) -> int:
+        """The positions the draft cache holds. A static cache keeps its length in a tensor, whose read would wait for
+        the device: its length is counted on the host instead (`static_length`, set after each write and rewind)."""
+        return self.static_length if self.capacity is not None else cached_length(self.cache)
+
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
         """Feeds the uncached tail of `ids` and returns the float32 logits of the last position, `[batch, vocab]`."""
-        cached = cached_length(self.cache)
+        cached = self._cached()
         if self.compiled is not None and cached:
             return self._compiled_next_logits(ids, cached)
         batch, seq_len = ids.shape
@@ -415,6 +417,7 @@ class ModelDrafter(Drafter):
             inputs["logits_to_keep"] = 1
         try:
             logits = self.model(**inputs).logits[:, -1]
+            self.static_length = seq_len
         except (RuntimeError, TypeError, ValueError) as error:
             if cached:
                 raise
@@ -457,12 +460,15 @@ class ModelDrafter(Drafter):
             if mask is not None:
                 inputs["attention_mask"] = mask
             if self.accepts_logits_to_keep:  # an index tensor, not an int: its value is no guard of the graph
-                inputs["logits_to_keep"] = torch.tensor([count - 1], device=device)
+                if count not in self.keep_index:  # made once per call: no copy to the device per step
+                    self.keep_index[count] = to_device([count - 1], device)
+                inputs["logits_to_keep"] = self.keep_index[count]
             logits = self._compiled(inputs).logits
             logits = logits[:, 0] if self.accepts_logits_to_keep else logits[:, count - 1]
             start += count
         if count < _COMPILED_TOKENS:
             rewind_cache(self.cache, seq_len)
+        self.static_length = seq_len
         return self.target_logits(logits)
 
     def drafter_ids(self, target_ids: torch.LongTensor) -> torch.LongTensor:

@@ -1,9 +1,12 @@
 """What `ModelDrafter` (in `model.py`) sets up once per call besides its own bookkeeping: the source that the draft
-model of an encoder-decoder target reads, and a static draft cache with transformers' compiled forward over it."""
+model of an encoder-decoder target reads, and a static draft cache (kept from call to call) with transformers' compiled
+forward over it."""
 
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 
 from transformers import PreTrainedModel, StaticCache
 from transformers.modeling_outputs import BaseModelOutput
@@ -12,9 +15,11 @@ from transformers.utils import logging
 from ..caches import CACHE_KWARG, is_static, static_rewind_problem
 from .base import DraftContext
 
-__all__ = ["compiled_forward", "encoder_inputs", "static_draft_cache"]
+__all__ = ["StaticCachePool", "compiled_forward", "encoder_inputs", "static_draft_capacity", "static_draft_cache"]
 
 logger = logging.get_logger(__name__)
+
+_COMPILED_TOKENS = 2  # a static draft cache's compiled forwards over the context: this many tokens each, one graph
 
 
 def encoder_inputs(model: PreTrainedModel, context: DraftContext, device, forward_params) -> dict:
@@ -102,6 +107,46 @@ def static_draft_cache(model: PreTrainedModel, capacity: int) -> StaticCache:
             "(`cache_implementation=None`), which keeps what a sliding window needs."
         )
     return cache
+
+
+def static_draft_capacity(context: DraftContext, tree_top_k: int, tree_budget: int | None) -> int:
+    """The positions a static draft cache needs for one sequence of this call. A round feeds at most
+    `max_length - 1` positions of context and drafts; a tree's expanded nodes (at most `tree_top_k` per depth, each
+    among the best `tree_budget`, so at most `tree_top_k * tree_budget`) sit after the context until `on_verified`;
+    and a padded compiled forward's filler positions sit after its last token until it returns."""
+    nodes = tree_top_k * tree_budget if tree_budget is not None else 0
+    return context.generation_config.max_length + nodes + max(_COMPILED_TOKENS, tree_top_k)
+
+
+class StaticCachePool:
+    """The static draft caches of one `ModelDrafter`, shared by its per-call copies. A call takes an idle cache that
+    is large enough (emptied in place) or builds one, and holds it alone: concurrent calls never share one. The cache
+    is idle again once that call's copy is gone. Reuse keeps the tensors' addresses, so a compiled step captured as a
+    CUDA graph (`mode="reduce-overhead"`) replays instead of recording again. One idle cache is kept, the larger, as
+    transformers keeps one static cache per model."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.idle: list[tuple[tuple, int, StaticCache]] = []  # ((device, dtype), capacity, cache)
+
+    def take(self, owner, model: PreTrainedModel, device, capacity: int) -> tuple[StaticCache, int]:
+        """A cache of at least `capacity` positions for `owner` (the call's drafter) alone, and its capacity."""
+        key = (str(device), model.dtype)
+        with self.lock:
+            found = next((i for i, (k, size, _) in enumerate(self.idle) if k == key and size >= capacity), None)
+            entry = self.idle.pop(found) if found is not None else None
+        if entry is None:
+            cache = static_draft_cache(model, capacity)
+        else:
+            _, capacity, cache = entry
+            cache.reset()
+        weakref.finalize(owner, self._give_back, key, capacity, cache)
+        return cache, capacity
+
+    def _give_back(self, key: tuple, capacity: int, cache: StaticCache) -> None:
+        with self.lock:  # the larger of the idle cache and this one stays idle
+            if not self.idle or self.idle[0][1] < capacity:
+                self.idle[:] = [(key, capacity, cache)]
 
 
 def compiled_forward(model: PreTrainedModel, cache: StaticCache, generation_config):

@@ -1,0 +1,152 @@
+"""Block verification against token-wise verification (`speculative_verification="block"` / `"token"`) when sampling.
+
+The embedded zoo's code model with its distilled 1-layer drafter (`hf_specdec.zoo.load_default`), on the held-out
+prompts of `hf_specdec/zoo_models/heldout_prompts.json` (`--tasks`, `--prompts` each), batch 1, constant γ
+(`--gammas`), at each temperature of `--temperatures` (no top-k / top-p). Methods, interleaved per prompt and repeated
+(`harness.interleaved`): plain `generate`, and ours with each verification at each γ. Every call is seeded the same
+way for every method (the prompt's index and the repeat), so that the methods differ by their rule alone.
+
+Reported per temperature, γ and method, over all prompts and repeats: tokens per target call (new tokens over target
+forwards, the bonus or recovered token included), the accepted drafts per round, α (the mean β), generated tokens per
+second (summed over the prompts, median over repeats) and the speedup over plain in tokens per second (sampled texts
+differ in length, so wall-clock time alone would compare different amounts of work); block's gain over token-wise in
+tokens per call and in speed.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 \\
+        --output benchmarks/results/block_verification_zoo_cpu_1thread.json
+    python benchmarks/bench_block_verification.py --smoke   # one short prompt, into a temporary folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from harness import interleaved, parse_ints, write_results  # run from the repository root or benchmarks/
+from transformers import GenerationMixin
+
+import hf_specdec
+from hf_specdec import zoo
+from hf_specdec.zoo.tasks import TASKS, load_prompts
+
+RESULTS = Path(__file__).parent / "results"
+VERIFICATIONS = ("token", "block")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--prompts", type=int, default=6, help="prompts per task")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-prompt-tokens", type=int, default=384, help="keep the last N prompt tokens")
+    parser.add_argument("--gammas", type=parse_ints, default=[4, 8], help="comma-separated constant γ values")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="results JSON (default: none; --smoke: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="one short prompt per task, one repeat")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.repeats, args.gammas = 1, 12, 1, [3]
+        args.output = args.output or Path(tempfile.mkdtemp(prefix="bench_block_")) / "block.json"
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args) -> dict:
+    target, drafter, tokenizer = zoo.load_default()
+    target = hf_specdec.enable(target)
+    prompts = load_prompts()
+    inputs = [
+        tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens :]
+        for task in args.tasks
+        for item in prompts[task][: args.prompts]
+    ]
+    results = {
+        "benchmark": "block_verification",
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "threads": torch.get_num_threads(),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+        "prompt_count": len(inputs),
+        "runs": [],
+    }
+    for temperature in args.temperatures:
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+        calls = {}  # method -> its calls so far: every method runs the (repeat, prompt) pairs in the same order
+
+        def seeded(name, generate):
+            def call(ids):
+                calls[name] = calls.get(name, -1) + 1
+                torch.manual_seed(args.seed + calls[name])  # the same seed for every method's n-th call
+                return generate(ids)
+
+            return call
+
+        methods = {"plain": seeded("plain", lambda ids: GenerationMixin.generate(target, ids, **sampling))}
+        for gamma in args.gammas:
+            for verification in VERIFICATIONS:
+                kwargs = dict(
+                    assistant_model=drafter,
+                    speculative_gamma=gamma,
+                    speculative_gamma_policy="constant",
+                    speculative_verification=verification,
+                    return_dict_in_generate=True,
+                    **sampling,
+                )
+                methods[f"{verification}_g{gamma}"] = seeded(
+                    f"{verification}_g{gamma}", lambda ids, kwargs=kwargs: target.generate(ids, **kwargs)
+                )
+        tokens = {name: [0] * args.repeats for name in methods}
+        stats = {name: [] for name in methods}
+
+        def record(run_):
+            output = run_.output
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            tokens[run_.name][run_.repeat] += sequences.shape[1] - inputs[run_.index].shape[1]
+            if not isinstance(output, torch.Tensor):
+                stats[run_.name].append(output.speculative_stats)
+
+        seconds = interleaved(methods, args.repeats, warmup=0, inputs=inputs, on_run=record)
+        rate = {name: statistics.median(t / s for t, s in zip(tokens[name], seconds[name])) for name in methods}
+        rows = {"plain": {"tokens_per_second": rate["plain"], "speedup": 1.0}}
+        for name in methods:
+            if name == "plain":
+                continue
+            run_stats = stats[name]
+            target_calls = sum(s.target_calls for s in run_stats)
+            rounds_drafted = sum(len([d for d in s.drafted_history if d]) for s in run_stats)
+            rows[name] = {
+                "tokens_per_target_call": sum(s.emitted_tokens for s in run_stats) / target_calls,
+                "accepted_per_drafting_round": sum(s.accepted_tokens for s in run_stats) / max(1, rounds_drafted),
+                "alpha": statistics.fmean(s.alpha for s in run_stats if s.alpha is not None),
+                "tokens_per_second": rate[name],
+                "speedup": rate[name] / rate["plain"],
+            }
+        for gamma in args.gammas:
+            token, block = rows[f"token_g{gamma}"], rows[f"block_g{gamma}"]
+            rows[f"block_over_token_g{gamma}"] = {
+                "tokens_per_target_call": block["tokens_per_target_call"] / token["tokens_per_target_call"],
+                "speed": block["tokens_per_second"] / token["tokens_per_second"],
+            }
+        results["runs"].append({"temperature": temperature, "methods": rows})
+        print(f"T = {temperature}")
+        for name, row in rows.items():
+            print(f"  {name:22s} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+    if args.output is not None:
+        write_results(args.output, results)
+        print(f"wrote {args.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
