@@ -105,17 +105,17 @@ class SpeculativeOptions:
         if verification not in VERIFICATIONS:
             raise ValueError(
                 f"`speculative_verification` must be one of {list(VERIFICATIONS)}, got {verification!r}. Use "
-                "`speculative_verification=\"block\"` to verify a sampled chain of drafts jointly, or leave it at "
-                "\"token\" (the default)."
+                '`speculative_verification="block"` to verify a sampled chain of drafts jointly, or leave it at '
+                '"token" (the default).'
             )
         if verification == "block" and self.speculative_lenience != 1.0:
             raise ValueError(
-                f"`speculative_lenience={lenience!r}` cannot be combined with `speculative_verification=\"block\"`: "
+                f'`speculative_lenience={lenience!r}` cannot be combined with `speculative_verification="block"`: '
                 "lenience is defined for token-wise verification. Drop one of them."
             )
         if verification == "block" and budget is not None:
             raise ValueError(
-                f"`speculative_verification=\"block\"` cannot be combined with `speculative_tree_budget={budget!r}`: "
+                f'`speculative_verification="block"` cannot be combined with `speculative_tree_budget={budget!r}`: '
                 "token trees are verified with multi-candidate rejection (SpecInfer), for which there is no block "
                 "rule. Drop one of them."
             )

@@ -9,10 +9,10 @@ import dataclasses
 import torch
 from transformers import MaxLengthCriteria, StoppingCriteriaList
 
+from .block_verification import verify_block
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftProposal
 from .proposals import ProposalCheck
-from .block_verification import verify_block
 from .sampling import draft_target_overlap, verify_greedy, verify_sampling
 
 __all__ = ["Verdict", "first_draft_acceptance", "first_stops", "read_verdict", "verify_round"]

@@ -220,3 +220,18 @@ def test_bad_requests_name_the_fix():
         model.generate(
             ids, assistant_early_exit=2, drafter="early_exit", drafter_kwargs={"exit_layer": 3}, max_new_tokens=3
         )
+
+
+def test_a_static_early_exit_drafter_keeps_its_cache_from_call_to_call():
+    # as `ModelDrafter(cache_implementation="static")`: the next call empties and reuses it (its view of the target
+    # is built per call, its cache is not)
+    model = layered()
+    drafter = hf_specdec.EarlyExitDrafter(2, cache_implementation="static")
+    caches = []
+    for seed in range(3):
+        ids = prompt(7, seed=seed)
+        out = model.generate(ids, do_sample=False, max_new_tokens=16, drafter=drafter, **CONSTANT)
+        assert torch.equal(out, plain(model, ids))
+        ((_, _, cache),) = drafter.static_caches.idle
+        caches.append(cache)
+    assert caches[0] is caches[1] is caches[2]

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from .base import DraftContext, register_drafter
 from .model import ModelDrafter
+from .model_setup import StaticCachePool
 
 __all__ = ["EarlyExitDrafter", "early_exit_view"]
 
@@ -124,10 +125,13 @@ class EarlyExitDrafter(ModelDrafter):
         # what the loops read before `reset`; the options themselves are checked by `ModelDrafter` in `reset`
         self.model, self.tree_top_k, self.cache_implementation = None, tree_top_k, cache_implementation
         self.supports_padded_batches = cache_implementation != "static"
+        self.static_caches = StaticCachePool()  # kept across calls, as `ModelDrafter`'s (shared by the copies)
 
     def reset(self, context: DraftContext) -> None:
         # the target's own modules, viewed at the exit layer: built per call (the view is a few small objects)
+        static_caches = self.static_caches
         ModelDrafter.__init__(self, early_exit_view(context.target, self.exit_layer), **self.init_options)
+        self.static_caches = static_caches
         super().reset(context)
 
 
