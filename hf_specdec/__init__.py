@@ -18,6 +18,8 @@ from .drafters import (
     MtpDrafter,
     NGramDrafter,
     PromptLookupDrafter,
+    SuffixCache,
+    SuffixDrafter,
     list_drafters,
     register_drafter,
 )
@@ -51,6 +53,8 @@ __all__ = [
     "SpeculativeGenerationConfig",
     "SpeculativeGenerationMixin",
     "SpeculativeStats",
+    "SuffixCache",
+    "SuffixDrafter",
     "__version__",
     "distill",
     "enable",

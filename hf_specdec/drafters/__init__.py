@@ -10,6 +10,7 @@ from .model import ModelDrafter
 from .mtp import MtpDrafter
 from .ngram import NGramDrafter
 from .prompt_lookup import PromptLookupDrafter
+from .suffix import SuffixCache, SuffixDrafter
 
 __all__ = [
     "CrossTokenizerDrafter",
@@ -24,6 +25,8 @@ __all__ = [
     "MtpDrafter",
     "NGramDrafter",
     "PromptLookupDrafter",
+    "SuffixCache",
+    "SuffixDrafter",
     "get_drafter_class",
     "list_drafters",
     "register_drafter",
