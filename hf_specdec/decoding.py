@@ -82,6 +82,7 @@ def speculative_decode(
     policy = get_gamma_policy_class(options.speculative_gamma_policy)(
         options.speculative_gamma, options.speculative_max_gamma
     )
+    policy.free_drafts = bool(getattr(drafter, "free_drafts", False))
     run = dict(
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,

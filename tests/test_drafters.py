@@ -224,7 +224,12 @@ def test_prompt_lookup_accepts_on_repetitive_text(looping_target):
     target, ids = looping_target
     plain = target.generate(ids, max_new_tokens=30)
     out = target.generate(
-        ids, drafter="prompt_lookup", speculative_gamma=6, max_new_tokens=30, return_dict_in_generate=True
+        ids,
+        drafter="prompt_lookup",
+        speculative_gamma=6,
+        speculative_gamma_policy="constant",  # a mechanism test: the default policy decides by measured time
+        max_new_tokens=30,
+        return_dict_in_generate=True,
     )
     assert torch.equal(out.sequences, plain)
     assert out.speculative_stats.acceptance_rate > 0.5  # a repeating continuation is copied

@@ -467,6 +467,40 @@ def test_auto_drafts_the_gamma_that_pays_best_up_to_the_users():
     assert chosen[0] == 1 and max(chosen) == 5 and chosen[8:].count(5) >= 0.8 * len(chosen[8:]), chosen
 
 
+def free(policy):
+    policy.free_drafts = True  # what the loop sets for a drafter with `free_drafts` (prompt lookup, suffix)
+    return policy
+
+
+def test_auto_drafts_the_users_gamma_from_the_first_round_with_free_drafts():
+    from hf_specdec.policies import AutoGammaPolicy
+
+    # the same costs under which a drafter that costs something starts at one token and settles at γ = 2 (above):
+    # free drafts end where the drafter's match ends, so a smaller γ saves nothing and auto keeps the user's
+    chosen = simulate(
+        free(AutoGammaPolicy(gamma=5, max_gamma=16)),
+        100,
+        lambda position: 1.0 if position < 2 else 0.0,
+        0.0,
+        lambda k: 1.0 + 0.1 * k,
+    )
+    assert chosen == [5] * 100
+    # and a useless one is still stopped: plain steps after the first rounds, then backed-off probes
+    chosen = simulate(
+        free(AutoGammaPolicy(gamma=5, max_gamma=16)), 200, lambda position: 0.0, 0.0, lambda k: 1.0 + 0.05 * k
+    )
+    assert chosen[0] == 5 and chosen[20:].count(0) >= 0.9 * len(chosen[20:]), chosen
+
+
+def test_prompt_lookup_drafts_the_users_gamma_from_the_first_round_under_auto(target):
+    # a prompt that repeats itself: prompt lookup has a match at once
+    ids = torch.cat([prompt(6, seed=3)] * 3, dim=-1)
+    stats = run(target, ids, drafter="prompt_lookup", speculative_gamma=6).speculative_stats
+    assert stats.gamma_history[0] == 6
+    assert hf_specdec.PromptLookupDrafter.free_drafts and hf_specdec.SuffixDrafter.free_drafts
+    assert not hf_specdec.ModelDrafter.free_drafts and not hf_specdec.NGramDrafter.free_drafts
+
+
 def test_auto_reaches_the_best_constant_gamma_on_a_memory_bound_target():
     """The headline pair's measured costs (a 1.1B bf16 Llama on this CPU: a forward over 2 / 3 / 4 / 6 tokens costs
     0.905 / 0.955 / 0.99 / 1.065 one-token forwards, its 1-layer early exit 0.105 a token, α 0.5), 60 modelled

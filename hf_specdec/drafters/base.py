@@ -103,6 +103,12 @@ class Drafter:
     ones in place.
     """
 
+    free_drafts: bool = False
+    """Drafts that cost next to nothing to make and end where the drafter's evidence ends (copied from text, no model
+    forward: prompt lookup, suffix decoding): the default `auto` γ policy then drafts the user's γ from the first
+    round on instead of starting at one token and choosing γ by cost. A drafter that does not pay is stopped all the
+    same."""
+
     supports_padded_batches: bool = False
     """Batches of several sequences: a drafter that sets this gets the whole left-padded batch, with
     `attention_mask=` in `propose` and `on_verified` and a `select_rows` call when finished rows leave the batch

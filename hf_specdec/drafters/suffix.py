@@ -104,6 +104,7 @@ class SuffixDrafter(Drafter):
     """
 
     default_gamma = 12
+    free_drafts = True  # copied from text: the `auto` policy drafts the full γ from the first round
     """γ when the call leaves `speculative_gamma` unset: drafts cost nothing, and the drafter proposes only as many
     tokens as its match supports."""
 

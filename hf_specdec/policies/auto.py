@@ -45,7 +45,12 @@ class AutoGammaPolicy(GammaPolicy):
     nearly free one (prompt lookup) many. A guess of nothing (prompt lookup without a match) decides nothing. Loops
     without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted draft.
 
-    The first round drafts one token (`first_gamma`), the next ones the user's γ: nothing is known yet of the
+    A drafter whose drafts cost next to nothing and stop where its match ends (`Drafter.free_drafts`: prompt lookup,
+    suffix decoding) drafts the user's γ from the first round on and is not held below it by the chooser: a smaller γ
+    saves no drafting, and starting from one token and exploring cost such drafters up to 10% against a constant γ.
+    One that does not pay is still stopped, stepped down and probed as below.
+
+    Otherwise the first round drafts one token (`first_gamma`), the next ones the user's γ: nothing is known yet of the
     drafter, and a first round of γ drafts costs a useless drafter (e.g. an early exit of a 135M model in bfloat16)
     γ - 1 drafting steps and a wider prefill, 1.5-2.5 plain steps, about 9% of a 26-token answer. Its times include
     the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once.
@@ -110,8 +115,8 @@ class AutoGammaPolicy(GammaPolicy):
             if self.cautious:
                 return 1
             if not self.observed:
-                return min(self.gamma, self.first_gamma)
-            return self.gamma if self.trees else self.chooser.drafting_gamma(self.gamma)
+                return self.gamma if self.free_drafts else min(self.gamma, self.first_gamma)
+            return self.gamma if self.trees or self.free_drafts else self.chooser.drafting_gamma(self.gamma)
         if self.plain_rounds >= self.probe_after:
             self.plain_rounds, self.probe_after = 0, self.probe_after * 2
             if self.shadow_drafts:

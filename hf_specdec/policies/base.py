@@ -57,6 +57,7 @@ class GammaPolicy:
 
     shadow_drafts = False  # set by loops that can take shadow drafts
     trees = False  # set by loops that verify token trees (`speculative_tree_budget`): γ is then the trees' depth
+    free_drafts = False  # set from the drafter's `free_drafts`: its drafts cost next to nothing (copied from text)
     shadow_draft_wanted = False  # set by the policy with a γ = 0 that should carry one
 
     def __init__(self, gamma: int, max_gamma: int):
