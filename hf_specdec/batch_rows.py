@@ -16,7 +16,7 @@ from transformers import (
 )
 from transformers.utils import ModelOutput
 
-from .caches import CACHE_KWARG
+from .caches import CACHE_KWARG, holds_nothing
 from .proposals import draft_context
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
@@ -96,7 +96,7 @@ def source_row(inputs_tensor, row: int, batch: int):
 def fresh_cache(cache, model):
     """An empty cache of the same kind as `cache` (the model's own layer types: indexed, linear-attention, ...), for
     one row."""
-    if cache.get_seq_length() == 0:
+    if holds_nothing(cache):
         return _for_one_row(copy.deepcopy(cache))
     config = model.config
     return (

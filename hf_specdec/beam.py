@@ -49,6 +49,7 @@ from .drafters.model import ModelDrafter
 from .forward import target_logits
 from .policies import GammaPolicy
 from .proposals import draft_context
+from .recurrent import rolls_back_from_checkpoints
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 
@@ -271,6 +272,13 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             "(`cache_implementation=None`), or use `num_beams=1`."
         )
     cache = model_kwargs.get(CACHE_KWARG)
+    if rolls_back_from_checkpoints(model, cache):
+        raise ValueError(
+            f"Speculative beam search (`num_beams` > 1) is not supported on {type(model).__name__}: its "
+            "linear-attention / SSM layers keep one recurrent state per row, which cannot be expanded to the "
+            "drafter's paths and cut back each round. Use `num_beams=1` with the drafter (exact on this model), or "
+            "plain beam search without one."
+        )
     if (
         cache is None
         or not isinstance(cache, (DynamicCache, EncoderDecoderCache))

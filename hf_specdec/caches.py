@@ -6,7 +6,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.generation import utils as _generation_utils
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "compact_cache",
     "compactable",
     "croppable_after_first_forward",
+    "holds_nothing",
     "is_static",
     "realign_cache",
     "rewind_cache",
@@ -135,6 +136,15 @@ def static_capacity(cache) -> int | None:
     if not is_static(cache):
         return None
     return min(layer.max_cache_len for layer in getattr(cache, "self_attention_cache", cache).layers)
+
+
+def holds_nothing(cache) -> bool:
+    """Whether `cache` holds no position yet. A cache of state-space layers only (Mamba) does not count its positions
+    (`get_seq_length` raises): it holds nothing while none of its layers has a state."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
+        return not any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers)
+    return cache.get_seq_length() == 0
 
 
 def cached_length(cache) -> int:

@@ -12,6 +12,7 @@ from .batch_rows import slice_kwargs
 from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
 from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
+from .recurrent import RecurrentCheckpoints, recurrent_layers, rolls_back_from_checkpoints
 
 __all__ = ["check_multi_token_forward"]
 
@@ -111,8 +112,19 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         # step by step, as plain generate decodes: the logits after the prompt and after each extra token
         kwargs = fresh()
         # every probe forward runs with the same kernels (outside `decode_step`): it compares forward shapes only
-        steps = [target_logits(model, prompt, 0, kwargs, True)[:, -1]]
-        cached = cached_length(kwargs[CACHE_KWARG])
+        module_tensors = _module_tensors(model)
+        steps = [target_logits(model, prompt, 0, kwargs, True, cached=0)[:, -1]]
+        recurrent = rolls_back_from_checkpoints(model, kwargs[CACHE_KWARG])
+        if recurrent:
+            # state a forward leaves on the modules (not parameters or buffers) is beyond the cache's checkpoints
+            moved = [name for name, tensor in _module_tensors(model).items() if module_tensors.get(name) is not tensor]
+            if moved:
+                return (
+                    f"it keeps recurrent state on its modules (`{moved[0]}`), outside the cache, so a rollback of the "
+                    "cache cannot restore it"
+                )
+        # a pure state-space cache does not count its positions: its owner does
+        cached = prompt_len if recurrent else cached_length(kwargs[CACHE_KWARG])
         if cached == 0:
             return (
                 f"it does not keep its keys and values in the cache (after a forward over {prompt_len} tokens "
@@ -126,10 +138,30 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         for i in range(_PROBE_DRAFTS):
             kwargs = advance(kwargs, 1)
             steps.append(
-                target_logits(model, sequence[:, : prompt_len + i + 1], 0, kwargs, False, decode_kernels=False)[:, -1]
+                target_logits(
+                    model,
+                    sequence[:, : prompt_len + i + 1],
+                    0,
+                    kwargs,
+                    False,
+                    decode_kernels=False,
+                    cached=prompt_len + i,
+                )[:, -1]
             )
         want = torch.stack(steps, dim=1)  # [1, 5, vocab]
 
+        if recurrent:
+            step_cache = kwargs[CACHE_KWARG]
+            first, second, cache, ignores_state = _recurrent_rounds(model, sequence, prompt_len, fresh, advance)
+            if ignores_state:
+                return (
+                    "its recurrent layers' forward over several new tokens ignores the state in the cache (it ends "
+                    "in the same state from a zeroed one: a scan that starts from zeros), so a verify forward after "
+                    "the prompt does not continue the sequence as one-token decoding does"
+                )
+            return _disagreement(model, first, second, want, recurrent=True) or _state_disagreement(
+                model, cache, step_cache
+            )
         # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
         # 3); then the remaining 2 drafts after it in one forward
         kwargs = fresh()
@@ -150,6 +182,100 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         raise _ProbeFailed(
             f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"
         ) from error
+    return _disagreement(model, first, second, want)
+
+
+def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
+    """The probe's speculative rounds on a recurrent cache, as `SequenceLane` runs them: the prompt but its last token
+    in a forward of its own, a checkpoint, the last token and 4 drafts in one forward; 1 accepted, so back to the
+    checkpoint; then the kept tokens (the last prompt token, the accepted draft and the replacement) fed again
+    before the 2 remaining drafts, in one forward. Returns the logits of both rounds' forwards, as the
+    key/value probe's."""
+    kwargs = fresh()
+    cache = kwargs[CACHE_KWARG]
+    checkpoints = RecurrentCheckpoints(cache)
+    if prompt_len > 1:
+        target_logits(
+            model,
+            sequence[:, : prompt_len - 1],
+            0,
+            per_token_prefix(kwargs, prompt_len, prompt_len - 1),
+            True,
+            cached=0,
+        )
+        checkpoints.fed(prompt_len - 1)
+    checkpoints.save()
+    first = target_logits(
+        model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), prompt_len == 1, cached=prompt_len - 1
+    )
+    checkpoints.fed(_PROBE_DRAFTS + 1)
+    verified = [state.clone() for state in _recurrent_states(cache)]
+    kept = checkpoints.rewind(prompt_len + 1)
+    # the same forward from zeroed recurrent states: a layer whose several-token forward ignores the cached state
+    # (a scan that starts from zeros) ends in bitwise the same state, whatever the dtype's rounding
+    ignores_state = False
+    if prompt_len > 1:
+        for state in _recurrent_states(cache):
+            state.zero_()
+        target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), False, cached=kept)
+        ignores_state = any(
+            torch.equal(state, before) for state, before in zip(_recurrent_states(cache), verified, strict=True)
+        )
+        checkpoints.fed(_PROBE_DRAFTS + 1)
+        kept = checkpoints.rewind(prompt_len + 1)
+    kwargs = advance(kwargs, 2)
+    second = target_logits(
+        model, sequence, _PROBE_DRAFTS - 2, advance(kwargs, _PROBE_DRAFTS - 2), False, decode_kernels=False, cached=kept
+    )
+    return first, second, cache, ignores_state
+
+
+def _module_tensors(model) -> dict[str, torch.Tensor]:
+    """The tensors `model`'s modules hold as plain attributes (not parameters or buffers), by qualified name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: value
+        for prefix, module in model.named_modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _recurrent_states(cache) -> list[torch.Tensor]:
+    return [
+        state
+        for layer in recurrent_layers(cache)
+        for index, state in layer.recurrent_states.items()
+        if state is not None and layer.has_previous_state[index]
+    ]
+
+
+def _state_disagreement(model, cache, step_cache) -> str | None:
+    """Why the recurrent states after the probe's speculative rounds differ from those after step-by-step decoding
+    of the same tokens, or None: more sensitive than the logits where a layer's contribution is small. Float32 only:
+    in lower precision a state's rounding over a prompt (chunked and one-token kernels round differently) is as
+    large as what this could tell apart; the structural checks and the logits' comparison remain."""
+    if model.dtype != torch.float32:
+        return None
+    for layer, step_layer in zip(recurrent_layers(cache), recurrent_layers(step_cache), strict=True):
+        for index, state in layer.recurrent_states.items():
+            expected = step_layer.recurrent_states[index]
+            if state is None or expected is None:
+                continue
+            scale = float(expected.abs().max().clamp(min=1.0))
+            tolerance = 1e-4 * scale
+            error = float((state.float() - expected.float()).abs().max())
+            if not error <= tolerance:
+                return (
+                    "its recurrent layers do not continue from the state in the cache over several tokens as they "
+                    f"do over one (largest state difference {error:.3g} after a rollback and several-token forwards, "
+                    f"against {tolerance:.3g} of rounding)"
+                )
+    return None
+
+
+def _disagreement(model, first, second, want, recurrent: bool = False) -> str | None:
+    """The reason the speculative rounds' logits (`first`: the prompt's last position and 4 drafts; `second`: the
+    logits after extra tokens 1, 2 and 3) differ from step-by-step decoding's (`want`), or None."""
     # 'second' holds the logits after extra tokens 1, 2 and 3: positions 2-4 of `want`
     error = max(float((first - want).abs().max()), float((second - want[:, 2:]).abs().max()))
     scale = float(want.abs().max().clamp(min=1.0))
@@ -158,5 +284,11 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         return (
             f"a cached forward over several new tokens disagrees with step-by-step decoding (largest logit "
             f"difference {error:.3g}, against {tolerance:.3g} of rounding)"
+            + (
+                ": its recurrent layers do not continue from the state in the cache over several tokens as they do "
+                "over one"
+                if recurrent
+                else ""
+            )
         )
     return None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from .batching import decode_batch
@@ -30,6 +31,7 @@ from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
 from .proposals import draft_context
+from .recurrent import recurrent_layers, rolls_back_from_checkpoints
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention
@@ -215,6 +217,14 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
                 f"{generation_config.cache_implementation!r}) cannot be rolled back here: {problem}. Use the default "
                 "dynamic cache (`cache_implementation=None`), or a `max_new_tokens` that stays within the window."
             )
+    elif rolls_back_from_checkpoints(model, cache):
+        _check_recurrent_supported(model, cache, generation_config)
+    elif getattr(model, "_is_stateful", False) and not getattr(cache, "is_croppable", False):
+        raise ValueError(
+            f"{type(model).__name__} is stateful: its recurrent state cannot be rolled back to an earlier token, so "
+            f"rejected drafts could not be undone (hf_specdec checkpoints the linear-attention / SSM layers of "
+            f"transformers' `DynamicCache`, and its {type(cache).__name__} has none). Drop `assistant_model`/`drafter`."
+        )
     elif not getattr(cache, "is_croppable", False) and not croppable_after_first_forward(cache):
         raise ValueError(
             f"The target's cache ({type(cache).__name__}, cache_implementation="
@@ -224,9 +234,32 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
         )
 
 
+def _check_recurrent_supported(model, cache, generation_config) -> None:
+    """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), in a dynamic
+    cache whose layers start empty."""
+    layers = getattr(cache, "layers", ())
+    if any(isinstance(layer, StaticLayer) for layer in layers):
+        raise ValueError(
+            f"{type(model).__name__} keeps recurrent state, and hf_specdec rolls it back in a dynamic cache only, "
+            f"got cache_implementation={generation_config.cache_implementation!r}. Use the default dynamic cache "
+            "(`cache_implementation=None`)."
+        )
+    if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in recurrent_layers(cache)):
+        raise ValueError(
+            f"The cache passed to {type(model).__name__} already holds recurrent state: hf_specdec rolls a recurrent "
+            "cache back from checkpoints it takes itself, from the call's first token. Pass a fresh cache (or none)."
+        )
+
+
 def _check_trees_supported(model, input_ids, generation_config, model_kwargs, tree_budget: int) -> None:
     """Token trees need one sequence, a cache whose columns can be compacted, and a model that takes a 4D mask."""
     budget = f"speculative_tree_budget={tree_budget}"
+    if rolls_back_from_checkpoints(model, model_kwargs.get(CACHE_KWARG)):
+        raise ValueError(
+            f"Token trees ({budget}) cannot be verified on {type(model).__name__}: its linear-attention / SSM layers "
+            "run one recurrence along the sequence, and the branches of a tree would each need a state of their "
+            "own. Drop `speculative_tree_budget` (chains are exact on this model)."
+        )
     if input_ids.shape[0] > 1:
         raise ValueError(
             f"Token trees ({budget}) are verified for one sequence at a time, got a batch of {input_ids.shape[0]} "

@@ -261,13 +261,6 @@ def _check_model_supported(model, inputs_embeds) -> None:
             "done between tokens, such as generating audio), which hf_specdec's loop would "
             "replace, so the output would differ from plain `generate`",
         )
-    if getattr(model, "_is_stateful", False):
-        # transformers' assisted generation refuses these too
-        raise ValueError(
-            f"{type(model).__name__} is stateful: its recurrent state cannot be rolled back to an earlier token, so "
-            "rejected drafts could not be undone. Speculative decoding is not supported for it; drop "
-            "`assistant_model`/`drafter`."
-        )
     if inputs_embeds is not None and not model.config.is_encoder_decoder:
         raise ValueError(
             f"`inputs_embeds` (a tensor of shape {tuple(inputs_embeds.shape)}) cannot be combined with a drafter for "

@@ -30,6 +30,7 @@ from .forward import TargetForward, per_token_prefix, standardize, target_logits
 from .layouts import layout_for
 from .modeling import logits_width
 from .proposals import checked_proposal
+from .recurrent import RecurrentCheckpoints, rolls_back_from_checkpoints
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_draft_acceptance, first_stops
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from transformers.generation.streamers import BaseStreamer
 
 __all__ = ["SequenceLane", "decode_sequence"]
+
+# after a recurrent cache's rollback, kept tokens up to this many are fed again in the next round's forward, before
+# its drafts (no forward of their own); a longer tail is fed in a forward of its own first
+FOLDED_TAIL = 8
 
 
 def decode_sequence(
@@ -107,6 +112,16 @@ class SequenceLane(Lane):
         self.generation_config, self.model_kwargs = generation_config, model_kwargs
         self.cache = model_kwargs[CACHE_KWARG]
         self.cache.activate_past_recording()
+        # the positions the cache holds, counted on the host after the first round (None: read it then)
+        self.cached = None if not continuing else input_ids.shape[1] - 1
+        # a recurrent (linear-attention / SSM) cache goes back to the checkpoint taken before a round's forward when
+        # the round rejected drafts; the tokens it kept are fed again before the next round's drafts
+        self.recurrent = (
+            RecurrentCheckpoints(self.cache, 0 if self.cached is None else self.cached)
+            if rolls_back_from_checkpoints(model, self.cache)
+            else None
+        )
+        self.hidden_given = 0 if self.cached is None else self.cached  # positions the drafter has hidden states of
         self.vocab_size = logits_width(model)
         self.tree_budget = options.speculative_tree_budget
         return_dict = bool(generation_config.return_dict_in_generate)
@@ -136,6 +151,10 @@ class SequenceLane(Lane):
         self.policy = policy
 
     def close(self) -> None:
+        if self.recurrent is not None and self.finished and self.cached < self.input_ids.shape[1] - 1:
+            # a recurrent cache rolled back in the last round: it is brought back to holding every token but the
+            # newest, as plain generate leaves it (a returned cache, a row that goes on growing)
+            self._feed_tail()
         if self.capture is not None:
             self.capture.close()
         self.stats.target_compilations += self.forward.compilations
@@ -178,23 +197,34 @@ class SequenceLane(Lane):
         model, input_ids, layout = self.model, self.input_ids, draft.layout
         cur_len, num_drafted = input_ids.shape[1], draft.proposal.tokens.shape[1]
         context_mask = self.model_kwargs.get("attention_mask")  # [1, cur_len] or None
-        # after the first round the invariant gives the cache's length without reading it (a device sync for a
-        # static cache on an accelerator)
-        cached = cached_length(self.cache) if self.first_round else cur_len - 1
+        # after the first round the length is counted on the host (a read would be a device sync for a static
+        # cache on an accelerator)
+        if self.cached is None:
+            self.cached = self.recurrent.length if self.recurrent is not None else cached_length(self.cache)
+        cached = self.round_start = self.cached
         prefilled = False
-        if (layout.prefills_context or self.chunked_prefill) and cur_len - cached > 1:
+        # a recurrent cache rolls back to a checkpoint taken before the round's forward: the prompt, and a tail of
+        # kept tokens longer than `FOLDED_TAIL`, go in a forward of their own first, so that the checkpoint comes
+        # after them
+        tail_apart = self.recurrent is not None and cur_len - cached > (1 if self.first_round else FOLDED_TAIL)
+        if (layout.prefills_context or self.chunked_prefill or tail_apart) and cur_len - cached > 1:
             # the prompt is prefilled apart (a tree: with the model's own causal mask; `prefill_chunk_size`: in
             # chunks, as plain generate's `_prefill`); the round's forward then carries the newest token and the
             # drafts only, a decode step (per-token inputs, such as the mask and the positions generate prepared,
             # lose their last column too)
             prefill_kwargs = per_token_prefix(self.model_kwargs, cur_len, cur_len - 1)
-            if self.chunked_prefill:
+            if self.chunked_prefill and self.first_round:
                 model._prefill(
                     input_ids[:, :-1], self.generation_config, prefill_kwargs, is_first_iteration=self.first_round
                 )
+                if self.recurrent is not None:
+                    self.recurrent.fed(cur_len - 1 - cached)
+                self.cached = cur_len - 1
             else:
-                target_logits(model, input_ids[:, :-1], 0, prefill_kwargs, self.first_round)
+                self._feed_tail()
             cached, prefilled = cur_len - 1, True
+        if self.recurrent is not None:
+            self.recurrent.save()
         candidate_ids = torch.cat([input_ids, draft.proposal.tokens], dim=-1)  # [1, cur_len + k]
         forward_kwargs = self.model_kwargs
         if num_drafted:
@@ -212,6 +242,8 @@ class SequenceLane(Lane):
             self.forward,
             cached=cached,
         )  # [1, k + 1, V]
+        if self.recurrent is not None:
+            self.recurrent.fed(candidate_ids.shape[1] - cached)
         scores = logits
         if len(self.logits_processor):
             scores = standardize(
@@ -221,6 +253,16 @@ class SequenceLane(Lane):
                 check_stateless=self.first_round,
             )
         return Scores(logits, scores, candidate_ids)
+
+    def _feed_tail(self) -> None:
+        """One forward over the uncached tokens of `input_ids` but the newest (the per-token inputs cut with them):
+        the cache then holds every token but the newest."""
+        cur_len = self.input_ids.shape[1]
+        kwargs = per_token_prefix(self.model_kwargs, cur_len, cur_len - 1)
+        target_logits(self.model, self.input_ids[:, :-1], 0, kwargs, self.first_round, cached=self.cached)
+        if self.recurrent is not None:
+            self.recurrent.fed(cur_len - 1 - self.cached)
+        self.cached = cur_len - 1
 
     def emit(self, draft: Draft, verdict: Verdict, scores: Scores) -> None:
         layout, input_ids = draft.layout, self.input_ids
@@ -260,13 +302,22 @@ class SequenceLane(Lane):
     def keep(self, draft: Draft, verdict: Verdict, scores: Scores) -> None:
         # the cache keeps everything but the newest token (a crop still trims sliding windows)
         kept = self.emitted - 1
-        draft.layout.keep_accepted(self.cache, self.input_ids.shape[1] - self.emitted, verdict, kept)
+        context_length = self.input_ids.shape[1] - self.emitted
+        if self.recurrent is not None:  # a chain: kept everything it fed, or back to the round's checkpoint
+            self.cached = self.recurrent.rewind(context_length + kept)
+        else:
+            draft.layout.keep_accepted(self.cache, context_length, verdict, kept)
+            self.cached = context_length + kept
         self.model_kwargs = self.model._update_model_kwargs_for_generation(
             {}, self.model_kwargs, is_encoder_decoder=self.is_encoder_decoder, num_new_tokens=self.emitted
         )
         extra = {}
         if self.capture is not None:
-            extra["target_hidden_states"] = draft.layout.kept_hidden_states(self.capture.take(), verdict, kept)
+            # the forwards' positions start at the round's first uncached one; those the drafter was given before
+            # (tokens fed again after a recurrent cache's rollback) are not given twice
+            states = self.capture.take()[:, self.hidden_given - self.round_start :]
+            extra["target_hidden_states"] = draft.layout.kept_hidden_states(states, verdict, kept)
+            self.hidden_given = context_length + kept
         draft.layout.tell_drafter(self.drafter, self.input_ids, verdict, **extra)
 
     def observe(self, policy, draft: Draft, verdict: Verdict, draft_s: float, verify_s: float) -> None:

@@ -63,6 +63,7 @@ FAMILIES = (
     Family("overhead", "Loop overhead and host reads", r"^overhead_", "bench_overhead.py"),
     Family("gpu", "GPU", r"^gpu_", "bench_gpu.py"),
     Family("native", "Drafters that ship with the model", r"^native_drafters_", "bench_native_drafters.py"),
+    Family("hybrid", "Hybrid and state-space models", r"^hybrid_", "bench_hybrid.py"),
     Family("other", "Other results", r"", None),
 )
 

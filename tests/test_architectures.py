@@ -126,13 +126,6 @@ def test_model_that_never_fills_its_cache_is_refused_before_any_forward():
     assert not calls
 
 
-def test_stateful_model_is_refused_like_transformers_does():
-    model = hf_specdec.enable(sweep_model("mamba"))
-    assert model._is_stateful
-    with pytest.raises(ValueError, match=r"MambaForCausalLM is stateful: its recurrent state cannot be rolled back"):
-        model.generate(sweep_prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
-
-
 @pytest.mark.parametrize(
     "model_type, reason",
     [

@@ -4,6 +4,11 @@ The tree follows EAGLE-2's dynamic tree: every node's **score** is the sum of lo
 log-probability under the drafter's standardized q); each depth expands the best-scoring nodes of the depth before
 (the **frontier**) with their top-k tokens, in one drafter forward per depth, and the proposal keeps the best
 `tree_budget` nodes of everything grown (the **rerank**).
+
+The module is over 500 lines because one draft cache serves every layout the loop verifies (dynamic, static and
+compiled, padded batches realigned per row, recurrent state rolled back from checkpoints, trees), and those paths
+share the cache's bookkeeping (its host-counted length, its rewinds): split, one cache's invariants would be spread
+over several modules.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..caches import (
 )
 from ..devices import execution_device, to_device
 from ..modeling import logits_width
+from ..recurrent import draft_checkpoints
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
@@ -135,8 +141,9 @@ class ModelDrafter(Drafter):
             )
         self.model = model
         self.cache_implementation = cache_implementation
-        # a static draft cache holds one sequence: a batch's rows get one drafter each
-        self.supports_padded_batches = cache_implementation != "static"
+        # a static draft cache holds one sequence, and a recurrent state cannot be moved between the columns of a
+        # padded rectangle: a batch's rows get one drafter each
+        self.supports_padded_batches = cache_implementation != "static" and not getattr(model, "_is_stateful", False)
         self.cache_argument = cache_argument(model)  # `cache` or `past_key_values`: what its forward takes
         self.tree_top_k = tree_top_k
         self.same_tokenizer = same_tokenizer
@@ -218,10 +225,14 @@ class ModelDrafter(Drafter):
             capacity = static_draft_capacity(context, self.tree_top_k, self.tree_budget)
             cache, self.capacity = self.static_caches.take(self, model, self.device, capacity)
         cache.activate_past_recording()
+        # a recurrent draft cache: a checkpoint after every forward, rolled back to the one at the kept length
+        self.recurrent = draft_checkpoints(model, cache, static, context.tree_budget)
         # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
         # again in `on_verified`
-        self.check_croppable = not cache.is_croppable and croppable_after_first_forward(cache)
-        if not cache.is_croppable and not self.check_croppable:
+        self.check_croppable = (
+            self.recurrent is None and not cache.is_croppable and croppable_after_first_forward(cache)
+        )
+        if self.recurrent is None and not cache.is_croppable and not self.check_croppable:
             raise ValueError(
                 f"`assistant_model` ({type(model).__name__}) uses a cache that cannot be rolled back, so rejected "
                 "drafts could not be undone. Use a drafter with standard (full or sliding-window) attention."
@@ -297,7 +308,9 @@ class ModelDrafter(Drafter):
             keep = input_ids.shape[1] - 1
             if self.tree_context_length is not None:
                 keep, self.tree_context_length = min(keep, self.tree_context_length), None
-            if self._cached() > keep:  # after a fully accepted chain it holds one position less
+            if self.recurrent is not None:  # back to the checkpoint at `keep`, or kept as it is
+                self.recurrent.rewind(min(keep, self.recurrent.length))
+            elif self._cached() > keep:  # after a fully accepted chain it holds one position less
                 rewind_cache(self.cache, keep)  # a crop, or a static cache's write position moved back
                 self.static_length = keep
             return
@@ -386,6 +399,8 @@ class ModelDrafter(Drafter):
     def _cached(self) -> int:
         """The positions the draft cache holds. A static cache keeps its length in a tensor, whose read would wait for
         the device: its length is counted on the host instead (`static_length`, set after each write and rewind)."""
+        if self.recurrent is not None:  # a pure state-space cache does not count its positions
+            return self.recurrent.length
         return self.static_length if self.capacity is not None else cached_length(self.cache)
 
     def _next_logits(self, ids: torch.LongTensor) -> torch.FloatTensor:
@@ -418,6 +433,9 @@ class ModelDrafter(Drafter):
         try:
             logits = self.model(**inputs).logits[:, -1]
             self.static_length = seq_len
+            if self.recurrent is not None:
+                self.recurrent.fed(seq_len - cached)
+                self.recurrent.save()
         except (RuntimeError, TypeError, ValueError) as error:
             if cached:
                 raise

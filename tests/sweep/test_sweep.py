@@ -85,6 +85,24 @@ NOT_RUN = {
 # have, kept visible here (each run asserts the error until it is fixed)
 KNOWN_DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {}
 
+# stateful model types (transformers' `_is_stateful`) refused, with the start of the reason; every other stateful type
+# that builds is identical to plain `generate` for every drafter run (its recurrent state rolled back from checkpoints)
+STATEFUL_REFUSED = {
+    # transformers' model code: a cached forward over several new tokens raises
+    "deepseek_v4": "a cached forward over several new tokens fails (RuntimeError: The size of tensor a",
+    "zaya": "a cached forward over several new tokens fails (RuntimeError: view size is not compatible",
+    # Mamba-1 layers (Zamba's too): the multi-token selective scan starts from zeros, not from the cached state
+    "mamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
+    "falcon_mamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
+    "jamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
+    "zamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
+    # its RG-LRU and convolution states live on the modules, outside the cache
+    "recurrent_gemma": "it keeps recurrent state on its modules",
+    # no `Cache` object at all
+    "rwkv": "generates without a `Cache` object",
+    "xlstm": "generates without a `Cache` object",
+}
+
 # model type -> why its drafters are silently not used (the output is plain `generate`'s, without speculation or a
 # refusal): a defect inside hf_specdec, asserted until it is fixed
 DRAFTER_IGNORED: dict[str, str] = {}
@@ -226,6 +244,12 @@ def test_architecture(model_type):
         results[label] = outcome(model, inputs[batch], plain[batch], **drafter)
     ignored = {label for label, result in results.items() if result == "identical, drafter ignored"}
     assert ignored == ({"self", "prompt_lookup", "batch"} if model_type in DRAFTER_IGNORED else set()), results
+    if getattr(model, "_is_stateful", False):
+        reason = STATEFUL_REFUSED.get(model_type)
+        if reason is None:
+            assert set(results.values()) == {"identical"}, results
+        else:
+            assert all(result.startswith("refused") and reason in result for result in results.values()), results
     # a model refused for one drafter is refused for all: the reason is the target's
     refused = {label for label, result in results.items() if result.startswith("refused")}
     assert refused in (set(), set(results)) or all("assistant_model" in results[r] for r in refused), results

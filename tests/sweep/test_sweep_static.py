@@ -27,6 +27,8 @@ STATIC_REFUSALS = [
     r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
     r"its sliding-window layers keep \d+ positions",
     r"Speculative beam search needs the target's cache to be a croppable dynamic cache",
+    # hybrid and state-space models: their recurrent state is rolled back in a dynamic cache only
+    r"\w+ keeps recurrent state, and hf_specdec rolls it back in a dynamic cache only",
     # the drafter's own static cache (`ModelDrafter(..., cache_implementation="static")`)
     STATIC_DRAFTER := r"`ModelDrafter\(cache_implementation='static'\)`",
 ]

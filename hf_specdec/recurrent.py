@@ -1,0 +1,168 @@
+"""Exact rollback of recurrent state: the caches of hybrid and state-space models (Qwen3.5, Qwen3-Next, Mamba,
+Mamba2, Falcon-H1, Zamba, ...), whose linear-attention / SSM layers keep one state for the whole sequence instead of
+a key and a value per position.
+
+A key/value cache is rolled back by cropping its columns. A recurrent layer's state after position t cannot be
+recovered from its state after a later position, and the kernels transformers runs over several positions (chunked
+gated delta rule, chunked SSD scan) return the final state only. So rejected drafts are undone from a checkpoint:
+
+- `RecurrentCheckpoints.save()` copies every recurrent state, at the number of positions the cache holds (before
+  the verify forward of a round; after each forward of a draft model). Convolution states need no copy:
+  transformers' own past recording (`Cache.activate_past_recording`) keeps their windows, and a crop restores them.
+- `RecurrentCheckpoints.rewind(length)` leaves the cache at `length` when that is its current length (a round that
+  kept everything it fed: the state is already the right one) or a checkpoint; otherwise it goes back to the latest
+  checkpoint before `length` and returns that length. The positions between are then uncached: the caller feeds
+  them again with its next forward (the target: before the next round's drafts, in the same forward, up to
+  `sequence.FOLDED_TAIL` of them; a draft model: in its next step), exactly as it feeds any uncached tail.
+
+Cost: one copy of the recurrent states per round (per drafted token for a stateful draft model), and, after a round
+that rejected drafts, its kept tokens carried again by the next forward (no extra forward). Not supported: token
+trees (each branch would need a state of its own) and static caches.
+
+The state after a rollback is the state the recurrence reaches over the kept tokens, computed by the same kernels
+plain `generate` runs (a forward over several tokens agrees with one-token forwards to float tolerance, as
+transformers' own chunked prefill does): nothing is approximated and nothing is kept of a rejected position.
+"""
+
+from __future__ import annotations
+
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+__all__ = [
+    "RecurrentCheckpoints",
+    "draft_checkpoints",
+    "is_recurrent",
+    "recurrent_layers",
+    "rolls_back_from_checkpoints",
+]
+
+
+def recurrent_layers(cache) -> list:
+    """The layers of `cache` (or of an encoder-decoder cache's self-attention part) that keep recurrent state."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    return [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def is_recurrent(cache) -> bool:
+    """Whether `cache` has linear-attention / SSM layers (whose state a crop cannot roll back)."""
+    return bool(recurrent_layers(cache))
+
+
+def rolls_back_from_checkpoints(model, cache) -> bool:
+    """Whether `model` is stateful (transformers' `_is_stateful`) with a cache whose recurrent layers
+    `RecurrentCheckpoints` can roll back. A convolution-only linear-attention cache (lfm2) is not stateful: transformers'
+    own crop rolls it back."""
+    return bool(getattr(model, "_is_stateful", False)) and is_recurrent(cache)
+
+
+def draft_checkpoints(model, cache, static: bool, tree_budget: int | None) -> RecurrentCheckpoints | None:
+    """The checkpoints of a draft model's cache when the draft model is stateful (None otherwise); refused for a static
+    draft cache or a tree, which they cannot serve."""
+    if not rolls_back_from_checkpoints(model, cache):
+        return None
+    if static or tree_budget is not None:
+        raise ValueError(
+            f"`assistant_model` ({type(model).__name__}) keeps recurrent state, which hf_specdec rolls back in a "
+            "dynamic draft cache drafting chains. "
+            + (
+                "Leave the drafter's cache dynamic (`cache_implementation=None`)."
+                if static
+                else "Drop `speculative_tree_budget` (a tree's branches would each need a state of their own)."
+            )
+        )
+    return RecurrentCheckpoints(cache)
+
+
+class RecurrentCheckpoints:
+    """Checkpoints of one cache's recurrent states, by the number of positions the cache held when each was taken.
+
+    `length`: the positions the cache holds now (counted here, as a pure state-space cache does not count them), kept
+    up to date by `fed` and `rewind`."""
+
+    def __init__(self, cache, length: int = 0):
+        self.cache = cache
+        self.layers = recurrent_layers(cache)
+        self.length = length
+        self.saved: dict[int, list[dict]] = {}
+        # the convolution windows of every position fed since the last rewind, so that `crop` can restore them
+        cache.activate_past_recording()
+
+    def fed(self, count: int) -> None:
+        """Books `count` positions the owner just fed to the cache."""
+        self.length += count
+
+    def save(self) -> None:
+        """Copies every recurrent state, as it is after the `length` positions the cache holds now (a layer that has
+        seen no position yet is saved as such: rolling back to it empties the layer)."""
+        self.saved[self.length] = [
+            {
+                index: (state.clone() if layer.has_previous_state[index] and state is not None else None)
+                for index, state in layer.recurrent_states.items()
+            }
+            | {("started", index): started for index, started in layer.has_previous_state.items()}
+            for layer in self.layers
+        ]
+
+    def rewind(self, length: int) -> int:
+        """Leaves the cache holding its first `length` positions if it holds that many now or a checkpoint was taken
+        there, otherwise the latest checkpoint's positions before `length`; returns the positions it holds."""
+        if length > self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} positions forward to {length}")
+        if length == self.length:
+            target = length
+        else:
+            earlier = [point for point in self.saved if point <= length]
+            if not earlier:
+                raise RuntimeError(
+                    f"no checkpoint of the recurrent state at or before position {length} (checkpoints: "
+                    f"{sorted(self.saved)}): the cache cannot be rolled back there"
+                )
+            target = max(earlier)
+            for layer, states in zip(self.layers, self.saved[target], strict=True):
+                if not any(states[("started", index)] for index in layer.has_previous_state):
+                    # saved before the layer's first position: it starts again from nothing (its first forward then
+                    # fills it as a prefill does)
+                    LinearAttentionCacheLayerMixin.reset(layer)
+                    continue
+                for index in layer.has_previous_state:
+                    if states[index] is not None:
+                        layer.recurrent_states[index].copy_(states[index])
+        _crop(self.cache, self.length - target)
+        keep = self.saved.get(target) if target != self.length else None
+        self.saved = {} if keep is None else {target: keep}
+        self.length = target
+        return target
+
+
+def _crop(cache, count: int) -> None:
+    """Drops the last `count` positions of every layer of `cache`: attention keys and values, and the convolution
+    windows of linear-attention / SSM layers, which are also trimmed back to their kernel size (so a crop by 0 keeps
+    them from growing with the sequence). The windows are cut here rather than by transformers' `crop`, which also
+    cuts windows that were never filled (a layer with more states than it uses)."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    for layer in layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.crop(-count)
+            continue
+        for index, window in layer.conv_states.items():
+            if window is None or not layer.is_conv_states_initialized[index]:
+                continue
+            end = window.shape[-1] - count
+            layer.conv_states[index] = window[..., max(0, end - layer.conv_kernel_size[index]) : end]
+        attention = _attention_part(type(layer))
+        if attention is not None:  # a layer with attention beside its recurrence (Falcon-H1, Zamba)
+            attention.crop(layer, -count)
+
+
+def _attention_part(layer_class):
+    """The key/value layer class a mixed layer class derives from (its attention half), or None."""
+    return next(
+        (
+            base
+            for base in layer_class.__mro__
+            if issubclass(base, CacheLayerMixin)
+            and not issubclass(base, LinearAttentionCacheLayerMixin)
+            and "crop" in vars(base)
+        ),
+        None,
+    )

@@ -1,0 +1,23 @@
+"""`benchmarks/bench_hybrid.py --quick` runs (so that the script cannot rot); its timings mean nothing."""
+
+import json
+
+from conftest import benchmark_script
+
+
+def test_the_quick_run_measures_both_hybrids_and_records_transformers_refusal(tmp_path):
+    output = tmp_path / "hybrid.json"
+    with benchmark_script("bench_hybrid") as bench:
+        bench.main(
+            ["--quick", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8", "--prompt-length", "12"]
+            + ["--cost-repeats", "1", "--threads", "1", "--dtype", "float32", "--output", str(output)]
+        )
+    results = json.loads(output.read_text())
+    assert set(results["models"]) == {"qwen3_5", "mamba2"}
+    for model in results["models"].values():
+        assert "not supported with stateful models" in model["transformers_assisted_generation"]
+        assert model["costs"]["checkpoint_bytes"] > 0
+        for name, method in model["methods"].items():
+            assert method["identical_to_plain"] == [True], name  # float32: greedy identity holds
+            assert method["tokens_per_target_call"] > 0
+    assert results["machine"]

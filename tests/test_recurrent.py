@@ -1,0 +1,296 @@
+"""Hybrid and state-space models (linear attention, Mamba2, gated delta rule): rejected drafts are undone exactly
+from checkpoints of the recurrent state (`hf_specdec.recurrent`), in the target's cache and a stateful draft
+model's."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ScriptedDrafter, noisy_copy
+from test_sampling_distribution import exact_distribution, goodness_of_fit
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import hf_specdec
+from hf_specdec.recurrent import RecurrentCheckpoints, recurrent_layers
+
+sys.path.insert(0, str(Path(__file__).parent / "sweep"))
+from tiny import VOCAB
+from tiny import tiny_model as sweep_model
+
+NEW_TOKENS = 24
+# a gated delta rule + full attention hybrid, a pure SSM cache (no attention layer counts the positions), and a
+# layer holding attention beside its SSM (`LinearAttentionAndFullAttentionLayer`)
+FAMILIES = ["qwen3_5_text", "mamba2", "zamba2"]
+# every layer kind the checkpoints restore, in a table of their own (the state after a rollback)
+STATE_FAMILIES = [
+    *FAMILIES,
+    "qwen3_next",
+    "kimi_linear",
+    "olmo_hybrid",
+    "nemotron_h",
+    "bamba",
+    "granitemoehybrid",
+    "bailing_hybrid",
+]
+
+
+def prompt(length=9, seed=0, batch=1):
+    return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(family):
+    return hf_specdec.enable(sweep_model(family))
+
+
+def plain(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+
+
+def speculative(model, ids, **kwargs):
+    return model.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def _states(cache) -> list[torch.Tensor]:
+    """Every tensor a cache's layers hold for the next forward: recurrent states, convolution windows (their last
+    kernel-size columns), keys and values."""
+    out = []
+    for layer in cache.layers:
+        for index, state in getattr(layer, "recurrent_states", {}).items():
+            if state is not None and layer.has_previous_state[index]:
+                out.append(state)
+        for index, window in getattr(layer, "conv_states", {}).items():
+            if window is not None and layer.is_conv_states_initialized[index]:
+                out.append(window[..., -layer.conv_kernel_size[index] :])
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                out.append(tensor)
+    return out
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", STATE_FAMILIES)
+def test_the_state_after_a_rollback_is_the_state_of_a_forward_over_the_kept_tokens(model_type):
+    model = sweep_model(model_type)
+    ids = prompt(12, seed=3)
+    context, drafts = ids[:, :7], ids[:, 7:]
+
+    def forward(tokens, cache, checkpoints):
+        # positions given, as generate gives them (some models count them from a layer the rollback crops)
+        start = checkpoints.length
+        positions = torch.arange(start, start + tokens.shape[1])[None]
+        model(tokens, cache=cache, use_cache=True, position_ids=positions)
+        checkpoints.fed(tokens.shape[1])
+
+    def fed(tokens_list):
+        cache = DynamicCache(config=model.config)
+        cache.activate_past_recording()
+        checkpoints = RecurrentCheckpoints(cache)
+        for tokens in tokens_list:
+            forward(tokens, cache, checkpoints)
+        return cache, checkpoints
+
+    assert recurrent_layers(DynamicCache(config=model.config))
+    for kept in range(drafts.shape[1] + 1):
+        cache, checkpoints = fed([context])
+        checkpoints.save()
+        forward(drafts, cache, checkpoints)  # a verify forward over 5 drafted positions
+        restored = checkpoints.rewind(7 + kept)
+        # all kept: the state is the forward's own; otherwise back to the checkpoint before the forward, and the
+        # kept tokens are fed again
+        assert restored == (7 + kept if kept == drafts.shape[1] else 7)
+        if restored < 7 + kept:
+            forward(drafts[:, :kept], cache, checkpoints)
+        want, _ = fed([ids[:, : 7 + kept]])
+        got_states, want_states = _states(cache), _states(want)
+        assert len(got_states) == len(want_states) > 0
+        for got, expected in zip(got_states, want_states, strict=True):
+            assert got.shape == expected.shape
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
+@pytest.mark.parametrize("length", [9, 1], ids=["prompt", "one_token_prompt"])
+def test_greedy_speculation_equals_plain_generate(target, period, length):
+    """A one-token prompt has no prefill of its own: the first checkpoint is taken before any state exists."""
+    ids = prompt(length)
+    reference = plain(target, ids)
+    out = speculative(target, ids, drafter=ScriptedDrafter(reference, period=period, vocab=VOCAB))
+    assert torch.equal(out.sequences, reference)
+    stats = out.speculative_stats
+    if period is None:  # every round accepts everything: the state is never restored
+        assert stats.accepted_tokens == stats.drafted_tokens > 0
+        assert stats.target_calls <= NEW_TOKENS // 5 + 2
+    elif period == 1:  # every round rejects its first draft: restored every round
+        assert stats.accepted_tokens == 0 and stats.drafted_tokens > 0
+    else:
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_a_stateful_draft_model_is_rolled_back_too(target):
+    """The draft model is itself a hybrid: its checkpoints (one per drafted token) give the kept state."""
+    ids = prompt(seed=4)
+    reference = plain(target, ids)
+    wrong = noisy_copy(target, 0.5, seed=5)
+    with torch.no_grad():  # its logits of the target's most frequent token and another swapped (tiny models repeat)
+        frequent = int(reference[0, ids.shape[1] :].mode().values)
+        other = (frequent + 1) % VOCAB
+        head = wrong.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight[[*range(VOCAB)]])  # untied from the input embeddings
+        head.weight[[frequent, other]] = head.weight[[other, frequent]].clone()
+    for drafter, accepts in ((target, "all"), (wrong, "not all")):
+        out = speculative(target, ids, assistant_model=drafter)
+        assert torch.equal(out.sequences, reference)
+        stats = out.speculative_stats
+        if accepts == "all":
+            assert stats.accepted_tokens == stats.drafted_tokens > 0
+        else:
+            assert stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_the_returned_cache_holds_what_plain_generate_leaves(target):
+    """A round that rolled back at the end of the call: the cache is brought back to every token but the newest."""
+    ids = prompt(seed=6)
+    reference = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
+    out = speculative(target, ids, drafter=ScriptedDrafter(reference.sequences, period=3, vocab=VOCAB))
+    assert torch.equal(out.sequences, reference.sequences)
+    for got, expected in zip(_states(out.cache), _states(reference.cache), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_padded_batch_decodes_each_row_exactly(target):
+    ids = prompt(batch=2, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    reference = plain(target, ids, attention_mask=mask, pad_token_id=0)
+    out = speculative(target, ids, attention_mask=mask, pad_token_id=0, drafter="prompt_lookup")
+    assert torch.equal(out.sequences, reference)
+    out = speculative(target, ids, attention_mask=mask, pad_token_id=0, assistant_model=target)
+    assert torch.equal(out.sequences, reference)
+
+
+def test_sampling_follows_the_target_distribution():
+    """Chi-square goodness of fit of 3 sampled tokens (27 outcomes) against the enumerated target distribution,
+    drafted by another hybrid (its own rollbacks included); power: the drafter's own samples fail the same test."""
+    target = hf_specdec.enable(sweep_model("qwen3_5_text"))
+    drafter = hf_specdec.enable(sweep_model("qwen3_5_text", seed=9))
+    config = dict(temperature=0.9, top_k=3)
+    ids = prompt(6, seed=11)
+    table = exact_distribution(target, ids, config, length=3)
+
+    def samples(model, **kwargs):
+        torch.manual_seed(1234)
+        return [
+            tuple(model.generate(ids, do_sample=True, max_new_tokens=3, **config, **kwargs)[0, 6:].tolist())
+            for _ in range(600)
+        ]
+
+    drawn = samples(target, assistant_model=drafter, speculative_gamma=2, speculative_gamma_policy="constant")
+    assert goodness_of_fit(table, drawn) > 1e-3
+    own = samples(drafter)
+    assert any(s not in table for s in own) or goodness_of_fit(table, own) < 1e-3
+
+
+def test_trees_and_static_caches_are_refused_with_the_reason(target, family):
+    ids = prompt()
+    name = type(target).__name__
+    with pytest.raises(ValueError, match=rf"Token trees \(speculative_tree_budget=4\) cannot be verified on {name}"):
+        target.generate(ids, max_new_tokens=4, drafter="prompt_lookup", speculative_tree_budget=4)
+    with pytest.raises(ValueError, match=rf"Speculative beam search \(`num_beams` > 1\) is not supported on {name}"):
+        target.generate(ids, max_new_tokens=4, num_beams=2, assistant_model=target)
+    stateful_draft = sweep_model(family, seed=2)
+    # refused as a static draft cache of recurrent layers (or, where transformers preallocates the attention
+    # layers, as a recurrent draft cache)
+    with pytest.raises(ValueError, match=r"Leave the drafter's cache dynamic \(`cache_implementation=None`\)"):
+        target.generate(
+            ids,
+            max_new_tokens=4,
+            drafter=hf_specdec.ModelDrafter(stateful_draft, cache_implementation="static"),
+        )
+
+
+@pytest.mark.parametrize(
+    "model_type, reason",
+    [
+        # Mamba-1's multi-token scan starts from zeros instead of the cached state (transformers' model code)
+        (
+            "mamba",
+            r"MambaForCausalLM cannot be verified exactly .* ignores the state in the cache",
+        ),
+        # RecurrentGemma keeps its RG-LRU and convolution states on its modules, outside the cache
+        (
+            "recurrent_gemma",
+            r"RecurrentGemmaForCausalLM cannot be verified exactly .*: it keeps recurrent state on its modules",
+        ),
+        ("rwkv", r"RwkvForCausalLM generates without a `Cache` object"),
+    ],
+)
+def test_stateful_models_that_cannot_be_rolled_back_exactly_are_refused(model_type, reason):
+    model = hf_specdec.enable(sweep_model(model_type))
+    assert model._is_stateful
+    with pytest.raises(ValueError, match=reason):
+        model.generate(prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
+
+
+def test_a_feature_drafter_gets_each_position_s_hidden_state_once():
+    """After a rollback the kept tokens are fed again in the next forward: their hidden states, already given to a
+    drafter that reads them (the target's own MTP layer on a Qwen3.5 target), are not given twice."""
+    from transformers import AutoConfig
+    from transformers.modeling_layers import MtpModel
+
+    from hf_specdec.drafters.mtp import MtpDrafter
+
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_mtp_layers=1,
+        mtp_layer_types=["full_attention"],
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    target = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
+    mtp = MtpModel(target, 1)
+    with torch.no_grad():
+        for weight in mtp.layers.parameters():
+            torch.nn.init.normal_(weight, std=0.1)
+    given = []
+
+    class Counting(MtpDrafter):
+        def on_verified(self, input_ids, num_accepted, **kwargs):
+            super().on_verified(input_ids, num_accepted, **kwargs)
+            # the positions whose hidden states it holds, against those whose next token is known
+            given.append((self.exact + self.pending.shape[1], input_ids.shape[1] - 1))
+
+    ids = prompt(seed=8)
+    reference = plain(target, ids)
+    out = speculative(target, ids, drafter=Counting(mtp))
+    assert torch.equal(out.sequences, reference)
+    assert out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens  # rounds rolled back
+    assert len(given) > 3 and all(held == known for held, known in given), given
