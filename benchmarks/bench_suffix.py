@@ -13,7 +13,7 @@ Streams (`--streams`; `--requests` per stream), each a sequence of chat requests
 Methods (`--methods`): `plain`; `transformers_pld` (transformers' `prompt_lookup_num_tokens=10`); `prompt_lookup`
 (ours, defaults); `ngram` (an `NGramDrafter` counted from the stream's earlier outputs, rebuilt before each request);
 `suffix` and `suffix_tree` (a `SuffixDrafter` kept along the stream, chain and `speculative_tree_budget=
---tree-budget`). Greedy, then at T = `--temperature` with token-wise and block verification (`--sampled`: the suffix
+--tree-budget`); `suffix_x4` (the chain with `max_spec_factor=4`: a match of m tokens may draft 4m). Greedy, then at T = `--temperature` with token-wise and block verification (`--sampled`: the suffix
 and prompt lookup rows). Per request the methods are interleaved (`harness.interleaved`, the order rotated each
 repeat); every method's drafter state (the suffix cache, the n-gram table) is rebuilt at the start of each repeat, so
 a repeat never drafts from its own earlier pass.
@@ -48,7 +48,7 @@ import hf_specdec
 from hf_specdec import NGramDrafter, SuffixCache, SuffixDrafter
 
 STREAMS = ("extraction", "code_edits", "reasked", "open")
-METHODS = ("plain", "transformers_pld", "prompt_lookup", "ngram", "suffix", "suffix_tree")
+METHODS = ("plain", "transformers_pld", "prompt_lookup", "ngram", "suffix", "suffix_tree", "suffix_x4")
 SAMPLED = ("prompt_lookup", "suffix")
 
 NAMES = ["Maria Lopez", "Tom Becker", "Anna Novak", "Liam Chen", "Sara Ahmed", "Jonas Berg", "Eva Rossi", "Omar Haddad"]
@@ -162,7 +162,11 @@ class StreamState:
         self.reset()
 
     def reset(self):
-        self.suffix = {"suffix": SuffixDrafter(cache=SuffixCache()), "suffix_tree": SuffixDrafter(cache=SuffixCache())}
+        self.suffix = {
+            "suffix": SuffixDrafter(cache=SuffixCache()),
+            "suffix_tree": SuffixDrafter(cache=SuffixCache()),
+            "suffix_x4": SuffixDrafter(cache=SuffixCache(), max_spec_factor=4.0),
+        }
 
     def ngram(self, index: int) -> dict:
         """The table of the stream's earlier outputs (plain decoding's: greedy outputs are the same for all)."""

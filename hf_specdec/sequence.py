@@ -223,7 +223,7 @@ class SequenceLane(Lane):
             else:
                 self._feed_tail()
             cached, prefilled = cur_len - 1, True
-        if self.recurrent is not None:
+        if self.recurrent is not None and num_drafted:  # without drafts every position fed is kept
             self.recurrent.save()
         candidate_ids = torch.cat([input_ids, draft.proposal.tokens], dim=-1)  # [1, cur_len + k]
         forward_kwargs = self.model_kwargs

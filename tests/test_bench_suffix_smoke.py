@@ -22,6 +22,7 @@ def test_the_smoke_run_covers_every_method_and_setting(tmp_path):
             "ngram",
             "suffix",
             "suffix_tree",
+            "suffix_x4",
         }
         assert all(row["identical_to_plain"] == greedy["requests"] for row in greedy["methods"].values())
         assert set(stream["sampled_block"]["methods"]) == {"plain", "prompt_lookup", "suffix"}

@@ -168,9 +168,13 @@ def test_chains_follow_the_most_frequent_path_scaled_by_the_match():
     cache = SuffixCache()
     for output in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9]):
         cache.add(output)
-    drafter = SuffixDrafter(cache=cache)
+    drafter = SuffixDrafter(cache=cache, max_spec_factor=1.0)
     # "1 2" matched (m = 2): at most 2 tokens; "2" after "0 7 2" gets m = 1
     assert drafter.propose_for(torch.tensor([[7, 1, 2]]), num_tokens=8).tokens.tolist() == [[3, 4]]
+    # the default factor, 4: m = 2 may draft up to 8, the whole path seen
+    default = SuffixDrafter(cache=cache)
+    assert default.propose_for(torch.tensor([[7, 1, 2]]), num_tokens=8).tokens.tolist() == [[3, 4, 5, 6]]
+    assert default.propose_for(torch.tensor([[0, 7, 2]]), num_tokens=8).tokens.tolist() == [[3, 4, 5, 6]]
     assert drafter.propose_for(torch.tensor([[0, 7, 2]]), num_tokens=8).tokens.tolist() == [[3]]
     assert drafter.propose_for(torch.tensor([[1, 2, 3]]), num_tokens=8).tokens.tolist() == [[4, 5, 6]]
     assert drafter.propose_for(torch.tensor([[1, 2, 3]]), num_tokens=2).tokens.tolist() == [[4, 5]]
