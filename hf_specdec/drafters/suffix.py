@@ -99,7 +99,9 @@ class SuffixDrafter(Drafter):
     >>> cache = SuffixCache()
     >>> _ = cache.add([7, 8, 9, 10, 11])  # an earlier output
     >>> drafter = SuffixDrafter(cache=cache)
-    >>> drafter.propose_for(torch.tensor([[1, 2, 7, 8]]), num_tokens=5).tokens  # "7 8" matched: 2 tokens
+    >>> drafter.propose_for(torch.tensor([[1, 2, 7, 8]]), num_tokens=5).tokens  # "7 8" matched: up to 8 tokens
+    tensor([[ 9, 10, 11]])
+    >>> SuffixDrafter(cache=cache, max_spec_factor=1.0).propose_for(torch.tensor([[1, 2, 7, 8]]), num_tokens=5).tokens
     tensor([[ 9, 10]])
 
     ```
