@@ -34,6 +34,8 @@ greedy, the methods are interleaved and repeated (`harness.interleaved`), summar
   "reduce-overhead"` on a GPU: CUDA graphs); at batch 1 the drafter keeps its own static cache
   (`ModelDrafter(cache_implementation="static")`), so its step is compiled and captured too. In a batch, hf_specdec
   decodes static caches one row at a time (exact, without the batching speedup): measured as it is;
+- `ours_constant_<γ>` (`--constant-gammas`, default 1, 2, 3): the first drafter at a constant γ, what the default
+  policy's choice of γ (and of when to draft at all) is measured against;
 - `ours_1b` (8b pair): our defaults with the 1B drafter.
 
 A method whose first call raises is reported under the group's `failed` (the error) and left out of the timings.
@@ -48,6 +50,14 @@ from the row's α, its drafter's c and its γ (the mean γ of its drafting round
 Costs, measured per pair and batch size: one cached target forward over 1, γ + 1 and tree-budget + 1 new tokens,
 each drafter's over 1 token, c = drafter / target per token and v = (γ + 1 tokens) / (1 token).
 
+cuDNN's attention (torch's default for bfloat16 attention on Hopper GPUs: torch 2.11, cuDNN 9.19) sets itself up anew
+for each new pair of query and key lengths: on one H200 an 8B-shaped forward at a length not seen before took 55 ms,
+22 ms once set up (with `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` too). Plain decoding meets a new length per token in a
+first call; repeats of one prompt then find its lengths set up, while a γ policy that decides from timings may take
+other paths and meet new lengths (stalls of 30-40 ms). `--no-cudnn-attention` runs every method, plain too, with
+cuDNN's attention off (`torch.backends.cuda.enable_cudnn_sdp(False)`: flash or memory-efficient attention), into
+`*_no_cudnn_attention.json`. Each drafting row records its first timed call's `gamma_history`.
+
 Compiling an 8B graph takes tens of seconds per shape; to keep the whole run within ~8 minutes on one GPU, the
 compiled rows run only in the (pair, batch) groups that start within `--compile-before-s` seconds (batch 1 first, then
 batch 8, each for both pairs); the JSON lists what was skipped. Results go to
@@ -61,6 +71,7 @@ so that this script cannot rot. Its timings mean nothing.
     python benchmarks/bench_gpu.py --smoke           # tiny shapes on the CPU
     python benchmarks/bench_gpu.py [--pairs 8b,1.1b] [--batches 1,8] [--repeats 5] [--max-new-tokens 128]
         [--gamma 5] [--tree-budget 8] [--compile-before-s 240] [--device cuda] [--output-dir benchmarks/results]
+        [--constant-gammas 1,2,3] [--no-cudnn-attention]
 """
 
 from __future__ import annotations
@@ -262,6 +273,13 @@ def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tupl
         "ours_tree": Method(lambda: target.generate(ids, assistant_model=drafter, **tree, **common), first),
         "ours_compiled": Method(lambda: target.generate(ids, **compiled_drafting(), **common, **static), first, True),
     }
+    for gamma in args.constant_gammas:  # what the default policy's choice is measured against
+        methods[f"ours_constant_{gamma}"] = Method(
+            lambda gamma=gamma: target.generate(
+                ids, assistant_model=drafter, speculative_gamma=gamma, speculative_gamma_policy="constant", **common
+            ),
+            first,
+        )
     for name, other in list(pair.drafters.items())[1:]:
         methods[f"ours_{name}"] = Method(
             lambda other=other: target.generate(ids, assistant_model=other, **common), name
@@ -407,6 +425,7 @@ def run_group(pair: Pair, batch: int, compiled: bool, args) -> dict:
             )  # 0 unless a timed call recompiled: its median would include compile time
             gammas = [g for g in timed_stats[name][0].gamma_history if g > 0]
             row["mean_gamma"] = statistics.mean(gammas) if gammas else 0.0
+            row["gamma_history"] = list(timed_stats[name][0].gamma_history)  # the first timed call's γ per round
         if method.drafter is None:
             continue
         if row["alpha"] is None:  # transformers: constant γ, with ours' α for the same drafter
@@ -474,6 +493,12 @@ def main(argv=None) -> dict[str, dict]:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=5, help="transformers' constant γ, and the γ of the bounds")
     parser.add_argument("--tree-budget", type=int, default=8)
+    parser.add_argument(
+        "--constant-gammas",
+        type=lambda text: [int(g) for g in parse_list(text)],
+        default=[1, 2, 3],
+        help="comma-separated constant γ rows ('' for none)",
+    )
     parser.add_argument("--cost-repeats", type=int, default=9, help="repeats of each cost forward")
     parser.add_argument(
         "--compile-before-s",
@@ -484,6 +509,12 @@ def main(argv=None) -> dict[str, dict]:
     parser.add_argument("--smoke", action="store_true", help="tiny float32 shapes on the CPU (checks the script)")
     parser.add_argument("--device", default=None, help="default: cpu with --smoke, else cuda when available")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="every method (plain too) without cuDNN's attention (torch.backends.cuda.enable_cudnn_sdp(False)), "
+        "which sets itself up anew for each new query and key length; results go to *_no_cudnn_attention.json",
+    )
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="default: benchmarks/results; --smoke: a temp dir"
     )
@@ -500,13 +531,16 @@ def main(argv=None) -> dict[str, dict]:
         args.output_dir = Path(tempfile.mkdtemp(prefix="bench_gpu_smoke_")) if args.smoke else RESULTS
     elif args.smoke and args.output_dir.resolve() == RESULTS.resolve():
         parser.error("--smoke writes no results into benchmarks/results: pass another --output-dir")
-    threads = torch.get_num_threads()
+    threads, cudnn_attention = torch.get_num_threads(), torch.backends.cuda.cudnn_sdp_enabled()
     if args.smoke:
         torch.set_num_threads(1)  # tiny models gain nothing from threads, and the CPU may be shared
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         return run(args)
     finally:
         torch.set_num_threads(threads)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
         torch._dynamo.reset()
 
 
@@ -531,7 +565,8 @@ def run(args) -> dict[str, dict]:
             "construction": {**pair.construction, "parameters": parameters, "build_s": built_s},
             "batches": {},
         }
-        paths[name] = Path(args.output_dir) / f"gpu_{name}_{device_slug(args.device)}.json"
+        suffix = "_no_cudnn_attention" if args.no_cudnn_attention else ""
+        paths[name] = Path(args.output_dir) / f"gpu_{name}_{device_slug(args.device)}{suffix}.json"
     for batch in args.batches:  # batch 1 of every pair first: the compiled rows go to the earliest groups
         for name, pair in pairs.items():
             compiled = args.compile_before_s is None or time.perf_counter() - start < args.compile_before_s

@@ -167,6 +167,9 @@ class PaddedBatchLane(Lane):
             # a drafter that takes it gets each row's padding on the host (to realign without a read of its own)
             parameters = inspect.signature(self.batch_drafter.on_verified).parameters
             self.host_padding = "padding" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+            # and, as rows finish, the kept rows on the host too (to select its own host state without a read)
+            parameters = inspect.signature(self.batch_drafter.select_rows).parameters
+            self.host_rows = "rows" in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
         else:
             self.batch_drafter = None
             self.row_drafters = [
@@ -288,7 +291,7 @@ class PaddedBatchLane(Lane):
             ids, mask, columns = ids[index], mask[index], columns[index]
             cache.batch_select_indices(index)
             if self.batch_drafter is not None and keep:
-                self.batch_drafter.select_rows(index)
+                self.batch_drafter.select_rows(index, **({"rows": keep} if self.host_rows else {}))
             rows = self.rows = [rows[i] for i in keep]
         self.finished = not rows
         if rows:
@@ -304,7 +307,7 @@ class PaddedBatchLane(Lane):
             else:
                 realign_cache(cache, columns[:, lead:-1])
             accepted = verdict.accepted
-            kept_accepted = accepted[keep] if len(keep) < len(accepted) else accepted
+            kept_accepted = accepted[index] if len(keep) < len(accepted) else accepted
             if self.batch_drafter is not None:
                 hints = {"padding": [self.padding[r] for r in rows]} if self.host_padding else {}
                 self.batch_drafter.on_verified(ids, kept_accepted, attention_mask=mask, **hints)

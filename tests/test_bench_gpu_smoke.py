@@ -8,7 +8,9 @@ import pytest
 from conftest import benchmark_script
 
 BATCHES = (1, 8)  # the script's defaults
-EVERY_METHOD = {"plain", "plain_compiled", "transformers", "ours", "ours_tree", "ours_compiled"}
+EVERY_METHOD = {"plain", "plain_compiled", "transformers", "ours", "ours_tree", "ours_compiled"} | {
+    f"ours_constant_{gamma}" for gamma in (1, 2, 3)
+}
 BATCH_ONLY_ONE = {"transformers", "ours_tree"}  # transformers' assisted generation and our token trees refuse batches
 
 
@@ -40,6 +42,32 @@ def test_smoke_run_covers_every_method_and_batch(bench_gpu, tmp_path):
                     assert 0.0 <= row["alpha"] <= 1.0
                     assert math.isfinite(row["theorem_3_8_best"])
             assert group["methods"]["ours"]["alpha"] > 0.5, (pair, batch)  # the early exit agrees by construction
+            for gamma in (1, 2, 3):  # a constant γ drafts γ in every round (fewer near the end)
+                history = [g for g in group["methods"][f"ours_constant_{gamma}"]["gamma_history"] if g]
+                assert max(history) == gamma and history.count(gamma) >= len(history) - 2, (pair, batch, gamma)
             assert group["methods"]["ours_compiled"]["rows_equal_plain_compiled"] == batch
             assert group["methods"]["ours_compiled"]["graphs_compiled"] > 0
         assert payload["batches"].keys() == written["batches"].keys()
+
+
+def test_without_cudnn_attention_writes_its_own_results_and_restores_the_setting(bench_gpu, tmp_path):
+    import torch
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    seen = []
+    original = bench_gpu.run_group
+
+    def run_group(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return original(*args, **kwargs)
+
+    bench_gpu.run_group = run_group
+    try:
+        args = ["--smoke", "--pairs", "1.1b", "--batches", "1", "--no-cudnn-attention", "--output-dir", str(tmp_path)]
+        bench_gpu.main(args)
+    finally:
+        bench_gpu.run_group = original
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    written = json.loads((tmp_path / "gpu_1.1b_cpu_no_cudnn_attention.json").read_text())
+    assert written["settings"]["no_cudnn_attention"] is True
+    assert written["batches"]["1"]["methods"]["ours"]["gamma_history"]

@@ -89,6 +89,34 @@ def test_a_padded_batch_reads_the_host_at_most_twice_per_round(pair, do_sample):
     assert reads_per_round(target, drafter, ids, attention_mask=mask, do_sample=do_sample) <= 2
 
 
+def test_a_row_leaving_a_padded_batch_costs_no_read(pair, monkeypatch):
+    """A row that ends (here at its EOS, mid-call) leaves the batch: the loop knows on the host which rows stay and
+    hands them to the draft model, which selects its host-side state without reading the device (a read of the kept
+    indices would cost one more read per row that leaves)."""
+    target, drafter = pair
+    ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2), prompt(8, seed=4)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    new = plain[:, ids.shape[1] :].tolist()
+    # a token that row 1 emits first mid-call and the other rows never emit
+    eos = next(t for i, t in enumerate(new[1]) if i > 5 and t not in new[0] + new[2] + new[1][:i])
+    selections = []
+    original = hf_specdec.ModelDrafter.select_rows
+
+    def select_rows(self, *args, **kwargs):
+        before = reads.count
+        original(self, *args, **kwargs)
+        selections.append(reads.count - before)
+
+    monkeypatch.setattr(hf_specdec.ModelDrafter, "select_rows", select_rows)
+    kwargs = dict(speculative_gamma=4, speculative_gamma_policy="constant", pad_token_id=0, eos_token_id=eos)
+    with HostReads(outside_of=[target, drafter]) as reads:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, assistant_model=drafter, **kwargs)
+    assert eos in out[1].tolist() and len(selections) >= 1  # row 1 left the batch mid-call
+    assert selections == [0] * len(selections)
+
+
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
 def test_a_tree_reads_the_host_at_most_twice_per_round(pair, do_sample):
     # the loop's own reads, with a drafter that reads nothing

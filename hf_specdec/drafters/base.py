@@ -154,7 +154,9 @@ class Drafter:
         reported, as a chain), so chain-only drafters need not declare it."""
 
     def select_rows(self, indices: torch.LongTensor) -> None:
-        """With `supports_padded_batches`: keep only these rows of the batch (the others have finished)."""
+        """With `supports_padded_batches`: keep only these rows of the batch (the others have finished). A drafter
+        whose `select_rows` takes a `rows` argument also gets the kept rows as a list on the host (no read of the
+        device needed to select host-side state)."""
 
     @classmethod
     def from_options(cls, **options) -> Drafter:

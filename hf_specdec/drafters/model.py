@@ -329,11 +329,11 @@ class ModelDrafter(Drafter):
         self.fed_ids, self.fed_mask = input_ids[:, :kept], attention_mask[:, :kept]
         self.host_padding = padding
 
-    def select_rows(self, indices: torch.LongTensor) -> None:
+    def select_rows(self, indices: torch.LongTensor, rows: list[int] | None = None) -> None:
         self.cache.batch_select_indices(indices.to(self.device))
         self.fed_ids, self.fed_mask = self.fed_ids[indices], self.fed_mask[indices]
-        if self.host_padding is not None:
-            self.host_padding = [self.host_padding[i] for i in indices.tolist()]
+        if self.host_padding is not None:  # the kept rows on the host, from the loop: no read of the device
+            self.host_padding = [self.host_padding[i] for i in (indices.tolist() if rows is None else rows)]
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int) -> DraftProposal:
         """EAGLE-2's dynamic tree ([`DynamicTree`]) for one sequence (`input_ids`: `[1, seq_len]`), at most

@@ -27,12 +27,12 @@ class AutoGammaPolicy(GammaPolicy):
     Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over
     drafting plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less
     (about the last ten rounds; what was measured before a stop counts at half weight after a resume), and it is
-    judged from the third drafting round on, half a standard error of its mean tokens per round more optimistic than
+    judged from the third drafting round on (after a resume too: one round cannot outweigh the stretch before), half a standard error of its mean tokens per round more optimistic than
     measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on average yet has runs of unlucky rounds, and a
     decision on the last three rounds alone would stop such a drafter (e.g. an EAGLE tree that pays 1.4x) for most of
-    its call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, as a plain step's
-    cost is a median: stalls of another process, on a loaded machine every few steps, must not stop a drafter that
-    pays. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
+    its call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, and so do a plain
+    step's in the plain steps' decayed mean: stalls (another process on a loaded machine; on a GPU, attention set up
+    for each new shape) must not stop a drafter that pays, and they weigh alike on both sides. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
     forward stops without a plain step to compare; when the two are close, one plain step is measured. Once plain
     steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2 tokens may
     cost less than over 1, and a verify forward is then no bound on a plain step.
@@ -42,7 +42,8 @@ class AutoGammaPolicy(GammaPolicy):
     probability, drawn from the policy's own generator). A guess that would have been accepted resumes drafting. The
     run ends without one once its guesses have cost `shadow_budget` (half) of a plain step: a drafter whose guess
     costs a third of a step (an early exit on a compute-bound CPU) gets one guess, a cheap feature head several, a
-    nearly free one (prompt lookup) many. A guess of nothing (prompt lookup without a match) decides nothing. Loops
+    nearly free one (prompt lookup) many. A guess counts for at most 1.5x the usual one (the median of recent guesses,
+    else of a drafted token's seconds): one stalled guess does not end the probe. A guess of nothing (prompt lookup without a match) decides nothing. Loops
     without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted draft.
 
     A drafter whose drafts cost next to nothing and stop where its match ends (`Drafter.free_drafts`: prompt lookup,
@@ -87,11 +88,13 @@ class AutoGammaPolicy(GammaPolicy):
         self.verify_s = collections.deque(maxlen=5)  # verify seconds of recent drafting rounds
         self.round_s = collections.deque(maxlen=5)  # drafting plus verifying seconds of recent drafting rounds
         self.plain_s = collections.deque(maxlen=5)  # seconds of recent plain steps
+        self.plain_weight = self.plain_seconds = 0.0  # decayed sums over plain steps: steps, seconds (stalls capped)
         self.cautious = False  # no shadow drafts: the first round accepted nothing, measure with one drafted token
         self.stopped = False
         self.probing = False  # no shadow drafts: this round is a γ = 1 probe
         self.shadow = False  # in a shadow phase: plain steps with a guess each
         self.shadow_spent = 0.0  # seconds of the current shadow phase's guesses
+        self.guess_s = collections.deque(maxlen=5)  # seconds of recent guesses, as measured
         self.shadow_outcome = None  # the current step's guess: accepted (bool) or None (nothing guessed)
         self.measure_plain = False
         self.plain_rounds = 0
@@ -179,11 +182,11 @@ class AutoGammaPolicy(GammaPolicy):
         self.observed = True
         if not drafted:
             if self.shadow_draft_wanted:  # a shadow step: its drafting time is the guess's, the rest a plain step's
-                self.plain_s.append(verify_time_s)
+                self._book_plain(verify_time_s)
                 self._observe_guess(draft_time_s)
                 return
             if not first_round:
-                self.plain_s.append(draft_time_s + verify_time_s)
+                self._book_plain(draft_time_s + verify_time_s)
             if self.measure_plain:
                 self.measure_plain = False
                 self._decide()
@@ -218,9 +221,23 @@ class AutoGammaPolicy(GammaPolicy):
         if self.drafting_rounds >= self.min_rounds:
             self._decide()
 
+    def _book_plain(self, seconds: float) -> None:
+        """A plain step's seconds: its decayed mean with each step counted for at most `max_jump` times the median of
+        the last five, as drafting rounds are (a stall then weighs alike on both sides of the comparison)."""
+        spent = min(seconds, self.max_jump * statistics.median(self.plain_s)) if len(self.plain_s) >= 2 else seconds
+        self.plain_s.append(seconds)
+        self.plain_weight = self.decay * self.plain_weight + 1.0
+        self.plain_seconds = self.decay * self.plain_seconds + spent
+
     def _observe_guess(self, guess_s: float) -> None:
         if self.shadow_outcome is None:  # nothing guessed (or no guess reported): guess again
             return
+        # a stall (another process; on a GPU a kernel set up for a new shape) counts for at most `max_jump` times a
+        # usual guess: the median of recent guesses, else of a drafted token's seconds in drafting rounds
+        usual = list(self.guess_s or self.chooser.draft_s)
+        self.guess_s.append(guess_s)
+        if usual:
+            guess_s = min(guess_s, self.max_jump * statistics.median(usual))
         if self.shadow_outcome:
             self._resume()
             return
@@ -235,6 +252,10 @@ class AutoGammaPolicy(GammaPolicy):
         self.weight, self.tokens, self.squares, self.seconds = (
             value * self.resume_weight for value in (self.weight, self.tokens, self.squares, self.seconds)
         )
+        self.drafting_rounds = 0  # decided again after `min_rounds` rounds: one round cannot outweigh the stretch
+        chooser = self.chooser  # and the acceptance per position that stretch measured weighs less in the γ chosen
+        chooser.reached = [value * self.resume_weight for value in chooser.reached]
+        chooser.accepted = [value * self.resume_weight for value in chooser.accepted]
 
     def _decide(self, optimism: float | None = None) -> None:
         # the measured rate, half a standard error (of the mean tokens per round) more optimistic: rounds that emit
@@ -250,7 +271,7 @@ class AutoGammaPolicy(GammaPolicy):
         drafting_rate = mean / max(seconds, 1e-12) * benefit_of_doubt
         verify = statistics.median(self.verify_s)
         if self.plain_s:  # measured: on a CPU a bf16 model's 2-token forward may beat its 1-token one
-            self.stopped = drafting_rate < self.stop_below / statistics.median(self.plain_s)
+            self.stopped = drafting_rate < self.stop_below * self.plain_weight / self.plain_seconds
         elif drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
             self.stopped = True
         elif drafting_rate < 2.0 / verify:  # close: a plain step may cost half a verify forward; measure one
