@@ -189,6 +189,32 @@ class SpeculativeGenerationMixin:
             output["speculative_stats"] = stats
         return output
 
+    def generate_batch(self, inputs, generation_config=None, *args, **kwargs):
+        """transformers' continuous batching, unchanged, but drafting arguments are refused: hf_specdec does not
+        speculate inside continuous batching yet, and transformers' `generate_batch` would drop them without a word."""
+        wanted = [name for name in kwargs if name in _DRAFTING_ARGUMENTS or name.startswith("speculative_")]
+        wanted += [
+            name
+            for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+            if getattr(generation_config, name, None) not in (None, False) and name not in kwargs
+        ]
+        if wanted:
+            name = wanted[0]
+            value = kwargs[name] if name in kwargs else getattr(generation_config, name)
+            shown = f"<{type(value).__name__}>" if isinstance(value, torch.nn.Module) else repr(value)
+            raise ValueError(
+                f"`{name}={shown}`: hf_specdec does not speculate inside continuous batching (`generate_batch`) "
+                "yet, and transformers' continuous batching would decode without it. Pass a left-padded batch to "
+                "`generate(input_ids, attention_mask=..., ...)` to draft, or drop the drafting arguments."
+            )
+        return super().generate_batch(inputs, generation_config, *args, **kwargs)
+
+
+# what asks for drafting besides the `speculative_*` settings (ours and transformers' own)
+_DRAFTING_ARGUMENTS = frozenset(
+    {"assistant_model", "drafter", "drafter_kwargs", "assistant_tokenizer", "speculation_type"}
+    | {"prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"}
+)
 
 # enabled classes whose own `generate` was seen to take `custom_generate` and not use it
 _IGNORES_CUSTOM_GENERATE: set[type] = set()
