@@ -12,6 +12,11 @@ second (summed over the prompts, median over repeats) and the speedup over plain
 differ in length, so wall-clock time alone would compare different amounts of work); block's gain over token-wise in
 tokens per call and in speed.
 
+With `--eagle-minutes M` (or `--eagle-head DIR`, a head saved in the EAGLE-3 layout) an EAGLE-3 head drafts too,
+rows `eagle_token_g<γ>` / `eagle_block_g<γ>`: trained here for M minutes on the zoo corpus's train split as it is
+(`hf_specdec.distill.train_eagle_drafter` with `texts=`, no answers generated), and saved, with its training data and
+checkpoints, in a folder named after the results file.
+
     OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 \\
         --output benchmarks/results/block_verification_zoo_cpu_1thread.json
     python benchmarks/bench_block_verification.py --smoke   # one short prompt, into a temporary folder
@@ -49,9 +54,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="results JSON (default: none; --smoke: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="one short prompt per task, one repeat")
+    parser.add_argument("--eagle-minutes", type=float, default=0.0, help="train an EAGLE-3 head this long (0: none)")
+    parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head to load instead of training")
+    parser.add_argument("--eagle-files", type=int, default=120, help="train-split files the head trains on")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.repeats, args.gammas = 1, 12, 1, [3]
+        args.eagle_files = min(args.eagle_files, 4)
         args.output = args.output or Path(tempfile.mkdtemp(prefix="bench_block_")) / "block.json"
     threads = torch.get_num_threads()
     if args.threads:
@@ -62,9 +71,34 @@ def main(argv=None) -> dict:
         torch.set_num_threads(threads)
 
 
+def eagle_head(target, tokenizer, args) -> hf_specdec.EagleDrafter | None:
+    """The EAGLE-3 head of `--eagle-head`, or one trained for `--eagle-minutes` on the zoo's train split (saved beside
+    the results), or None."""
+    if args.eagle_head is not None:
+        return hf_specdec.EagleDrafter.from_pretrained(args.eagle_head, target)
+    if not args.eagle_minutes:
+        return None
+    from hf_specdec.distill import train_eagle_drafter
+    from hf_specdec.zoo.corpus import load_manifest, read_split
+
+    texts = read_split(load_manifest(zoo.ZOO_DIR / "manifest.json"), "train")[: args.eagle_files]
+    output_dir = None if args.output is None else Path(args.output).with_suffix("") / "eagle_head"
+    return train_eagle_drafter(
+        target,
+        texts=texts,
+        tokenizer=tokenizer,
+        max_minutes=args.eagle_minutes,
+        output_dir=output_dir,
+        seed=args.seed,
+        show_progress=False,
+    )
+
+
 def run(args) -> dict:
     target, drafter, tokenizer = zoo.load_default()
     target = hf_specdec.enable(target)
+    eagle = eagle_head(target, tokenizer, args)
+    drafters = {"": dict(assistant_model=drafter)} | ({"eagle_": dict(drafter=eagle)} if eagle is not None else {})
     prompts = load_prompts()
     inputs = [
         tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens :]
@@ -77,6 +111,7 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+        "eagle_head": None if eagle is None else {"training": eagle.training_info, "files": args.eagle_files},
         "prompt_count": len(inputs),
         "runs": [],
     }
@@ -93,19 +128,19 @@ def run(args) -> dict:
             return call
 
         methods = {"plain": seeded("plain", lambda ids: GenerationMixin.generate(target, ids, **sampling))}
-        for gamma in args.gammas:
-            for verification in VERIFICATIONS:
-                kwargs = dict(
-                    assistant_model=drafter,
-                    speculative_gamma=gamma,
-                    speculative_gamma_policy="constant",
-                    speculative_verification=verification,
-                    return_dict_in_generate=True,
-                    **sampling,
-                )
-                methods[f"{verification}_g{gamma}"] = seeded(
-                    f"{verification}_g{gamma}", lambda ids, kwargs=kwargs: target.generate(ids, **kwargs)
-                )
+        for prefix, drafting in drafters.items():
+            for gamma in args.gammas:
+                for verification in VERIFICATIONS:
+                    kwargs = dict(
+                        speculative_gamma=gamma,
+                        speculative_gamma_policy="constant",
+                        speculative_verification=verification,
+                        return_dict_in_generate=True,
+                        **drafting,
+                        **sampling,
+                    )
+                    name = f"{prefix}{verification}_g{gamma}"
+                    methods[name] = seeded(name, lambda ids, kwargs=kwargs: target.generate(ids, **kwargs))
         tokens = {name: [0] * args.repeats for name in methods}
         stats = {name: [] for name in methods}
 
@@ -132,12 +167,13 @@ def run(args) -> dict:
                 "tokens_per_second": rate[name],
                 "speedup": rate[name] / rate["plain"],
             }
-        for gamma in args.gammas:
-            token, block = rows[f"token_g{gamma}"], rows[f"block_g{gamma}"]
-            rows[f"block_over_token_g{gamma}"] = {
-                "tokens_per_target_call": block["tokens_per_target_call"] / token["tokens_per_target_call"],
-                "speed": block["tokens_per_second"] / token["tokens_per_second"],
-            }
+        for prefix in drafters:
+            for gamma in args.gammas:
+                token, block = rows[f"{prefix}token_g{gamma}"], rows[f"{prefix}block_g{gamma}"]
+                rows[f"{prefix}block_over_token_g{gamma}"] = {
+                    "tokens_per_target_call": block["tokens_per_target_call"] / token["tokens_per_target_call"],
+                    "speed": block["tokens_per_second"] / token["tokens_per_second"],
+                }
         results["runs"].append({"temperature": temperature, "methods": rows})
         print(f"T = {temperature}")
         for name, row in rows.items():

@@ -89,11 +89,24 @@ def gather_sequences(
             deadline=deadline,
             seed=seed,
         )
+    piece = text_piece_length(target)
     for text in texts or []:
         ids = tokenizer(text)["input_ids"] if isinstance(text, str) else torch.as_tensor(text).flatten().tolist()
-        if len(ids) >= 3:
-            sequences.append(([int(i) for i in ids], 1))
+        for start in range(0, len(ids), piece):  # a long text in consecutive pieces the target's positions cover
+            if len(ids) - start >= 3:
+                sequences.append(([int(i) for i in ids[start : start + piece]], 1))
     return sequences, written
+
+
+TEXT_PIECE = 1024  # the most tokens of a text trained on as one sequence
+
+
+def text_piece_length(target) -> int:
+    """The most tokens of a text that one training sequence holds: `TEXT_PIECE`, or fewer if the target's
+    `max_position_embeddings` is smaller (a longer text is split into consecutive pieces)."""
+    config = getattr(target.config, "get_text_config", lambda: target.config)()
+    limit = getattr(config, "max_position_embeddings", None)
+    return min(TEXT_PIECE, limit) if isinstance(limit, int) and limit > 0 else TEXT_PIECE
 
 
 def save_sequences(

@@ -139,8 +139,9 @@ def train_eagle_drafter(
             Instructions the target answers first (with the tokenizer's chat template when it has one); the head trains
             on the answers (self-distillation).
         texts (`list[str]` or `list[list[int]]`, *optional*):
-            Texts (or token id sequences) to train on as they are (every position). Give `prompts`, `texts`,
-            `num_synthetic_prompts`, or several.
+            Texts (or token id sequences) to train on as they are (every position); one longer than 1024 tokens
+            (or than the target's `max_position_embeddings`) is split into consecutive pieces. Give `prompts`,
+            `texts`, `num_synthetic_prompts`, or several.
         tokenizer ([`~transformers.PreTrainedTokenizerBase`], *optional*):
             The target's tokenizer (needed for `prompts` and for texts given as strings).
         max_minutes (`float`, *optional*):

@@ -526,6 +526,21 @@ def test_each_batch_reads_the_features_at_the_heads_layers_from_a_copy_in_featur
         train_eagle_drafter(target, texts=texts, num_steps=1, feature_dtype="half_float")
 
 
+def test_a_text_longer_than_the_targets_positions_is_trained_on_in_pieces(tmp_path):
+    """A text longer than the target's `max_position_embeddings` (here 48) would index past its positions (and a
+    long one exhaust memory): it is split into consecutive pieces, each trained on as a sequence of its own."""
+    from hf_specdec.eagle_data import DATA_NAME, load_sequences
+
+    target = eagle_target("llama")
+    target.config.max_position_embeddings = 48
+    text = torch.randint(0, VOCAB, (110,), generator=torch.Generator().manual_seed(2)).tolist()
+    train_eagle_drafter(
+        target, texts=[text], num_steps=1, batch_size=2, ttt_steps=1, output_dir=tmp_path, show_progress=False
+    )
+    sequences, _, _ = load_sequences(tmp_path / DATA_NAME)
+    assert [ids for ids, _ in sequences] == [text[:48], text[48:96], text[96:]]
+
+
 def test_cli_trains_a_head_and_demos_it_on_a_local_model(tmp_path, local_tokenizer, capsys):
     from hf_specdec.cli import main
 

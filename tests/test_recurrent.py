@@ -294,3 +294,43 @@ def test_a_feature_drafter_gets_each_position_s_hidden_state_once():
     assert torch.equal(out.sequences, reference)
     assert out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens  # rounds rolled back
     assert len(given) > 3 and all(held == known for held, known in given), given
+
+
+def drafter_of_kind(kind, target, reference, ids):
+    """A drafter by kind; the copy drafters learn from the target's own output (its first half: partly right)."""
+    seen = reference[0, : ids.shape[1] + NEW_TOKENS // 2].tolist()
+    if kind == "prompt_lookup":
+        return "prompt_lookup"
+    if kind == "ngram":
+        return hf_specdec.NGramDrafter.from_corpus([seen], n=3, vocab_size=VOCAB, top_k=1)
+    if kind == "suffix":
+        cache = hf_specdec.SuffixCache(max_requests=4, max_tokens=1000)
+        cache.add(seen)
+        return hf_specdec.SuffixDrafter(cache=cache)
+    return hf_specdec.EagleDrafter.from_target(target, seed=3)  # an untrained EAGLE-3 head: mostly wrong
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "ngram", "suffix", "eagle"])
+def test_every_kind_of_drafter_decodes_a_hybrid_exactly(target, kind):
+    """Prompt lookup, an n-gram table, suffix decoding and an EAGLE-3 head (fed the target's hidden states from the
+    verify forward, whose recurrent layers are rolled back after each round) on the hybrid families."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10] * 2 + [5, 6, 7]])  # prompt lookup finds "6 7" earlier: it drafts
+    reference = plain(target, ids)
+    out = speculative(target, ids, drafter=drafter_of_kind(kind, target, reference, ids))
+    assert torch.equal(out.sequences, reference)
+    stats = out.speculative_stats
+    assert stats.drafted_tokens > 0
+    if kind in ("ngram", "suffix"):  # they saw the first half of the output
+        assert stats.accepted_tokens > 0
+
+
+def test_an_eagle_head_for_an_attention_free_target_has_attention_of_its_own():
+    """Mamba2 has no attention heads to copy (its `head_dim` is its SSM's): the head's attention spans the hidden
+    size, in heads of 64 (one head below that), or as many as `num_attention_heads` asks."""
+    target = sweep_model("mamba2")
+    hidden = target.config.hidden_size
+    config = hf_specdec.EagleDrafter.from_target(target).model.config
+    heads = hidden // 64 if hidden % 64 == 0 else 1
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (heads, heads, hidden // heads)
+    config = hf_specdec.EagleDrafter.from_target(target, num_attention_heads=2).model.config
+    assert (config.num_attention_heads, config.head_dim) == (2, hidden // 2)

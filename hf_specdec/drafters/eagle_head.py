@@ -160,18 +160,23 @@ class Eagle3DraftModel(nn.Module):
 def eagle_config_for(
     target: PreTrainedModel, draft_vocab_size: int, layers: Sequence[int] | None = None, **overrides
 ) -> LlamaConfig:
-    """An EAGLE-3 config sized like `target`'s decoder layers (its hidden size, heads and MLP width)."""
+    """An EAGLE-3 config sized like `target`'s decoder layers (its hidden size, heads and MLP width). An
+    attention-free target (a state-space model such as Mamba2) has no heads to copy: the head's own attention then
+    has heads of 64 dimensions (one head if the hidden size is smaller), unless `num_attention_heads` is given."""
     text = text_config(target)
-    num_heads = text.num_attention_heads
     hidden = text.hidden_size
+    num_heads = overrides.get("num_attention_heads") or getattr(text, "num_attention_heads", None)
+    attention_free = not getattr(text, "num_attention_heads", None)  # its `head_dim`, if any, is an SSM's
+    if not num_heads:
+        num_heads = max(1, hidden // 64) if hidden % 64 == 0 else 1
     layers = list(layers) if layers is not None else default_eagle_layers(text.num_hidden_layers)
     values = dict(
         architectures=[ARCHITECTURE],
         hidden_size=hidden,
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * hidden,
         num_attention_heads=num_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(text, "head_dim", None) or hidden // num_heads,
+        num_key_value_heads=(None if attention_free else getattr(text, "num_key_value_heads", None)) or num_heads,
+        head_dim=(None if attention_free else getattr(text, "head_dim", None)) or hidden // num_heads,
         num_hidden_layers=1,
         hidden_act="silu",
         rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,

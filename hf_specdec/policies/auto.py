@@ -24,27 +24,29 @@ class AutoGammaPolicy(GammaPolicy):
     is chosen rather than always the user's because verify cost grows with γ: on a memory-bound pair whose best γ is 2
     and where γ = 5 loses 10%, drafting the user's γ = 5 whenever it does not lose runs at 0.86 of the best constant γ.
 
-    Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over
-    drafting plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less
-    (about the last ten rounds; what was measured before a stop counts at half weight after a resume), and it is
-    judged from the third drafting round on (after a resume too: one round cannot outweigh the stretch before), half a standard error of its mean tokens per round more optimistic than
-    measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on average yet has runs of unlucky rounds, and a
-    decision on the last three rounds alone would stop such a drafter (e.g. an EAGLE tree that pays 1.4x) for most of
-    its call. A drafting round's seconds count for at most 1.5x the median of the last five rounds, and so do a plain
-    step's in the plain steps' decayed mean: stalls (another process on a loaded machine; on a GPU, attention set up
-    for each new shape) must not stop a drafter that pays, and they weigh alike on both sides. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one token per verify
-    forward stops without a plain step to compare; when the two are close, one plain step is measured. Once plain
-    steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2 tokens may
-    cost less than over 1, and a verify forward is then no bound on a plain step.
+    Drafting loses when its tokens per second fall below 95% of a plain step's. Its rate is emitted tokens over drafting
+    plus verifying time, summed over the drafting rounds with each older round weighing `decay` times less (about the
+    last ten rounds; what was measured before a stop counts at half weight after a resume), and it is judged from the
+    third drafting round on (after a resume too: one round cannot outweigh the stretch before), half a standard error of
+    its mean tokens per round more optimistic than measured: a drafter whose rounds emit 1, 2 or 4 tokens pays on
+    average yet has runs of unlucky rounds, and a decision on the last three rounds alone would stop such a drafter
+    (e.g. an EAGLE tree that pays 1.4x) for most of its call. A drafting round's seconds count for at most 1.5x the
+    median of the last five rounds, and so do a plain step's in the plain steps' decayed mean: stalls (another process
+    on a loaded machine; on a GPU, attention set up for each new shape) must not stop a drafter that pays, and they
+    weigh alike on both sides. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one
+    token per verify forward stops without a plain step to compare; when the two are close, one plain step is measured.
+    Once plain steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2
+    tokens may cost less than over 1, and a verify forward is then no bound on a plain step.
 
     A probe, where the loop takes shadow drafts (one sequence), is a run of plain steps, each with the drafter's
-    one-token guess beside it, compared with the target's token (for sampling, accepted with Algorithm 1's
-    probability, drawn from the policy's own generator). A guess that would have been accepted resumes drafting. The
-    run ends without one once its guesses have cost `shadow_budget` (half) of a plain step: a drafter whose guess
-    costs a third of a step (an early exit on a compute-bound CPU) gets one guess, a cheap feature head several, a
-    nearly free one (prompt lookup) many. A guess counts for at most 1.5x the usual one (the median of recent guesses,
-    else of a drafted token's seconds): one stalled guess does not end the probe. A guess of nothing (prompt lookup without a match) decides nothing. Loops
-    without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted draft.
+    one-token guess beside it, compared with the target's token (for sampling, accepted with Algorithm 1's probability,
+    drawn from the policy's own generator). A guess that would have been accepted resumes drafting. The run ends without
+    one once its guesses have cost `shadow_budget` (half) of a plain step: a drafter whose guess costs a third of a step
+    (an early exit on a compute-bound CPU) gets one guess, a cheap feature head several, a nearly free one (prompt
+    lookup) many. A guess counts for at most 1.5x the usual one (the median of recent guesses, else of a drafted token's
+    seconds): one stalled guess does not end the probe. A guess of nothing (prompt lookup without a match) decides
+    nothing. Loops without shadow drafts (padded batches) probe with a γ = 1 round instead, and resume on any accepted
+    draft.
 
     A drafter whose drafts cost next to nothing and stop where its match ends (`Drafter.free_drafts`: prompt lookup,
     suffix decoding) drafts the user's γ from the first round on and is not held below it by the chooser: a smaller γ
