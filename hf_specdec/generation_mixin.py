@@ -195,7 +195,7 @@ class SpeculativeGenerationMixin:
         wanted = [name for name in kwargs if name in _DRAFTING_ARGUMENTS or name.startswith("speculative_")]
         wanted += [
             name
-            for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+            for name in _TRANSFORMERS_DRAFTING
             if getattr(generation_config, name, None) not in (None, False) and name not in kwargs
         ]
         if wanted:
@@ -210,10 +210,11 @@ class SpeculativeGenerationMixin:
         return super().generate_batch(inputs, generation_config, *args, **kwargs)
 
 
+# transformers' own drafting settings, which a generation config may carry too
+_TRANSFORMERS_DRAFTING = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 # what asks for drafting besides the `speculative_*` settings (ours and transformers' own)
 _DRAFTING_ARGUMENTS = frozenset(
-    {"assistant_model", "drafter", "drafter_kwargs", "assistant_tokenizer", "speculation_type"}
-    | {"prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"}
+    {"assistant_model", "drafter", "drafter_kwargs", "assistant_tokenizer", "speculation_type", *_TRANSFORMERS_DRAFTING}
 )
 
 # enabled classes whose own `generate` was seen to take `custom_generate` and not use it
