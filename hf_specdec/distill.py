@@ -24,10 +24,21 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .drafters.mtp_checkpoint import save_mtp_layers
 from .eagle_training import eagle_agreement, train_eagle_drafter
 from .file_writes import save_into, write_text
+from .mtp_training import mtp_agreement, train_mtp_layers
 
-__all__ = ["OBJECTIVES", "distill_drafter", "drafter_agreement", "eagle_agreement", "train_eagle_drafter"]
+__all__ = [
+    "OBJECTIVES",
+    "distill_drafter",
+    "drafter_agreement",
+    "eagle_agreement",
+    "mtp_agreement",
+    "save_mtp_layers",
+    "train_eagle_drafter",
+    "train_mtp_layers",
+]
 
 OBJECTIVES = ("kl", "tv")
 """The losses `distill_drafter` takes as `objective`: forward KL(p || q), and total variation (1 - expected

@@ -39,3 +39,19 @@ def test_quick_run_covers_every_method_exactly(bench_native, tmp_path):
     assert payload["results"]["plain"]["tokens_per_target_call"] == 1.0
     assert payload["results"]["transformers"]["tokens_per_target_call"] > 1.0
     assert payload["machine"]["threads"] == 1
+
+
+def test_quick_mtp_run_trains_a_layer_and_decodes_exactly(bench_native, tmp_path):
+    output = tmp_path / "native_mtp.json"
+    bench_native.main(
+        ["--quick", "--family", "mtp", "--repeats", "1", "--prompts", "1", "--max-new-tokens", "8", "--threads", "1"]
+        + ["--mtp-steps", "2", "--mtp-texts", "4", "--output", str(output)]
+    )
+    payload = json.loads(output.read_text())
+    assert payload["family"] == "mtp" and payload["mtp_training"]["steps"] == 2
+    # transformers 5.24 serves MTP only for types that declare and register MTP layers: the row says why not
+    assert "num_mtp_layers" in payload["results"].pop("transformers")["refused"]
+    assert set(payload["results"]) == {"plain", "ours", "ours_constant_3", "ours_tree", "early_exit"}
+    for name, row in payload["results"].items():
+        assert row["identical_to_plain"] == "1/1", name
+    assert payload["results"]["ours_constant_3"]["tokens_per_target_call"] > 1.0

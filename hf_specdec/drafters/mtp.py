@@ -6,7 +6,8 @@ with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the s
 
 - **Weights.** `MtpModel.from_pretrained(target)`, transformers' own loader: the checkpoint's MTP keys (the target's
   `_keys_to_ignore_on_load_unexpected` patterns, renamed by its conversion mapping), the layers built from
-  `config.get_mtp_config()`. The token embeddings, the head and the rotary embedding *are* the target's modules
+  `config.get_mtp_config()`. For a class that registers no such patterns (Llama, Qwen3, ... with layers trained by
+  `hf_specdec.distill.train_mtp_layers`), `mtp_checkpoint.load_mtp_layers` reads the same layout itself. The token embeddings, the head and the rotary embedding *are* the target's modules
   (`MtpModel.tie_with_main_model`): nothing is copied.
 - **What is fed.** MTP layer k at slot i (a position of the target whose hidden state is known) reads the previous
   stage's hidden state at i and the embedding of token x_{i+1+k}, at position i+1+k, and its output predicts
@@ -30,6 +31,10 @@ with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the s
   the previous step's output and the token it drafted, one slot further on; those keys are cropped after the round. A
   shorter chain still runs every layer over the new slots, so that their caches stay complete.
 
+**Trees.** With one full-attention MTP layer, `speculative_tree_budget` grows EAGLE-2's dynamic tree: each expanded
+node is the step a chain through it would take (its token, the output that predicted it, position len - 1 + depth),
+attending to the context and its own ancestors through an additive mask over the layer's cache.
+
 Like EAGLE, the first round is the prompt's prefill and drafts nothing: the target's hidden states are not known
 before its first forward.
 """
@@ -40,7 +45,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..sampling import sample_tokens
+from ..trees import additive_bias
 from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
+from .mtp_checkpoint import load_mtp_layers
+from .tree_builder import DynamicTree
 
 __all__ = ["MtpDrafter"]
 
@@ -62,7 +70,8 @@ def _mtp_layer_count(target: PreTrainedModel) -> int:
     raise ValueError(
         f'`drafter="mtp"` (or `use_mtp=True`) drafts with the target\'s multi-token-prediction layers, but '
         f"{type(target).__name__} has none: {detail}. Use a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4 MoE, "
-        'Mellum, ...), or another drafter: `drafter="prompt_lookup"`, `assistant_model=<a small model>`.'
+        "Mellum, ...), train some (`hf_specdec.distill.train_mtp_layers(model, texts=...)`, then `drafter=MtpDrafter(layers)` "
+        'or `save_mtp_layers`), or use another drafter: `drafter="prompt_lookup"`, `assistant_model=<a small model>`.'
     )
 
 
@@ -85,7 +94,13 @@ def _load_mtp_model(target: PreTrainedModel):
     last_layer = target.get_decoder().layers[-1]
     device = next((p.device for p in last_layer.parameters() if p.device.type != "meta"), torch.device("cpu"))
     try:
-        return MtpModel.from_pretrained(target, device_map={"": device})
+        MtpModel.get_mtp_weights_regex(target)
+    except (TypeError, ValueError):  # the class registers no MTP key patterns: read the published layout here
+        load = load_mtp_layers
+    else:
+        load = lambda target: MtpModel.from_pretrained(target, device_map={"": device})
+    try:
+        return load(target)
     except (OSError, ValueError, RuntimeError) as error:
         raise ValueError(
             f"Could not load the MTP layers of {type(target).__name__} from its checkpoint "
@@ -98,14 +113,19 @@ class MtpDrafter(Drafter):
     Drafts with the target's own multi-token-prediction layers, loaded and run as transformers' `use_mtp=True`
     does (see the module docstring): `generate(drafter="mtp")` after `hf_specdec.enable(model)`.
 
-    Greedy and sampled decoding are both exact. It drafts chains (one sequence at a time; batches are decoded row by
-    row, as for every drafter that reads the target's hidden states).
+    Greedy and sampled decoding are both exact. It drafts chains, and with `speculative_tree_budget` dynamic token
+    trees (EAGLE-2: each depth expands the `tree_top_k` best nodes by cumulative log q, each with its `tree_top_k` most
+    likely tokens) when the target has one full-attention MTP layer (DeepSeek-V3's, GLM-4 MoE's; with more layers, or
+    a sliding-window one, it drafts chains). One sequence at a time: batches are decoded row by row, as for every
+    drafter that reads the target's hidden states.
 
     Args:
         mtp_model (`transformers.modeling_layers.MtpModel`, *optional*):
             The MTP layers, sharing the target's embeddings and head (`MtpModel.from_pretrained(target)` or
             `MtpModel(target, num_mtp_layers)`). Without it, each `generate` call loads them from the target's
             checkpoint, as transformers does; to load them once for many calls, use `MtpDrafter.from_target(model)`.
+        tree_top_k (`int`, *optional*, defaults to 4):
+            With `speculative_tree_budget`: the nodes expanded per depth and the children kept per expanded node.
 
     Example:
 
@@ -136,7 +156,13 @@ class MtpDrafter(Drafter):
     """SGLang's recipe for DeepSeek-V3's one MTP layer (`--speculative-num-steps 3`): reused past its trained depth,
     an MTP layer's acceptance falls off quickly. The γ policy adapts it."""
 
-    def __init__(self, mtp_model=None):
+    def __init__(self, mtp_model=None, *, tree_top_k: int = 4):
+        if isinstance(tree_top_k, bool) or not isinstance(tree_top_k, int) or tree_top_k < 1:
+            raise ValueError(
+                f"`tree_top_k` must be a positive int (children per expanded tree node), got {tree_top_k!r}. "
+                "Use `tree_top_k=4` (the default), or any int >= 1."
+            )
+        self.tree_top_k = tree_top_k
         if mtp_model is not None:
             from transformers.modeling_layers import MtpModel
 
@@ -148,9 +174,9 @@ class MtpDrafter(Drafter):
         self.mtp_model = mtp_model
 
     @classmethod
-    def from_target(cls, target: PreTrainedModel) -> MtpDrafter:
+    def from_target(cls, target: PreTrainedModel, *, tree_top_k: int = 4) -> MtpDrafter:
         """A drafter holding `target`'s MTP layers, loaded once from its checkpoint (reuse it across calls)."""
-        return cls(_load_mtp_model(target))
+        return cls(_load_mtp_model(target), tree_top_k=tree_top_k)
 
     def reset(self, context: DraftContext) -> None:
         from transformers.cache_utils import MtpCache
@@ -161,8 +187,10 @@ class MtpDrafter(Drafter):
                 f"MtpDrafter drafts for decoder-only targets; {type(target).__name__} is an encoder-decoder model. "
                 'Use `assistant_model=` or `drafter="prompt_lookup"` with it.'
             )
-        num_layers = _mtp_layer_count(target)
+        declared = getattr(target.config.get_text_config(decoder=True), "num_mtp_layers", None)
         model = self.mtp_model if self.mtp_model is not None else _load_mtp_model(target)
+        # layers given for a config that declares none (`train_mtp_layers`) are as many as they are
+        num_layers = _mtp_layer_count(target) if isinstance(declared, int) and declared > 0 else len(model.layers)
         head = target.get_output_embeddings()
         if model.shared_head is not head:
             raise ValueError(
@@ -186,7 +214,7 @@ class MtpDrafter(Drafter):
         self.model = model
         self.num_layers = num_layers
         self.target_hidden_layers = [target.config.get_text_config(decoder=True).num_hidden_layers]
-        self.cache = MtpCache(config=target.config.get_mtp_config())
+        self.cache = MtpCache(config=model.config)  # `get_mtp_config()` of the config the layers were built from
         self.cache.activate_past_recording()  # a sliding-window layer keeps what a crop may need back
         if not all(getattr(layer, "is_croppable", False) for layer in self.cache.layers):
             raise ValueError(
@@ -200,18 +228,27 @@ class MtpDrafter(Drafter):
         self.vocab_size = context.vocab_size
         self.logits_processor = context.logits_processor
         self.do_sample = context.do_sample
+        layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+        # trees with one full-attention MTP layer: each node's step attends to the context and its own ancestors
+        single = num_layers == 1 and layer_types[0] == "full_attention"
+        self.tree_budget = context.tree_budget if single and context.input_ids.shape[0] == 1 else None
         self.exact = 0  # leading slots whose keys are exact in every MTP layer's cache
         self.pending: torch.Tensor | None = None  # [1, n, hidden]: the target's last hidden state at slots exact, ...
         self.proposed_at: int | None = None  # the sequence length at which the layers last ran
 
-    def _drafted(self, hidden: torch.Tensor, prefix: torch.LongTensor):
-        """Draft from an MTP output `[1, hidden]` after `prefix` (`[1, len]`): the token `[1, 1]`, its q `[1, vocab]`
-        (sampling) or None, and whether the processors left any token (a 0-dim bool)."""
+    def _scores(self, hidden: torch.Tensor, prefixes: torch.LongTensor) -> torch.FloatTensor:
+        """The standardized scores `[n, vocab]` of the drafts after MTP outputs `hidden` (`[n, hidden]`), each with
+        its own prefix (`[n, len]`): the shared head as `MtpModel` applies it, then the target's processors."""
         logits = self.model._project_to_logits(hidden).to(device=self.target_device, dtype=torch.float32)
         width = logits.shape[-1]
         if width < self.vocab_size:  # a head narrower than the target's logits (never seen): the rest get -inf
             logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        scores = self.logits_processor(prefix, logits[..., : self.vocab_size])  # [1, vocab]: standardized
+        return self.logits_processor(prefixes, logits[..., : self.vocab_size])
+
+    def _drafted(self, hidden: torch.Tensor, prefix: torch.LongTensor):
+        """Draft from an MTP output `[1, hidden]` after `prefix` (`[1, len]`): the token `[1, 1]`, its q `[1, vocab]`
+        (sampling) or None, and whether the processors left any token (a 0-dim bool)."""
+        scores = self._scores(hidden, prefix)  # [1, vocab]: standardized
         usable = torch.isfinite(scores).any()
         if not self.do_sample:
             return scores.argmax(dim=-1, keepdim=True), None, usable
@@ -257,6 +294,9 @@ class MtpDrafter(Drafter):
             # layer `index` reads token x_{i+1+index} at slot i: the last `index` of them are this round's drafts
             tokens = ids[:, self.exact + 1 + index : length + index]
             hidden = self._run_layer(index, hidden, tokens, self.exact + 1 + index)
+            if self.tree_budget is not None:
+                self.proposed_at = length
+                return self._propose_tree(input_ids, num_tokens, hidden[:, -1])
             if len(usable) < max(num_tokens, self.num_layers - 1):  # the next layer reads this draft
                 ids = self._draft_into(hidden, ids, probs, usable)
         while len(usable) < num_tokens:  # past the last layer: the layers again, one slot further each step
@@ -265,6 +305,45 @@ class MtpDrafter(Drafter):
             ids = self._draft_into(hidden, ids, probs, usable)
         self.proposed_at = length
         return chain_proposal(ids, length, usable[:num_tokens], probs[:num_tokens] if self.do_sample else [])
+
+    def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, hidden: torch.Tensor) -> DraftProposal:
+        """EAGLE-2's dynamic tree ([`DynamicTree`]) over the one MTP layer's outputs; `hidden` (`[1, hidden]`) is its
+        output at the last slot. Each expanded node at depth d is the step a chain through it takes: the layer reads
+        the node's token at position len - 1 + d and the output that predicted it, and attends to the context's
+        slots and to its own ancestors' (an additive 4D mask over the layer's cache); the nodes' keys are cropped
+        next round, as a chain's reused steps are."""
+        length, device, model = input_ids.shape[1], self.device, self.model
+        tree = DynamicTree(
+            self._scores(hidden, input_ids).log_softmax(dim=-1), self.tree_budget, self.tree_top_k, device
+        )
+        if not len(tree):
+            return tree.proposal()
+        node_hidden = hidden.expand(len(tree), -1)  # [n, hidden]: the output that predicted each node
+        context = self.cache.layers[0].get_seq_length()
+        rope = {"layer_type": model.config.layer_types[0]} if getattr(model, "has_per_layer_rope", False) else {}
+        for depth in range(1, num_tokens):
+            expansion = tree.expand()
+            if expansion is None:
+                break
+            size = expansion.tokens.shape[0]
+            allowed = torch.cat([torch.ones(size, context, dtype=torch.bool, device=device), expansion.mask], dim=1)
+            positions = torch.full((1, size), length - 1 + depth, device=device)
+            embeds = model.embed_tokens(expansion.tokens[None].to(self.embed_device)).to(device)
+            rotary = model.rotary_emb(embeds, position_ids=positions, **rope) if model.rotary_emb is not None else None
+            out = model.layers[0](
+                embeds,
+                node_hidden[expansion.nodes.to(device)][None],
+                position_embeddings=rotary,
+                attention_mask=additive_bias(allowed[None, None], self.dtype),
+                position_ids=positions,
+                cache=self.cache,
+            )
+            if model.use_shared_post_norm:
+                out = model.shared_post_norm(out)
+            prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, len + depth]
+            tree.grow(self._scores(out[0], prefixes).log_softmax(dim=-1))
+            node_hidden = torch.cat([node_hidden, out[0].repeat_interleave(tree.top_k, dim=0)])
+        return tree.proposal()
 
     def on_verified(
         self,

@@ -1,0 +1,157 @@
+"""MtpDrafter's dynamic token trees (one full-attention MTP layer): greedy identity (always, partly and never right),
+every expanded node computed as the chain through it would be (checked against transformers' `MtpModel.forward_layer`
+run from a fresh cache along the node's path), sampling against the exactly enumerated target with a power check, and
+chains for the layouts trees do not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt
+from test_mtp import GREEDY, deepseek, make_bigram, sampled
+from test_sampling_distribution import exact_distribution, goodness_of_fit
+from transformers.cache_utils import MtpCache
+
+from hf_specdec.drafters import tree_builder
+from hf_specdec.drafters.mtp import MtpDrafter
+
+
+@pytest.mark.parametrize("budget", [4, 8, 16])
+@pytest.mark.parametrize("right", ["always", "partly", "never"])
+def test_trees_decode_exactly(budget, right):
+    target, mtp = deepseek(1, seed=budget)
+    if right == "always":
+        make_bigram(target, mtp)
+    elif right == "partly":
+        make_bigram(target, mtp, context=0.5, roughness=0.05)
+    else:
+        with torch.no_grad():
+            mtp.layers[0].post_norm.weight.zero_()  # every logit 0: the draft is always token 0
+            target.get_output_embeddings().weight[0] = -100.0  # which the target never emits
+    ids = prompt(6, seed=budget)
+    plain = target.generate(ids, max_new_tokens=25, do_sample=False)
+    out = target.generate(
+        ids,
+        drafter=MtpDrafter(mtp, tree_top_k=2),
+        speculative_tree_budget=budget,
+        speculative_gamma=4,
+        return_dict_in_generate=True,
+        **GREEDY,
+    )
+    assert torch.equal(out.sequences, plain)
+    stats = out.speculative_stats
+    if right == "always":  # after the prefill, every round keeps a path of two nodes or more
+        assert stats.accepted_length_histogram[0] <= 2 and stats.accepted_length_histogram[1] == 0  # prefill, last
+    elif right == "partly":
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    else:
+        assert stats.accepted_tokens == 0 and stats.drafted_tokens > 0
+
+
+@torch.no_grad()
+def chain_log_q(target, mtp, sequence: torch.LongTensor, path: list[int]) -> torch.Tensor:
+    """The log q after `sequence` + `path` that a chain through `path` computes, from scratch with transformers'
+    `MtpModel.forward_layer`: the context's slots (the target's last hidden state at 0..n-2, tokens 1..n-1), then
+    one step per path token (the previous output, the token, position n - 1 + depth)."""
+    length = sequence.shape[1]
+    hidden = target.model(sequence).last_hidden_state[:, : length - 1]
+    cache = MtpCache(config=target.config.get_mtp_config())
+    out = mtp.forward_layer(0, hidden, torch.arange(1, length)[None], cache, input_ids=sequence[:, 1:])[:, -1:]
+    for depth, token in enumerate(path, start=1):
+        out = mtp.forward_layer(0, out, torch.tensor([[length - 1 + depth]]), cache, input_ids=torch.tensor([[token]]))
+    return mtp._project_to_logits(out[0, -1]).float().log_softmax(-1)
+
+
+def test_each_node_is_the_step_a_chain_through_it_takes(monkeypatch):
+    """Random MTP weights (its drafts depend on its hidden state, attention and cache): every expanded node's
+    children's log q, in every round, equals a chain's through that node's path from a fresh cache. A node that saw
+    its siblings, a wrong position or the wrong predecessor output would differ."""
+    target, mtp = deepseek(1, seed=3)
+    make_bigram(target, mtp, context=0.5, roughness=0.6)
+    log = []
+    grow = tree_builder.DynamicTree.grow
+
+    def recording(tree, log_q):
+        log[-1][1].append((tree.newest_paths[tree.frontier - tree.newest_start].clone(), log_q.clone()))
+        grow(tree, log_q)
+
+    monkeypatch.setattr(tree_builder.DynamicTree, "grow", recording)
+
+    class Recorded(MtpDrafter):
+        def _propose_tree(self, input_ids, num_tokens, hidden):
+            log.append((input_ids.clone(), []))
+            return super()._propose_tree(input_ids, num_tokens, hidden)
+
+    ids = prompt(6, seed=4)
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    out = target.generate(
+        ids,
+        drafter=Recorded(mtp, tree_top_k=3),
+        speculative_tree_budget=10,
+        speculative_gamma=3,
+        max_new_tokens=16,
+        do_sample=False,
+        speculative_gamma_policy="constant",
+    )
+    assert torch.equal(out, plain)
+    checked = 0
+    for sequence, grows in log:
+        for paths, rows in grows:
+            assert paths.shape[0] > 1 or checked  # siblings expanded together
+            for path, row in zip(paths, rows):
+                torch.testing.assert_close(row, chain_log_q(target, mtp, sequence, path.tolist()), atol=2e-5, rtol=0)
+                checked += 1
+    assert len(log) >= 3 and checked >= 12
+
+
+def test_sampled_trees_follow_the_target(monkeypatch):
+    """Sampling with trees of deterministic nodes: the five tokens' joint distribution against the exactly
+    enumerated target; power: the same test rejects a tree verification that accepts the first child at every
+    depth."""
+    target, mtp = deepseek(1, seed=5)
+    make_bigram(target, mtp, context=0.5, roughness=0.02)
+    config = dict(temperature=0.9, top_k=2)
+    ids = prompt(6, seed=11)
+    table = exact_distribution(target, ids, config, length=5)
+    run = dict(
+        drafter=MtpDrafter(mtp, tree_top_k=2),
+        speculative_tree_budget=4,
+        speculative_gamma=2,
+        speculative_gamma_policy="constant",
+    )
+    assert goodness_of_fit(table, sampled(target, ids, config, 1000, **run)) > 1e-3
+
+    from hf_specdec import layouts, sampling
+
+    verify_tree_sampling = sampling.verify_tree_sampling
+
+    def first_children(tokens, parents, probs, target_probs, generator=None):
+        accepted, nodes, _ = verify_tree_sampling(tokens, parents, probs, target_probs, generator)
+        # the chain of first children (a node whose parent is the previous one, from the root)
+        chain, current = [], -1
+        for index in range(tokens.shape[1]):
+            if int(parents[0, index]) == current:
+                chain.append(index)
+                current = index
+        nodes = torch.full_like(nodes, -1)
+        nodes[0, : len(chain)] = torch.tensor(chain)
+        bonus = sampling.sample_tokens(target_probs[:, (chain[-1] + 1) if chain else 0])
+        return torch.full_like(accepted, len(chain)), nodes, bonus
+
+    monkeypatch.setattr(layouts, "verify_tree_sampling", first_children)
+    wrong = sampled(target, ids, config, 500, **run)
+    monkeypatch.undo()
+    inside = [outcome for outcome in wrong if outcome in table]  # a first child outside the target's top 2: refused
+    assert goodness_of_fit(table, inside) < 1e-3
+
+
+def test_several_layers_or_no_budget_draft_chains():
+    target, mtp = deepseek(2, seed=1)
+    make_bigram(target, mtp)
+    drafter = MtpDrafter(mtp)
+    ids = prompt(6, seed=1)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out = target.generate(ids, drafter=drafter, speculative_tree_budget=8, **dict(GREEDY, max_new_tokens=12))
+    assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match=r"`tree_top_k` must be a positive int .* got 0"):
+        MtpDrafter(mtp, tree_top_k=0)
