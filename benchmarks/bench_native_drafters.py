@@ -235,8 +235,8 @@ def sampling_exactness(args, folder: str) -> dict:
     else:
         target, vocab = build(True, torch.float32)
         target, refused = hf_specdec.enable(target), None
-        theirs = ours_request = dict(assistant_early_exit=EXIT_LAYER)
-        ours.update(ours_request)
+        theirs = dict(assistant_early_exit=EXIT_LAYER)
+        ours.update(theirs)
     runs = {
         "transformers": lambda ids: GenerationMixin.generate(target, ids, **theirs, **common),
         "ours": lambda ids: target.generate(ids, **ours, **common),

@@ -53,17 +53,21 @@ def append_to(path: str | os.PathLike):
     return os.fdopen(descriptor, "a", encoding="utf-8", newline="")
 
 
-def save_into(directory: str | os.PathLike, save: Callable[[Path], None]) -> None:
+def save_into(directory: str | os.PathLike, save: Callable[[Path], None]) -> list[str]:
     """Runs `save(folder)` (a `save_pretrained` of another library, which opens its files by name) on a new folder
-    inside `directory`, then renames each file it wrote over the file of that name in `directory`."""
+    inside `directory`, then renames each file it wrote over the file of that name in `directory`; returns their
+    names."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(dir=directory, prefix=".saving-"))
     try:
         save(folder)
+        names = []
         for written in sorted(folder.iterdir()):
             if written.is_dir() or written.is_symlink():
                 raise OSError(f"saving into {directory} wrote {written.name!r}, which is not a plain file")
             os.replace(written, directory / written.name)
+            names.append(written.name)
+        return names
     finally:
         shutil.rmtree(folder, ignore_errors=True)

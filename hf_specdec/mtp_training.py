@@ -18,6 +18,7 @@ experts' outputs zeroed; a block shaped otherwise starts from the model class's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -35,6 +36,17 @@ from .file_writes import write_text
 __all__ = ["mtp_agreement", "train_mtp_layers"]
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _in_eval_mode(model):
+    """`model` in eval mode for the block, then in the mode it was in."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def _embedding_rms(target) -> float:
@@ -95,16 +107,23 @@ def _first_layer_as_block(block: torch.nn.Module, first: dict) -> bool:
     return True
 
 
-def _batch(sequences: list[list[int]], hidden: dict, indices: list[int], device) -> tuple[torch.Tensor, ...]:
-    """Right-padded `[batch, length]` ids, their mask and the target's `[batch, length, hidden]` last hidden states
-    (padding after the tokens never reaches a real slot through causal attention)."""
+def _padded(sequences: list[list[int]], indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `[batch, length]` ids and their mask (padding after the tokens never reaches a real slot through
+    causal attention)."""
     length = max(len(sequences[i]) for i in indices)
     ids = torch.zeros((len(indices), length), dtype=torch.long, device=device)
-    mask = torch.zeros((len(indices), length), dtype=torch.long, device=device)
-    states = hidden[indices[0]].new_zeros((len(indices), length, hidden[indices[0]].shape[-1]))
+    mask = torch.zeros_like(ids)
     for row, i in enumerate(indices):
         ids[row, : len(sequences[i])] = torch.tensor(sequences[i], device=device)
         mask[row, : len(sequences[i])] = 1
+    return ids, mask
+
+
+def _batch(sequences: list[list[int]], hidden: dict, indices: list[int], device) -> tuple[torch.Tensor, ...]:
+    """`_padded` ids and mask, with the target's `[batch, length, hidden]` last hidden states."""
+    ids, mask = _padded(sequences, indices, device)
+    states = hidden[indices[0]].new_zeros((*ids.shape, hidden[indices[0]].shape[-1]))
+    for row, i in enumerate(indices):
         states[row, : len(sequences[i])] = hidden[i]
     return ids, mask, states
 
@@ -114,17 +133,11 @@ def _read_hidden_states(target, sequences: list[list[int]], batch_size: int) -> 
     """Each sequence's last hidden state from the target (`[length, hidden]`, after its final norm), read once: the
     MTP layers' stage-0 input, and through the head the distributions they learn."""
     device = target.get_input_embeddings().weight.device
-    decoder = target.get_decoder()
     hidden = {}
     for start in range(0, len(sequences), batch_size):
         indices = list(range(start, min(start + batch_size, len(sequences))))
-        length = max(len(sequences[i]) for i in indices)
-        ids = torch.zeros((len(indices), length), dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(indices):
-            ids[row, : len(sequences[i])] = torch.tensor(sequences[i], device=device)
-            mask[row, : len(sequences[i])] = 1
-        states = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        ids, mask = _padded(sequences, indices, device)
+        states = target.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         for row, i in enumerate(indices):
             hidden[i] = states[row, : len(sequences[i])].clone()
     return hidden
@@ -289,104 +302,106 @@ def train_mtp_layers(
         else (declared if isinstance(declared, int) and declared > 0 else 1)
     )
     model = build_mtp_layers(target, count)  # refuses encoder-decoder and nested-config models
-    target = target.eval()
-    torch.manual_seed(seed)
+    with _in_eval_mode(target):  # no dropout in the distributions learned; the mode is given back
+        torch.manual_seed(seed)
 
-    deadline = None if max_minutes is None else started + 60.0 * max_minutes
-    answer_deadline = None if max_minutes is None else started + 30.0 * max_minutes
-    pairs, _ = gather_sequences(
-        target,
-        tokenizer,
-        prompts,
-        texts,
-        num_synthetic_prompts=0,
-        answer_dtype=answer_dtype,
-        copies={},
-        max_answer_tokens=max_answer_tokens,
-        answer_temperature=answer_temperature,
-        generation_batch_size=generation_batch_size,
-        answer_start=started,
-        deadline=answer_deadline,
-        seed=seed,
-        show_progress=show_progress,
-    )
-    sequences = [ids for ids, _ in pairs if len(ids) >= 3]
-    if len(sequences) < 2:
-        raise ValueError(f"train_mtp_layers got {len(sequences)} usable sequence(s); give more prompts or texts.")
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(sequences), generator=generator).tolist()
-    num_eval = max(1, int(eval_fraction * len(sequences)))
-    eval_sequences = [sequences[i] for i in order[:num_eval]]
-    train_ids = order[num_eval:]
+        deadline = None if max_minutes is None else started + 60.0 * max_minutes
+        answer_deadline = None if max_minutes is None else started + 30.0 * max_minutes
+        pairs, _ = gather_sequences(
+            target,
+            tokenizer,
+            prompts,
+            texts,
+            num_synthetic_prompts=0,
+            answer_dtype=answer_dtype,
+            copies={},
+            max_answer_tokens=max_answer_tokens,
+            answer_temperature=answer_temperature,
+            generation_batch_size=generation_batch_size,
+            answer_start=started,
+            deadline=answer_deadline,
+            seed=seed,
+            show_progress=show_progress,
+        )
+        sequences = [ids for ids, _ in pairs if len(ids) >= 3]
+        if len(sequences) < 2:
+            raise ValueError(f"train_mtp_layers got {len(sequences)} usable sequence(s); give more prompts or texts.")
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(sequences), generator=generator).tolist()
+        num_eval = max(1, int(eval_fraction * len(sequences)))
+        eval_sequences = [sequences[i] for i in order[:num_eval]]
+        train_ids = order[num_eval:]
 
-    _initialize(model, target, init_from_target, seed)
-    before = mtp_agreement(model, target, eval_sequences)
-    dtype = next(model.layers.parameters()).dtype
-    model.layers.float().train()  # float master weights; bfloat16 / float16 targets train under autocast
-    autocast_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
-    parameters = [p for p in model.layers.parameters()]
-    if learning_rate is None:
-        learning_rate = 1e-4 if init_from_target else 1e-3
-    # the projection's output is as small as the embeddings it passes on (their RMS, about 0.02 for a usual init):
-    # its steps are scaled to that size, or the first steps drown the embedding in the hidden state's half
-    projections = [layer.eh_proj.weight for layer in model.layers]
-    step_scale = _embedding_rms(target) if init_from_target else 1.0
-    groups = [
-        {"params": [p for p in parameters if all(p is not q for q in projections)], "scale": 1.0},
-        {"params": projections, "scale": step_scale},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=learning_rate, weight_decay=0.0)
-    device = target.get_input_embeddings().weight.device
-    hidden = _read_hidden_states(target, [sequences[i] for i in train_ids], batch_size)
-    hidden = {train_ids[j]: states for j, states in hidden.items()}
-    log = []
-    step = 0
-    progress = tqdm(total=num_steps, desc="train_mtp_layers", disable=not show_progress)
-    try:
-        while True:
-            perm = torch.randperm(len(train_ids), generator=generator).tolist()
-            for start in range(0, len(perm), batch_size):
-                if (num_steps is not None and step >= num_steps) or (
-                    deadline is not None and time.perf_counter() >= deadline
-                ):
-                    raise StopIteration
-                indices = [train_ids[i] for i in perm[start : start + batch_size]]
-                ids, mask, states = _batch(sequences, hidden, indices, device)
-                spent = (time.perf_counter() - started) / (60.0 * max_minutes) if max_minutes else 0.0
-                progress_fraction = max(step / num_steps if num_steps else 0.0, spent)
-                warm = min(1.0, (step + 1) / max(1, warmup_steps))
-                for group in optimizer.param_groups:
-                    decay = 0.5 * (1 + math.cos(math.pi * min(1.0, progress_fraction)))
-                    group["lr"] = learning_rate * group["scale"] * warm * decay
-                losses, agreements = _layer_losses(model, target, ids, mask, states.float(), autocast_dtype)
-                loss = torch.stack(losses).mean()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-                optimizer.step()
-                step += 1
-                log.append({"step": step, "loss": loss.item(), "agreement": agreements})
-                progress.update(1)
-    except StopIteration:
-        pass
-    finally:
-        progress.close()
-        model.layers.to(dtype).eval()
-        for p in parameters:
-            p.grad = None
-    after = mtp_agreement(model, target, eval_sequences)
-    summary = {
-        "steps": step,
-        "sequences": len(sequences),
-        "eval_sequences": len(eval_sequences),
-        "agreement_before": before,
-        "agreement_after": after,
-        "seconds": time.perf_counter() - started,
-        "log": log,
-    }
-    logger.info("train_mtp_layers: %d steps, top-1 agreement %s -> %s", step, before, after)
-    if output_dir is not None:
-        save_mtp_layers(target, model, output_dir)
-        write_text(Path(output_dir) / "training_log.json", json.dumps(summary, indent=2) + "\n")
-    model.training_summary = {k: v for k, v in summary.items() if k != "log"}
-    return model
+        _initialize(model, target, init_from_target, seed)
+        before = mtp_agreement(model, target, eval_sequences)
+        dtype = next(model.layers.parameters()).dtype
+        model.layers.float().train()  # float master weights; bfloat16 / float16 targets train under autocast
+        autocast_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else None
+        parameters = [p for p in model.layers.parameters()]
+        if learning_rate is None:
+            learning_rate = 1e-4 if init_from_target else 1e-3
+        # the projection's output is as small as the embeddings it passes on (their RMS, about 0.02 for a usual init):
+        # its steps are scaled to that size, or the first steps drown the embedding in the hidden state's half
+        projections = [layer.eh_proj.weight for layer in model.layers]
+        step_scale = _embedding_rms(target) if init_from_target else 1.0
+        groups = [
+            {"params": [p for p in parameters if all(p is not q for q in projections)], "scale": 1.0},
+            {"params": projections, "scale": step_scale},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=learning_rate, weight_decay=0.0)
+        device = target.get_input_embeddings().weight.device
+        hidden = _read_hidden_states(target, [sequences[i] for i in train_ids], batch_size)
+        hidden = {train_ids[j]: states for j, states in hidden.items()}
+        log = []
+        step = 0
+
+        def done() -> bool:
+            return (num_steps is not None and step >= num_steps) or (
+                deadline is not None and time.perf_counter() >= deadline
+            )
+
+        progress = tqdm(total=num_steps, desc="train_mtp_layers", disable=not show_progress)
+        try:
+            while not done():
+                perm = torch.randperm(len(train_ids), generator=generator).tolist()
+                for start in range(0, len(perm), batch_size):
+                    if done():
+                        break
+                    indices = [train_ids[i] for i in perm[start : start + batch_size]]
+                    ids, mask, states = _batch(sequences, hidden, indices, device)
+                    spent = (time.perf_counter() - started) / (60.0 * max_minutes) if max_minutes else 0.0
+                    progress_fraction = max(step / num_steps if num_steps else 0.0, spent)
+                    warm = min(1.0, (step + 1) / max(1, warmup_steps))
+                    for group in optimizer.param_groups:
+                        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, progress_fraction)))
+                        group["lr"] = learning_rate * group["scale"] * warm * decay
+                    losses, agreements = _layer_losses(model, target, ids, mask, states.float(), autocast_dtype)
+                    loss = torch.stack(losses).mean()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+                    optimizer.step()
+                    step += 1
+                    log.append({"step": step, "loss": loss.item(), "agreement": agreements})
+                    progress.update(1)
+        finally:
+            progress.close()
+            model.layers.to(dtype).eval()
+            for p in parameters:
+                p.grad = None
+        after = mtp_agreement(model, target, eval_sequences)
+        summary = {
+            "steps": step,
+            "sequences": len(sequences),
+            "eval_sequences": len(eval_sequences),
+            "agreement_before": before,
+            "agreement_after": after,
+            "seconds": time.perf_counter() - started,
+            "log": log,
+        }
+        logger.info("train_mtp_layers: %d steps, top-1 agreement %s -> %s", step, before, after)
+        if output_dir is not None:
+            save_mtp_layers(target, model, output_dir)
+            write_text(Path(output_dir) / "training_log.json", json.dumps(summary, indent=2) + "\n")
+        model.training_summary = {k: v for k, v in summary.items() if k != "log"}
+        return model

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from test_mtp import deepseek_config
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationMixin
 from transformers.modeling_layers import MtpModel
 
 import hf_specdec
@@ -31,15 +31,8 @@ def llama():
     target = hf_specdec.enable(target)
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, VOCAB, (96, 8), generator=generator)
-    texts = GenerationMixinGenerate(target, prompts)
-    return target, texts
-
-
-def GenerationMixinGenerate(target, prompts):
-    from transformers import GenerationMixin
-
-    out = GenerationMixin.generate(target, prompts, max_new_tokens=40, min_new_tokens=40, do_sample=False)
-    return out.tolist()
+    texts = GenerationMixin.generate(target, prompts, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    return target, texts.tolist()
 
 
 def state(model) -> dict:
@@ -49,7 +42,12 @@ def state(model) -> dict:
 def test_trained_layers_draft_exactly_and_leave_the_target_alone(llama):
     target, texts = llama
     before = state(target)
-    layers = train_mtp_layers(target, texts=texts, num_mtp_layers=2, num_steps=20, show_progress=False)
+    target.train()  # a model in training mode is read in eval mode (no dropout in what is learned), and given back
+    try:
+        layers = train_mtp_layers(target, texts=texts, num_mtp_layers=2, num_steps=20, show_progress=False)
+        assert target.training
+    finally:
+        target.eval()
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
     assert all(p.grad is None for p in target.parameters())
     assert "num_mtp_layers" not in target.config.to_dict()  # built from a copy of the config
@@ -114,6 +112,12 @@ def test_saved_layers_load_back_through_drafter_mtp_and_use_mtp(llama, tmp_path)
         out = loaded.generate(ids, max_new_tokens=24, speculative_gamma=3, **request, **GREEDY)
         assert torch.equal(out.sequences, plain)
         assert out.speculative_stats.position_accepted == in_memory.speculative_stats.position_accepted
+    # saved again into the same folder (after more training): the new weights are the ones read back
+    again = train_mtp_layers(target, texts=texts, num_mtp_layers=2, num_steps=10, show_progress=False, seed=4)
+    save_mtp_layers(target, again, tmp_path)
+    reloaded = MtpDrafter.from_target(AutoModelForCausalLM.from_pretrained(tmp_path).eval()).mtp_model
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), again.state_dict().values()))
+    assert not torch.equal(again.layers[0].eh_proj.weight, layers.layers[0].eh_proj.weight)
     # a weight missing from the MTP file is named
     from safetensors.torch import load_file, save_file
 
@@ -184,8 +188,6 @@ def test_a_mixture_of_experts_block_starts_as_the_first_dense_layer():
             layer.mlp.down_proj.weight.mul_(0.05)
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, config.vocab_size, (8, 6), generator=generator)
-    from transformers import GenerationMixin
-
     texts = GenerationMixin.generate(target, prompts, max_new_tokens=24, do_sample=False).tolist()
     from hf_specdec.mtp_training import _initialize
 

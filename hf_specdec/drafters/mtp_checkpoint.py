@@ -123,12 +123,12 @@ def save_mtp_layers(target: PreTrainedModel, mtp_model, save_directory: str | Pa
     if mtp_model.shared_head is not target.get_output_embeddings():
         raise ValueError(
             "`mtp_model` was not built for this target: its head is not the target's own. Build it with "
-            "`hf_specdec.train_mtp_layers(target, ...)` or `MtpModel(target, num_mtp_layers)`."
+            "`hf_specdec.distill.train_mtp_layers(target, ...)` or `MtpModel(target, num_mtp_layers)`."
         )
     if getattr(mtp_model, "shared_post_norm", None) is not None:
         raise ValueError("MTP layers with a shared post norm (Inkling's layout) are not written here.")
     directory = Path(save_directory)
-    save_into(directory, target.save_pretrained)
+    written = save_into(directory, target.save_pretrained)
     layers = _decoder_layer_count(target)
     tensors = {
         _to_checkpoint_key(name, layers): tensor.detach().to("cpu").contiguous()
@@ -136,11 +136,16 @@ def save_mtp_layers(target: PreTrainedModel, mtp_model, save_directory: str | Pa
         if name.startswith("layers.")
     }
     index_file = directory / _INDEX
-    if index_file.is_file():  # sharded already: one more shard
+    single = directory / "model.safetensors"
+    if _INDEX in written:  # sharded: one more shard
+        if single.exists():
+            raise ValueError(
+                f"{directory} holds a `model.safetensors` from an earlier save, which transformers would load instead "
+                f"of the shards just written. Save into an empty folder, or remove that file first."
+            )
         index = json.loads(index_file.read_text(encoding="utf-8"))
         mtp_file = "model-mtp.safetensors"
     else:  # one file: made the first of two shards (transformers reads `model.safetensors` alone when it exists)
-        single = directory / "model.safetensors"
         with safe_open(str(single), framework="pt") as weights:
             names = list(weights.keys())
         first, mtp_file = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
