@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import interleaved, write_results  # run from the repository root or benchmarks/
+from harness import divergence, interleaved, write_results  # run from the repository root or benchmarks/
 from pairs import load_target
 from real_model_prompts import EVAL_PROMPTS
 from transformers import GenerationMixin
@@ -215,6 +215,16 @@ def run(args) -> dict:
     return results
 
 
+def first_divergence(target, ids: torch.LongTensor, plain: torch.Tensor, other: torch.Tensor) -> dict | None:
+    """Where `other` first leaves `plain` (both `[1, prompt + new]` after the prompt `ids`) and the target's top-2
+    logit gap there (`harness.divergence`): in bfloat16 a near tie, broken the other way by a forward over a
+    different number of tokens. Compared over the new tokens both have; None where those agree."""
+    start = ids.shape[1]
+    common = min(plain.shape[1], other.shape[1])
+    with torch.no_grad():
+        return divergence(target, ids[0], plain[0, start:common], other[0, start:common])
+
+
 def measure(target, inputs, names, args, vocab, decoding, verification, greedy) -> dict:
     common = dict(max_new_tokens=args.max_new_tokens, **decoding)
     ours = dict(return_dict_in_generate=True, speculative_verification=verification, **common)
@@ -290,6 +300,11 @@ def measure(target, inputs, names, args, vocab, decoding, verification, greedy) 
             row["identical_to_plain"] = sum(
                 bool(torch.equal(sequences[name][i], sequences["plain"][i])) for i in range(len(inputs))
             )
+            gaps = [
+                first_divergence(target, inputs[i], sequences["plain"][i], sequences[name][i])
+                for i in range(len(inputs))
+            ]
+            row["divergences"] = [{"request": i, **gap} for i, gap in enumerate(gaps) if gap is not None]
         rows[name] = row
     cache = state.suffix["suffix"].cache
     return {
