@@ -199,3 +199,27 @@ def test_a_mixture_of_experts_block_starts_as_the_first_dense_layer():
     from_target = mtp_agreement(layers, target, texts)[0]
     _initialize(layers, target, False, seed=0)
     assert from_target > 0.5 > mtp_agreement(layers, target, texts)[0] + 0.3
+
+
+def test_cli_trains_mtp_layers_and_the_saved_model_drafts_with_them(tmp_path, local_tokenizer, capsys):
+    from conftest import saved_target
+
+    from hf_specdec.cli import main
+
+    saved_target(tmp_path, local_tokenizer)
+    (tmp_path / "prompts.txt").write_text("the cat sat\na quick brown fox\n\ndef add(a, b):\n")
+    (tmp_path / "text.txt").write_text("the dog sat on the log and the cat watches the fox " * 8)
+    argv = ["train-mtp", "--target", str(tmp_path / "target"), "--output", str(tmp_path / "out"), "--threads", "1"]
+    data = ["--prompts", str(tmp_path / "prompts.txt"), "--texts", str(tmp_path / "text.txt")]
+    assert main([*argv, *data, "--steps", "3", "--max-answer-tokens", "12"]) == 0
+    assert "1 MTP layer(s) written with the model to" in capsys.readouterr().out
+    model = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval())
+    ids = torch.tensor([local_tokenizer("the cat sat on")["input_ids"]])
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, drafter="mtp", max_new_tokens=12, speculative_gamma=2, **GREEDY)
+    assert torch.equal(out.sequences, plain) and out.speculative_stats.drafted_tokens > 0
+    assert (tmp_path / "out" / "tokenizer_config.json").exists()
+    assert main([*argv, "--steps", "1"]) == 2
+    assert "train-mtp needs data" in capsys.readouterr().err
+    assert main([*argv, *data]) == 2
+    assert "train-mtp needs a budget" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The commands that build drafters: `build-ngram` (count an n-gram table), `distill` (a small drafter from the
-target) and `train-drafter` (an EAGLE-3 head)."""
+target), `train-drafter` (an EAGLE-3 head) and `train-mtp` (MTP layers saved with the target)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..file_writes import save_into
 from . import loading
-from .arguments import add_training, non_negative_int, positive_float, positive_int
+from .arguments import add_threads, add_training, non_negative_int, positive_float, positive_int
 from .common import CLIError, check_output_dir, one_line, read_text_file, read_texts, set_threads
 
 
@@ -98,13 +98,7 @@ def train_drafter(args: argparse.Namespace) -> int:
         )
     if args.minutes is None and args.steps is None:
         raise CLIError("train-drafter needs a budget: --minutes M and/or --steps N")
-    prompts = None
-    if args.prompts is not None:
-        content = read_text_file(Path(args.prompts))
-        if content is None:
-            raise CLIError(f"--prompts {args.prompts!r} is not a readable UTF-8 text file")
-        # lines end at "\n" only: U+2028 and the like (which `str.splitlines` takes for line ends) stay in their prompt
-        prompts = [line.strip() for line in content.split("\n") if line.strip()]
+    prompts = read_prompts(args.prompts)
     texts = read_texts(args.texts) if args.texts else None
     target, tokenizer = loading.load_target(args.target, gguf_file=args.gguf_file)
     print(threads, file=sys.stderr)
@@ -137,8 +131,61 @@ def train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_prompts(name: str | None) -> list[str] | None:
+    """The instructions of `--prompts FILE`, one per line (blank lines skipped)."""
+    if name is None:
+        return None
+    content = read_text_file(Path(name))
+    if content is None:
+        raise CLIError(f"--prompts {name!r} is not a readable UTF-8 text file")
+    # lines end at "\n" only: U+2028 and the like (which `str.splitlines` takes for line ends) stay in their prompt
+    return [line.strip() for line in content.split("\n") if line.strip()]
+
+
+def train_mtp(args: argparse.Namespace) -> int:
+    from hf_specdec.distill import train_mtp_layers
+
+    threads = set_threads(args.threads)
+    check_output_dir("--output", args.output)
+    if args.prompts is None and not args.texts:
+        raise CLIError(
+            "train-mtp needs data: --prompts FILE (one instruction per line, the target answers them) and/or "
+            "--texts FILE [FILE ...]"
+        )
+    if args.minutes is None and args.steps is None:
+        raise CLIError("train-mtp needs a budget: --minutes M and/or --steps N")
+    prompts = read_prompts(args.prompts)
+    texts = read_texts(args.texts) if args.texts else None
+    target, tokenizer = loading.load_target(args.target, gguf_file=args.gguf_file)
+    print(threads, file=sys.stderr)
+    layers = train_mtp_layers(
+        target,
+        prompts,
+        texts,
+        tokenizer=tokenizer,
+        num_mtp_layers=args.num_mtp_layers,
+        max_minutes=args.minutes,
+        num_steps=args.steps,
+        output_dir=args.output,
+        max_answer_tokens=args.max_answer_tokens,
+        answer_dtype=args.answer_dtype,
+        generation_batch_size=args.generation_batch_size,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        seed=args.seed,
+    )
+    save_into(args.output, tokenizer.save_pretrained)
+    summary = layers.training_summary
+    print(
+        f"{len(layers.layers)} MTP layer(s) written with the model to {args.output} (load it and decode with "
+        f'drafter="mtp" or use_mtp=True): {summary["steps"]} steps, held-out top-1 agreement per layer '
+        f"{[round(a, 3) for a in summary['agreement_before']]} -> {[round(a, 3) for a in summary['agreement_after']]}"
+    )
+    return 0
+
+
 def add_parser(command) -> None:
-    """The `build-ngram`, `distill` and `train-drafter` commands and their options."""
+    """The `build-ngram`, `distill`, `train-drafter` and `train-mtp` commands and their options."""
     sub = command("build-ngram", "count an NGramDrafter from text files")
     sub.add_argument("files", nargs="+", help="UTF-8 text files, or directories (their *.py files)")
     sub.add_argument("--output", required=True, help="directory to write the drafter to (created if missing)")
@@ -215,3 +262,32 @@ def add_parser(command) -> None:
     sub.add_argument("--generation-batch-size", type=positive_int, default=16, help="prompts answered at once")
     add_training(sub)
     sub.set_defaults(func=train_drafter)
+
+    sub = command("train-mtp", "fit MTP layers to a target and save both (hf_specdec.distill.train_mtp_layers)")
+    sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
+    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
+    sub.add_argument(
+        "--prompts", default=None, metavar="FILE", help="instructions, one per line: the target answers them"
+    )
+    sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
+    sub.add_argument("--output", required=True, help="directory for the model with its MTP layers (created)")
+    sub.add_argument("--minutes", type=positive_float, default=None, help="wall-clock budget of the whole run")
+    sub.add_argument("--steps", type=positive_int, default=None, help="optimizer steps")
+    sub.add_argument(
+        "--num-mtp-layers", type=positive_int, default=None, help="MTP layers (default: the config's, else 1)"
+    )
+    sub.add_argument("--max-answer-tokens", type=positive_int, default=256, help="longest answer to a prompt")
+    sub.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
+    sub.add_argument(
+        "--answer-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="answer with a copy of the target in this dtype (default: the target's own)",
+    )
+    sub.add_argument("--generation-batch-size", type=positive_int, default=16, help="prompts answered at once")
+    sub.add_argument(
+        "--lr", type=positive_float, default=None, help="learning rate (default: 1e-4, from the target's first layer)"
+    )
+    sub.add_argument("--seed", type=int, default=0, help="torch seed")
+    add_threads(sub)
+    sub.set_defaults(func=train_mtp)
