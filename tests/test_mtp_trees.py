@@ -156,3 +156,21 @@ def test_several_layers_or_no_budget_draft_chains():
     assert torch.equal(out, plain)
     with pytest.raises(ValueError, match=r"`tree_top_k` must be a positive int .* got 0"):
         MtpDrafter(mtp, tree_top_k=0)
+
+
+@pytest.mark.parametrize("layout", [dict(cache_implementation="static"), dict(prefill_chunk_size=3)])
+def test_trees_in_a_static_cache_and_a_chunked_prefill(layout):
+    target, mtp = deepseek(1, seed=2)
+    make_bigram(target, mtp, context=0.5, roughness=0.05)
+    ids = prompt(6, seed=3)
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(
+        ids,
+        drafter=MtpDrafter(mtp),
+        speculative_tree_budget=6,
+        speculative_gamma=3,
+        return_dict_in_generate=True,
+        **layout,
+        **dict(GREEDY, max_new_tokens=20),
+    )
+    assert torch.equal(out.sequences, plain) and out.speculative_stats.accepted_tokens > 0
