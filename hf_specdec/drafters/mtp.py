@@ -7,8 +7,9 @@ with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the s
 - **Weights.** `MtpModel.from_pretrained(target)`, transformers' own loader: the checkpoint's MTP keys (the target's
   `_keys_to_ignore_on_load_unexpected` patterns, renamed by its conversion mapping), the layers built from
   `config.get_mtp_config()`. For a class that registers no such patterns (Llama, Qwen3, ... with layers trained by
-  `hf_specdec.distill.train_mtp_layers`), `mtp_checkpoint.load_mtp_layers` reads the same layout itself. The token embeddings, the head and the rotary embedding *are* the target's modules
-  (`MtpModel.tie_with_main_model`): nothing is copied.
+  `hf_specdec.distill.train_mtp_layers`), `mtp_checkpoint.load_mtp_layers` reads the same layout itself. The token
+  embeddings, the head and the rotary embedding *are* the target's modules (`MtpModel.tie_with_main_model`): nothing
+  is copied.
 - **What is fed.** MTP layer k at slot i (a position of the target whose hidden state is known) reads the previous
   stage's hidden state at i and the embedding of token x_{i+1+k}, at position i+1+k, and its output predicts
   x_{i+2+k}. Stage 0's hidden state is the target's `last_hidden_state` (after the final norm, as transformers feeds
@@ -70,8 +71,9 @@ def _mtp_layer_count(target: PreTrainedModel) -> int:
     raise ValueError(
         f'`drafter="mtp"` (or `use_mtp=True`) drafts with the target\'s multi-token-prediction layers, but '
         f"{type(target).__name__} has none: {detail}. Use a checkpoint that ships MTP layers (DeepSeek-V3, GLM-4 MoE, "
-        "Mellum, ...), train some (`hf_specdec.distill.train_mtp_layers(model, texts=...)`, then `drafter=MtpDrafter(layers)` "
-        'or `save_mtp_layers`), or use another drafter: `drafter="prompt_lookup"`, `assistant_model=<a small model>`.'
+        "Mellum, ...), train some (`hf_specdec.distill.train_mtp_layers(model, texts=...)`, then "
+        '`drafter=MtpDrafter(layers)` or `save_mtp_layers`), or use another drafter: `drafter="prompt_lookup"`, '
+        "`assistant_model=<a small model>`."
     )
 
 
