@@ -89,19 +89,13 @@ def train_drafter(args: argparse.Namespace) -> int:
 
     from hf_specdec.distill import train_eagle_drafter
 
-    threads = set_threads(args.threads)
-    check_output_dir("--output", args.output)
-    if args.prompts is None and not args.texts and not args.synthetic_prompts:
-        raise CLIError(
-            "train-drafter needs data: --prompts FILE (one instruction per line, the target answers them), "
-            "--texts FILE [FILE ...] and/or --synthetic-prompts N (the target writes N instructions)"
-        )
-    if args.minutes is None and args.steps is None:
-        raise CLIError("train-drafter needs a budget: --minutes M and/or --steps N")
-    prompts = read_prompts(args.prompts)
-    texts = read_texts(args.texts) if args.texts else None
-    target, tokenizer = loading.load_target(args.target, gguf_file=args.gguf_file)
-    print(threads, file=sys.stderr)
+    target, tokenizer, prompts, texts = _self_distillation_inputs(
+        args,
+        "train-drafter",
+        "--prompts FILE (one instruction per line, the target answers them), --texts FILE [FILE ...] and/or "
+        "--synthetic-prompts N (the target writes N instructions)",
+        bool(args.synthetic_prompts),
+    )
     drafter = train_eagle_drafter(
         target,
         prompts,
@@ -142,22 +136,53 @@ def read_prompts(name: str | None) -> list[str] | None:
     return [line.strip() for line in content.split("\n") if line.strip()]
 
 
-def train_mtp(args: argparse.Namespace) -> int:
-    from hf_specdec.distill import train_mtp_layers
-
+def _self_distillation_inputs(args: argparse.Namespace, command: str, data: str, other_data: bool):
+    """What `train-drafter` and `train-mtp` read before training: the threads (said on stderr), the checks of
+    `--output`, the data (`data` says which flags give it; `other_data`: given otherwise) and the budget, the prompts
+    and texts, and the target with its tokenizer. Returns `(target, tokenizer, prompts, texts)`."""
     threads = set_threads(args.threads)
     check_output_dir("--output", args.output)
-    if args.prompts is None and not args.texts:
-        raise CLIError(
-            "train-mtp needs data: --prompts FILE (one instruction per line, the target answers them) and/or "
-            "--texts FILE [FILE ...]"
-        )
+    if args.prompts is None and not args.texts and not other_data:
+        raise CLIError(f"{command} needs data: {data}")
     if args.minutes is None and args.steps is None:
-        raise CLIError("train-mtp needs a budget: --minutes M and/or --steps N")
+        raise CLIError(f"{command} needs a budget: --minutes M and/or --steps N")
     prompts = read_prompts(args.prompts)
     texts = read_texts(args.texts) if args.texts else None
     target, tokenizer = loading.load_target(args.target, gguf_file=args.gguf_file)
     print(threads, file=sys.stderr)
+    return target, tokenizer, prompts, texts
+
+
+def _add_self_distillation_options(sub, prompts_help: str, output_help: str) -> None:
+    """The options `train-drafter` and `train-mtp` share: the target, the data, the output, the budget and the
+    answering."""
+    sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
+    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
+    sub.add_argument("--prompts", default=None, metavar="FILE", help=prompts_help)
+    sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
+    sub.add_argument("--output", required=True, help=output_help)
+    sub.add_argument("--minutes", type=positive_float, default=None, help="wall-clock budget of the whole run")
+    sub.add_argument("--steps", type=positive_int, default=None, help="optimizer steps")
+    sub.add_argument("--max-answer-tokens", type=positive_int, default=256, help="longest answer to a prompt")
+    sub.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
+    sub.add_argument(
+        "--answer-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="answer with a copy of the target in this dtype (default: the target's own)",
+    )
+    sub.add_argument("--generation-batch-size", type=positive_int, default=16, help="prompts answered at once")
+
+
+def train_mtp(args: argparse.Namespace) -> int:
+    from hf_specdec.distill import train_mtp_layers
+
+    target, tokenizer, prompts, texts = _self_distillation_inputs(
+        args,
+        "train-mtp",
+        "--prompts FILE (one instruction per line, the target answers them) and/or --texts FILE [FILE ...]",
+        False,
+    )
     layers = train_mtp_layers(
         target,
         prompts,
@@ -217,18 +242,11 @@ def add_parser(command) -> None:
     sub.set_defaults(func=distill)
 
     sub = command("train-drafter", "train an EAGLE-3 head for a target (hf_specdec.distill.train_eagle_drafter)")
-    sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
-    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
-    sub.add_argument(
-        "--prompts",
-        default=None,
-        metavar="FILE",
-        help="instructions, one per line: the target answers them and the head learns the answers",
+    _add_self_distillation_options(
+        sub,
+        "instructions, one per line: the target answers them and the head learns the answers",
+        "directory for the head, checkpoints and data (created)",
     )
-    sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
-    sub.add_argument("--output", required=True, help="directory for the head, checkpoints and data (created)")
-    sub.add_argument("--minutes", type=positive_float, default=None, help="wall-clock budget of the whole run")
-    sub.add_argument("--steps", type=positive_int, default=None, help="optimizer steps")
     sub.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output")
     sub.add_argument(
         "--draft-vocab-size",
@@ -237,8 +255,6 @@ def add_parser(command) -> None:
         help="draft vocabulary (default: every token of the data, at most 32000)",
     )
     sub.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll")
-    sub.add_argument("--max-answer-tokens", type=positive_int, default=256, help="longest answer to a prompt")
-    sub.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
     sub.add_argument(
         "--synthetic-prompts",
         type=non_negative_int,
@@ -247,44 +263,24 @@ def add_parser(command) -> None:
         help="instructions the target first writes itself (Magpie), answered with --prompts",
     )
     sub.add_argument(
-        "--answer-dtype",
-        choices=["bfloat16", "float16", "float32"],
-        default=None,
-        help="answer with a copy of the target in this dtype (default: the target's own)",
-    )
-    sub.add_argument(
         "--feature-dtype",
         choices=["bfloat16", "float16", "float32"],
         default=None,
         help="read the features the head learns from with a copy of the target in this dtype "
         "(default: the target's own; bfloat16 is ~4x faster on CPUs with bfloat16 matrix units)",
     )
-    sub.add_argument("--generation-batch-size", type=positive_int, default=16, help="prompts answered at once")
     add_training(sub)
     sub.set_defaults(func=train_drafter)
 
     sub = command("train-mtp", "fit MTP layers to a target and save both (hf_specdec.distill.train_mtp_layers)")
-    sub.add_argument("--target", required=True, metavar="DIR", help="local directory or Hub id of the target")
-    sub.add_argument("--gguf-file", default=None, metavar="FILE", help="a GGUF file inside --target DIR")
-    sub.add_argument(
-        "--prompts", default=None, metavar="FILE", help="instructions, one per line: the target answers them"
+    _add_self_distillation_options(
+        sub,
+        "instructions, one per line: the target answers them",
+        "directory for the model with its MTP layers (created)",
     )
-    sub.add_argument("--texts", nargs="+", default=None, metavar="FILE", help="texts to train on as they are")
-    sub.add_argument("--output", required=True, help="directory for the model with its MTP layers (created)")
-    sub.add_argument("--minutes", type=positive_float, default=None, help="wall-clock budget of the whole run")
-    sub.add_argument("--steps", type=positive_int, default=None, help="optimizer steps")
     sub.add_argument(
         "--num-mtp-layers", type=positive_int, default=None, help="MTP layers (default: the config's, else 1)"
     )
-    sub.add_argument("--max-answer-tokens", type=positive_int, default=256, help="longest answer to a prompt")
-    sub.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step")
-    sub.add_argument(
-        "--answer-dtype",
-        choices=["bfloat16", "float16", "float32"],
-        default=None,
-        help="answer with a copy of the target in this dtype (default: the target's own)",
-    )
-    sub.add_argument("--generation-batch-size", type=positive_int, default=16, help="prompts answered at once")
     sub.add_argument(
         "--lr", type=positive_float, default=None, help="learning rate (default: 1e-4, from the target's first layer)"
     )
