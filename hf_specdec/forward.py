@@ -69,8 +69,10 @@ def target_logits(
     with decode_step(model) if decode_kernels and not first_round else contextlib.nullcontext():
         outputs = (call or model)(**model_inputs, return_dict=True)
     end = outputs.logits.shape[1] - padding
+    # a compiled forward's outputs may be buffers the next call overwrites (CUDA graphs): copied; an eager forward's
+    # are its own (a float32 model's logits are returned as they are: one kernel less per round)
     return outputs.logits[:, end - num_drafted - 1 : end].to(  # [batch, k + 1, vocab]
-        dtype=torch.float32, device=candidate_ids.device, copy=True
+        dtype=torch.float32, device=candidate_ids.device, copy=call is not None
     )
 
 

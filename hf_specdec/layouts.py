@@ -101,7 +101,7 @@ class TreeLayout(ChainLayout):
         else:
             accepted, nodes, next_tokens = verify_tree_greedy(tokens, parents, target_scores, self.depths, self.depth)
         depths = torch.arange(self.depth, device=tokens.device)[None, :]
-        betas = (depths < accepted[:, None]).float()  # [batch, depth bound]: 1 for each accepted depth
+        betas = depths < accepted[:, None]  # [batch, depth bound]: 1 for each accepted depth
         depth = self.depths.max() if self.depths.numel() else self.depths.new_zeros(())  # an empty tree: 0
         index = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         in_place = ((nodes == index) | (index >= accepted[:, None])).all(dim=-1)  # [batch]

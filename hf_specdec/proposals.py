@@ -92,16 +92,17 @@ def checked_proposal(
     if tokens.shape[1]:
         # one fused check, read later with the verdict: q that is not a distribution, or gives a drafted token
         # q(x) = 0, would make rejection sampling accept what the target never samples
-        bad = ((tokens < 0) | (tokens >= vocab_size)).any()
+        clamped = tokens.clamp(0, vocab_size - 1)  # ids stay valid for the embedding until the read raises
+        bad = (clamped != tokens).any()
         if probs is not None:
-            drafted = tokens.to(device=probs.device, dtype=torch.long).clamp(0, vocab_size - 1)
+            drafted = clamped.to(device=probs.device, dtype=torch.long)
             q_x = probs.gather(-1, drafted[..., None])  # [batch, k, 1]
             total = probs.sum(dim=-1, dtype=torch.float64)  # [batch, k]: NaN or inf if any entry is
             tolerance = 1e-3 if probs.element_size() >= 4 else 2e-2
             bad = bad | (probs.amin(dim=-1) < 0).any() | ~((total - 1).abs() <= tolerance).all() | ~(q_x > 0).all()
             probs = torch.where(bad.to(probs.device), 1.0 / vocab_size, probs)  # a stand-in until the read raises
         check.failed = bad
-        tokens = tokens.clamp(0, vocab_size - 1)  # ids stay valid for the embedding until the read raises
+        tokens = clamped
     tokens = tokens.to(device=input_ids.device, dtype=torch.long)
     if parents is not None:
         if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(tokens.shape):

@@ -92,23 +92,27 @@ def verify_greedy(
     draft_tokens: torch.LongTensor,  # [batch, gamma]
     target_scores: torch.FloatTensor,  # [batch, gamma + 1, vocab], standardized (processed) logits
     lenience: float = 1.0,
+    target_tokens: torch.LongTensor | None = None,  # [batch, gamma + 1]: target_scores' argmax, where computed
+    exact: torch.BoolTensor | None = None,  # [batch, gamma]: draft_tokens == target_tokens[:, :gamma], likewise
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Greedy verification: accept drafts while they equal the target's argmax; the next token is the target's argmax.
 
     Returns `(accepted, next_tokens)`, both `[batch]`. With `lenience < 1` a draft token x is also accepted when
-    p(x) >= lenience * max(p), where p = softmax(target_scores) (Appendix A.5, argmax variant).
+    p(x) >= lenience * max(p), where p = softmax(target_scores) (Appendix A.5, argmax variant). A caller that has the
+    argmax and the exact matches already passes them (`target_tokens`, `exact`): fewer kernels per round.
     """
     gamma = draft_tokens.shape[1]
     if gamma == 0:  # nothing drafted: a plain greedy step
         next_tokens = target_scores[:, 0].argmax(dim=-1)
         return torch.zeros_like(next_tokens), next_tokens
-    target_tokens = target_scores.argmax(dim=-1)  # [batch, gamma + 1]
-    matches = draft_tokens == target_tokens[:, :gamma]  # [batch, gamma]
+    if target_tokens is None:
+        target_tokens = target_scores.argmax(dim=-1)  # [batch, gamma + 1]
+    matches = exact if exact is not None else draft_tokens == target_tokens[:, :gamma]  # [batch, gamma]
     if lenience < 1.0 and gamma > 0:
         target_probs = target_scores[:, :gamma].softmax(dim=-1)  # [batch, gamma, vocab]
         draft_prob = target_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]
         matches = matches | (draft_prob >= lenience * target_probs.amax(dim=-1))
-    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    accepted = matches.cumprod(dim=-1).sum(dim=-1)  # [batch], int64 (a bool cumprod counts in int64)
     next_tokens = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [batch]
     return accepted, next_tokens
 

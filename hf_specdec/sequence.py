@@ -122,7 +122,7 @@ class SequenceLane(Lane):
             else None
         )
         self.hidden_given = 0 if self.cached is None else self.cached  # positions the drafter has hidden states of
-        self.vocab_size = logits_width(model)
+        self.vocab_size, self.dtype = logits_width(model), model.dtype
         self.tree_budget = options.speculative_tree_budget
         return_dict = bool(generation_config.return_dict_in_generate)
         self.output_scores = return_dict and bool(generation_config.output_scores)
@@ -231,7 +231,7 @@ class SequenceLane(Lane):
             forward_kwargs = model._update_model_kwargs_for_generation(
                 {}, dict(self.model_kwargs), is_encoder_decoder=self.is_encoder_decoder, num_new_tokens=num_drafted
             )
-        overrides = layout.forward_overrides(cached, cur_len, model.dtype, context_mask, self.capacity)
+        overrides = layout.forward_overrides(cached, cur_len, self.dtype, context_mask, self.capacity)
         logits = target_logits(
             model,
             candidate_ids,

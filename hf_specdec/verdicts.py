@@ -25,7 +25,7 @@ class Verdict:
     accepted: torch.LongTensor  # [batch]: drafts kept (the accepted path's length, for a tree)
     next_tokens: torch.LongTensor  # [batch]: the recovered or bonus token
     accepted_nodes: torch.LongTensor | None  # [batch, k]: a tree's accepted path (node ids, -1 padded); chains: None
-    betas: torch.FloatTensor  # [batch, depth]: β per drafted position (a tree: 1 per accepted depth, else 0)
+    betas: torch.Tensor  # [batch, depth]: β per drafted position, float or bool (a tree: 1 per accepted depth, else 0)
     tree_depth: torch.LongTensor | None = None  # a tree's depth (0-dim), read with the verdict; chains: None
     tree_path_in_place: torch.BoolTensor | None = None  # [batch]: a tree's accepted path is nodes 0, 1, ... in order
     accepted_counts: list[int] | None = None  # `accepted` on the host, once `read_verdict` has read the round
@@ -42,18 +42,19 @@ def read_verdict(verdict: Verdict, check: ProposalCheck) -> Verdict:
     rows, device = verdict.accepted.shape[0], verdict.accepted.device
     tree = verdict.tree_depth is not None
     failed = check.failed if check.failed is not None else verdict.accepted.new_zeros((), dtype=torch.bool)
-    # one column each, all as float32 (small counts and flags are exact): accepted, failed[, depth, in place], betas.
-    # A chain's depth is its drafts' count, known on the host (a tensor made from it would be a copy to the device)
+    # one column each: accepted, failed[, depth, in place], betas, in one `cat` that promotes them to one dtype
+    # (int64, or float32 where β was computed: small counts and flags are exact either way). A chain's depth is its
+    # drafts' count, known on the host (a tensor made from it would be a copy to the device)
     columns = [verdict.accepted[:, None], failed.to(device).expand(rows, 1)]
     if tree:
         columns += [verdict.tree_depth.to(device).expand(rows, 1), verdict.tree_path_in_place[:, None]]
-    values = torch.cat([*(column.to(torch.float32) for column in columns), verdict.betas.float()], dim=1).tolist()
+    values = torch.cat([*columns, verdict.betas], dim=1).tolist()
     check.raise_if(bool(values[0][1]))
     verdict.depth = int(values[0][2]) if tree else verdict.betas.shape[1]
     if tree:
         verdict.path_in_place = [bool(row[3]) for row in values]
     verdict.accepted_counts = [int(row[0]) for row in values]
-    verdict.beta_values = [row[len(columns) : len(columns) + verdict.depth] for row in values]
+    verdict.beta_values = [[float(b) for b in row[len(columns) : len(columns) + verdict.depth]] for row in values]
     return verdict
 
 
@@ -102,8 +103,11 @@ def verify_round(
             accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)
         betas = draft_target_overlap(tokens, probs, target_probs)  # [batch, k]
     else:
-        accepted, next_tokens = verify_greedy(tokens, target_scores, lenience=options.speculative_lenience)
-        betas = (tokens == target_scores[:, :num_drafted].argmax(dim=-1)).float()  # [batch, k]
+        target_tokens = target_scores.argmax(dim=-1)  # [batch, k + 1]
+        betas = tokens == target_tokens[:, :num_drafted]  # [batch, k]: β is 1 where the draft is the argmax
+        accepted, next_tokens = verify_greedy(
+            tokens, target_scores, options.speculative_lenience, target_tokens=target_tokens, exact=betas
+        )
     return Verdict(accepted, next_tokens, None, betas)
 
 

@@ -500,9 +500,10 @@ class ModelDrafter(Drafter):
 
     def target_logits(self, drafter_logits: torch.Tensor) -> torch.FloatTensor:
         """The draft model's logits (`[..., drafter_width]`) as logits over the target's vocabulary (`[..., vocab]`):
-        a float32 copy on the target's device (the model may reuse its buffer), cut to the target's width or filled
-        up with `-inf` (the drafter never drafts a token it has no logit for). Valid after `reset`."""
-        logits = drafter_logits.to(device=self.target_device, dtype=torch.float32, copy=True)
+        float32 on the target's device (a copy when the forward is compiled: it may reuse its buffer), cut to the
+        target's width or filled up with `-inf` (the drafter never drafts a token it has no logit for). Valid after
+        `reset`."""
+        logits = drafter_logits.to(device=self.target_device, dtype=torch.float32, copy=self.compiled is not None)
         if self.width > self.target_width:
             return logits[..., : self.target_width]
         if self.width < self.target_width:
