@@ -16,10 +16,11 @@ Costs: one gather of the cache per uneven round (about one extra read of the cac
 attention runs over the longest row, so a row that accepts less carries more padding; a draft position is computed
 for every row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
 
-**One row at a time (encoder-decoder targets, sliding-window and static caches, models without `position_ids`).**
-Their decoders derive positions from cache slots, which left padding would shift (a static cache's preallocated rows
-cannot be realigned without copies either), so each row runs the single-sequence loop with its own cache, sharing
-the batch's encoder outputs. Exact, but without the batching speedup.
+**One row at a time (encoder-decoder targets, sliding-window and static caches, models without `position_ids`;
+`prefill_chunk_size`; drafters that read the target's own cache).** Their decoders derive positions from cache
+slots, which left padding would shift (a static cache's preallocated rows cannot be realigned without copies
+either), so each row runs the single-sequence loop with its own cache, sharing the batch's encoder outputs. Exact,
+but without the batching speedup.
 
 Either way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
 distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
@@ -27,6 +28,8 @@ distribution is the target's (sampling): the logits processors see each row's ow
 
 Drafters that set `supports_padded_batches` (`ModelDrafter`) draft for the whole rectangle in one forward per
 token; every other drafter gets a copy per row, called with that row's unpadded tokens, exactly as at batch size 1.
+A copy that reads the target's hidden states (MTP layers, EAGLE heads, DFlash blocks) gets its own row's, cut from
+the batch's one verify forward (its left padding and rejected drafts left out), as the one-sequence loop gives them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from transformers import DynamicCache
 
 from .batch_rows import decode_rows, padded_batch_processors, processors_for_row, row_context
 from .caches import CACHE_KWARG, realign_cache, slice_cache
+from .capture import capture_for
 from .devices import to_device
 from .drafters.base import Drafter, DraftProposal
 from .forward import standardize, target_logits
@@ -67,11 +71,12 @@ def decode_batch(
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
     stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
     cache = model_kwargs[CACHE_KWARG]
-    # a drafter that reads the target's hidden states gets them from the one-sequence loop, and `prefill_chunk_size`
-    # is honoured there (each row's prompt prefilled in chunks): rows one at a time
+    # a drafter that reads the target's own cache (each row's is its own there), one that would read a padded batch's
+    # hidden states whole, and `prefill_chunk_size` (each row's prompt prefilled in chunks): rows one at a time
     if (
         _supports_padded_batch(model, cache)
-        and not drafter.reads_target_hidden_states
+        and not drafter.reads_target_cache
+        and not (drafter.reads_target_hidden_states and drafter.supports_padded_batches)
         and run["generation_config"].prefill_chunk_size is None
     ):
         return _decode_padded(
@@ -101,10 +106,13 @@ def _moves_by_column(layer) -> bool:
 
 def _decode_padded(model, input_ids, *, drafter, inputs_tensor, policy, stats, **run):
     lane = PaddedBatchLane(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, stats=stats, **run)
-    round_ = Round(model, policy, stats)
-    while not round_.run(lane):
-        pass
-    return lane.result()
+    try:
+        round_ = Round(model, policy, stats)
+        while not round_.run(lane):
+            pass
+        return lane.result()
+    finally:
+        lane.close()
 
 
 class PaddedBatchLane(Lane):
@@ -176,6 +184,9 @@ class PaddedBatchLane(Lane):
                 drafter.for_call(row_context(context, row, self.text_start[row], self.row_processors[row]))
                 for row in range(batch)
             ]
+        # copies that read the target's hidden states get their rows' from the one verify forward (hooks on the
+        # target's layers, set last: `close` removes them)
+        self.capture = capture_for(model, self.row_drafters[0]) if self.row_drafters is not None else None
         self.batch = batch
         self.prompts = input_ids  # plain generate's view of row r: prompts[r] + generated[r]
         self.generated = [input_ids.new_empty(0) for _ in range(batch)]
@@ -267,6 +278,7 @@ class PaddedBatchLane(Lane):
         rows, emitted, device, cache = self.rows, self.emitted, self.device, self.cache
         num_drafted = draft.proposal.tokens.shape[1]
         width = self.ids.shape[1]
+        row_states = self._kept_hidden_states(num_drafted) if self.capture is not None else {}
         most = max(emitted)
         for i, r in enumerate(rows):
             self.padding[r] += most - emitted[i]
@@ -316,8 +328,28 @@ class PaddedBatchLane(Lane):
                     self.row_drafters[r].on_verified(
                         torch.cat([self.prompts[r, self.text_start[r] :], self.generated[r]])[None],
                         kept_accepted[i : i + 1],
+                        **({"target_hidden_states": row_states[r]} if r in row_states else {}),
                     )
         self.ids, self.mask = ids, mask
+
+    def _kept_hidden_states(self, num_drafted: int) -> dict[int, torch.Tensor]:
+        """Each row's hidden states of this round's forward, `{row: [1, n, H]}`, as the one-sequence loop gives them:
+        the positions the target's cache now keeps for the row and its drafter has not had (its uncached text
+        columns, then its kept drafts). The forward fed every row the same columns, the uncached tail of the
+        rectangle (all of it in the first round, its newest column after) and then the drafts; a row's left padding
+        among them, and its drafts past those it kept, are left out."""
+        states = self.capture.take()  # [round rows, tail + num_drafted, H]
+        fed_from = self.ids.shape[1] - (states.shape[1] - num_drafted)  # the columns cached before the forward
+        tail = self.ids.shape[1] - fed_from
+        return {
+            r: states[i : i + 1, max(0, self.padding[r] - fed_from) : tail + self.emitted[i] - 1]
+            for i, r in enumerate(self.rows)
+        }
+
+    def close(self) -> None:
+        """Removes the hidden-state hooks, if any (the call is over, or failed)."""
+        if self.capture is not None:
+            self.capture.close()
 
     def observe(self, policy, draft: Draft, verdict: Verdict, draft_s: float, verify_s: float) -> None:
         for r in self.round_rows:  # each row took part in the whole round

@@ -125,8 +125,13 @@ class Drafter:
     `self.target_hidden_layers` to the entries of the target's `output_hidden_states` it reads (0: the embeddings'
     output, i: the output of decoder layer i - 1). After each verification `on_verified` then also gets
     `target_hidden_states` (`[1, n, sum of hidden sizes]`): the states of the positions whose next token became known
-    in that round, in order, captured during the round's own target forwards. Batches are decoded one row at a
-    time for such drafters."""
+    in that round, in order, captured during the round's own target forwards. In a left-padded batch each row's copy
+    gets its own row's states, cut from the batch's one verify forward."""
+
+    reads_target_cache: bool = False
+    """A drafter that reads the target's own key/value cache (`Gemma4AssistantDrafter`, from the call's
+    `DraftContext.model_kwargs`) sets this: batches are then decoded one row at a time, each row with a cache of its
+    own, since a left-padded batch's cache is shared by the rows and realigned every round."""
 
     def reset(self, context: DraftContext) -> None:
         """Called once at the start of each `generate` call, before the first `propose`."""

@@ -27,8 +27,8 @@ This drafter runs that model, loaded and fed exactly as transformers feeds it:
   log q from each position's top `tree_top_k` tokens (EAGLE-2's `DynamicTree`, without a forward per depth).
 
 Like EAGLE, the first round is the prompt's prefill and drafts nothing: the target's hidden states are not known
-before its first forward. Batches are decoded row by row, as for every drafter that reads the target's hidden
-states.
+before its first forward. In a left-padded batch each row has a copy of its own, fed its row's hidden states from
+the batch's one verify forward.
 """
 
 from __future__ import annotations
@@ -286,7 +286,9 @@ class DFlashDrafter(Drafter):
     ) -> DraftProposal:
         batch = input_ids.shape[0]
         if batch != 1:
-            raise ValueError("DFlashDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row).")
+            raise ValueError(
+                "DFlashDrafter drafts for one sequence at a time (hf_specdec gives each row of a batch a copy)."
+            )
         if num_tokens == 0 or (self.pending is None and self.seen == 0):  # a plain step, or the prompt's prefill
             return DraftProposal.empty(batch, input_ids.device)
         logits = self._block_logits(input_ids)[:, : min(num_tokens, self.block_size - 1)]  # [1, k, vocab]

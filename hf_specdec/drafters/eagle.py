@@ -247,7 +247,7 @@ class EagleDrafter(Drafter):
         batch = input_ids.shape[0]
         if batch != 1:
             raise ValueError(
-                "EagleDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row for it)."
+                "EagleDrafter drafts for one sequence at a time (hf_specdec gives each row of a batch a copy)."
             )
         if num_tokens == 0:  # a plain step: the features wait, and are fed in one forward when drafts are asked
             return DraftProposal.empty(batch, input_ids.device)

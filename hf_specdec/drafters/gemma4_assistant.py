@@ -31,8 +31,8 @@ the assistant); this drafter gives the assistant the accepted context only, and 
 target's cache keeps. With no rejection and a sequence shorter than the window, the drafts are transformers'.
 
 Like EAGLE, the first round is the prompt's prefill and drafts nothing: the target's states are not known before its
-first forward. Batches are decoded row by row (left padding masked), as for every drafter that reads the target's
-hidden states. A Gemma 3n target is refused: its forward returns no `shared_kv_states` (transformers' own
+first forward. Batches are decoded row by row (left padding masked): the assistant reads the target's own cache,
+each row's its own (`reads_target_cache`). A Gemma 3n target is refused: its forward returns no `shared_kv_states` (transformers' own
 `generate(assistant_model=...)` fails on it too) and its last hidden state comes out of its AltUp streams, which the
 round does not record.
 """
@@ -179,6 +179,7 @@ class Gemma4AssistantDrafter(Drafter):
     """
 
     reads_target_hidden_states = True
+    reads_target_cache = True
 
     def __init__(self, assistant_model: PreTrainedModel):
         if not is_gemma4_assistant(assistant_model):

@@ -118,8 +118,8 @@ class MtpDrafter(Drafter):
     Greedy and sampled decoding are both exact. It drafts chains, and with `speculative_tree_budget` dynamic token
     trees (EAGLE-2: each depth expands the `tree_top_k` best nodes by cumulative log q, each with its `tree_top_k` most
     likely tokens) when the target has one full-attention MTP layer (DeepSeek-V3's, GLM-4 MoE's; with more layers, or
-    a sliding-window one, it drafts chains). One sequence at a time: batches are decoded row by row, as for every
-    drafter that reads the target's hidden states.
+    a sliding-window one, it drafts chains). One sequence per copy: in a left-padded batch each row has a copy of
+    its own, fed its row's hidden states from the batch's one verify forward (trees need one sequence).
 
     Args:
         mtp_model (`transformers.modeling_layers.MtpModel`, *optional*):
@@ -237,6 +237,7 @@ class MtpDrafter(Drafter):
         self.exact = 0  # leading slots whose keys are exact in every MTP layer's cache
         self.pending: torch.Tensor | None = None  # [1, n, hidden]: the target's last hidden state at slots exact, ...
         self.proposed_at: int | None = None  # the sequence length at which the layers last ran
+        self.drafted = 0  # the drafts of that proposal
 
     def _scores(self, hidden: torch.Tensor, prefixes: torch.LongTensor) -> torch.FloatTensor:
         """The standardized scores `[n, vocab]` of the drafts after MTP outputs `hidden` (`[n, hidden]`), each with
@@ -278,7 +279,9 @@ class MtpDrafter(Drafter):
     ) -> DraftProposal:
         batch, length = input_ids.shape
         if batch != 1:
-            raise ValueError("MtpDrafter drafts for one sequence at a time (hf_specdec decodes batches row by row).")
+            raise ValueError(
+                "MtpDrafter drafts for one sequence at a time (hf_specdec gives each row of a batch a copy)."
+            )
         if num_tokens == 0 or self.pending is None:  # a plain step, or the prompt's prefill: the layers wait
             return DraftProposal.empty(batch, input_ids.device)
         if self.exact + self.pending.shape[1] != length - 1:
@@ -297,7 +300,7 @@ class MtpDrafter(Drafter):
             tokens = ids[:, self.exact + 1 + index : length + index]
             hidden = self._run_layer(index, hidden, tokens, self.exact + 1 + index)
             if self.tree_budget is not None:
-                self.proposed_at = length
+                self.proposed_at, self.drafted = length, num_tokens  # a path is at most `num_tokens` deep
                 return self._propose_tree(input_ids, num_tokens, hidden[:, -1])
             if len(usable) < max(num_tokens, self.num_layers - 1):  # the next layer reads this draft
                 ids = self._draft_into(hidden, ids, probs, usable)
@@ -305,8 +308,9 @@ class MtpDrafter(Drafter):
             step = len(usable)
             hidden = self._run_layer(step % self.num_layers, hidden[:, -1:], ids[:, -1:], length - 1 + step)
             ids = self._draft_into(hidden, ids, probs, usable)
-        self.proposed_at = length
-        return chain_proposal(ids, length, usable[:num_tokens], probs[:num_tokens] if self.do_sample else [])
+        proposal = chain_proposal(ids, length, usable[:num_tokens], probs[:num_tokens] if self.do_sample else [])
+        self.proposed_at, self.drafted = length, proposal.tokens.shape[1]
+        return proposal
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, hidden: torch.Tensor) -> DraftProposal:
         """EAGLE-2's dynamic tree ([`DynamicTree`]) over the one MTP layer's outputs; `hidden` (`[1, hidden]`) is its
@@ -365,7 +369,8 @@ class MtpDrafter(Drafter):
         # the sequence. The drafts kept are read off its length (no host read of `num_accepted`; never more than
         # were accepted); slots exact before this round stay so
         length = self.proposed_at
-        accepted = max(0, input_ids.shape[1] - length - 1)
+        # never more than were drafted: in a padded batch a row that drafted fewer may also keep filler tokens
+        accepted = min(max(0, input_ids.shape[1] - length - 1), self.drafted)
         exact = max(self.exact, length - 1 - max(0, self.num_layers - 1 - accepted))
         self.pending = self.pending[:, exact - self.exact :]
         self.exact, self.proposed_at = exact, None
