@@ -24,15 +24,21 @@ its own greedy continuations of `--mtp-texts` random prompts, starting from its 
 - `ours_use_mtp` (DeepSeek-V3): transformers' own request `use_mtp=True` on the enabled model;
 - `early_exit`: ours with `assistant_early_exit=1` on the same target, for reference.
 
+With `--batch N` every call decodes a left-padded batch of N prompts (between half `--prompt-length` and all of it):
+transformers' assisted generation takes one sequence at a time (its row records the refusal), trees are left out
+(verified for one sequence at a time), and `ours_rows` decodes each row alone with ours' defaults, as hf_specdec did
+for these drafters before it verified every row in one forward. Tokens per target call then count every row's.
+
 Reported: median seconds, speedup over plain, tokens per target call (verify forwards only: transformers' drafts run
 the same model with its config's layer count lowered, and are not counted), identity with plain, and with `--memory`
 (early exit) the peak resident memory of a fresh process that loads the target and decodes plainly, with
-transformers' early exit and with ours (each its own process). With `--goodness-of-fit N`, sampling exactness: N
-samples of three tokens from transformers' path, ours and ours with a tree, each against the exactly enumerated
-target (chi-square p-value), on the family's target at the smoke-test size in float32.
+transformers' early exit and with ours (each its own process). Greedy outputs that leave plain's are recorded per
+row with the target's top-2 logit gap where they first differ (bfloat16 near ties). With `--goodness-of-fit N`,
+sampling exactness: N samples of three tokens from transformers' path, ours and ours with a tree, each against the
+exactly enumerated target (chi-square p-value), on the family's target at the smoke-test size in float32.
 
     python benchmarks/bench_native_drafters.py [--family early_exit|mtp] [--quick] [--repeats 3] [--prompts 3]
-        [--max-new-tokens 64] [--threads 2] [--memory] [--target llama|deepseek_v3] [--mtp-steps 30]
+        [--batch 1] [--max-new-tokens 64] [--threads 2] [--memory] [--target llama|deepseek_v3] [--mtp-steps 30]
         [--mtp-texts 32] [--goodness-of-fit 1000]
         [--output benchmarks/results/native_drafters_cpu_bf16.json]
 """
@@ -47,8 +53,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from harness import interleaved, summarize, write_results
-from pairs import FULL_PAIR, QUICK_PAIR, random_prompts
+from harness import divergence, interleaved, summarize, write_results
+from pairs import FULL_PAIR, QUICK_PAIR, padded_prompts, random_prompts
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
 
 import hf_specdec
@@ -142,11 +148,13 @@ def build_deepseek(
 def methods_for(target, new_tokens: int):
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     return {
-        "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
-        "transformers": lambda ids: GenerationMixin.generate(target, ids, assistant_early_exit=EXIT_LAYER, **common),
-        "ours": lambda ids: target.generate(ids, assistant_early_exit=EXIT_LAYER, **common),
-        "ours_tree": lambda ids: target.generate(
-            ids, assistant_early_exit=EXIT_LAYER, speculative_tree_budget=8, **common
+        "plain": lambda inputs: GenerationMixin.generate(target, **inputs, **common),
+        "transformers": lambda inputs: GenerationMixin.generate(
+            target, **inputs, assistant_early_exit=EXIT_LAYER, **common
+        ),
+        "ours": lambda inputs: target.generate(**inputs, assistant_early_exit=EXIT_LAYER, **common),
+        "ours_tree": lambda inputs: target.generate(
+            **inputs, assistant_early_exit=EXIT_LAYER, speculative_tree_budget=8, **common
         ),
     }
 
@@ -171,20 +179,20 @@ def mtp_methods_for(target, drafter, new_tokens: int, from_checkpoint: bool):
     transformers loads them)."""
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     methods = {
-        "plain": lambda ids: GenerationMixin.generate(target, ids, **common),
-        "transformers": lambda ids: GenerationMixin.generate(target, ids, use_mtp=True, **common),
-        "ours": lambda ids: target.generate(ids, drafter=drafter, **common),
-        "ours_constant_3": lambda ids: target.generate(
-            ids, drafter=drafter, speculative_gamma=3, speculative_gamma_policy="constant", **common
+        "plain": lambda inputs: GenerationMixin.generate(target, **inputs, **common),
+        "transformers": lambda inputs: GenerationMixin.generate(target, **inputs, use_mtp=True, **common),
+        "ours": lambda inputs: target.generate(**inputs, drafter=drafter, **common),
+        "ours_constant_3": lambda inputs: target.generate(
+            **inputs, drafter=drafter, speculative_gamma=3, speculative_gamma_policy="constant", **common
         ),
-        "ours_tree": lambda ids: target.generate(ids, drafter=drafter, speculative_tree_budget=8, **common),
-        "early_exit": lambda ids: target.generate(ids, assistant_early_exit=EXIT_LAYER, **common),
+        "ours_tree": lambda inputs: target.generate(**inputs, drafter=drafter, speculative_tree_budget=8, **common),
+        "early_exit": lambda inputs: target.generate(**inputs, assistant_early_exit=EXIT_LAYER, **common),
     }
     if from_checkpoint:
-        methods["ours_use_mtp"] = lambda ids: target.generate(ids, use_mtp=True, **common)
+        methods["ours_use_mtp"] = lambda inputs: target.generate(**inputs, use_mtp=True, **common)
     refused = None
     try:
-        methods["transformers"](torch.zeros((1, 4), dtype=torch.long))
+        methods["transformers"]({"input_ids": torch.zeros((1, 4), dtype=torch.long)})
     except (ValueError, TypeError, RuntimeError) as error:
         refused = f"{type(error).__name__}: {error}"
         del methods["transformers"]
@@ -238,9 +246,9 @@ def sampling_exactness(args, folder: str) -> dict:
         theirs = dict(assistant_early_exit=EXIT_LAYER)
         ours.update(theirs)
     runs = {
-        "transformers": lambda ids: GenerationMixin.generate(target, ids, **theirs, **common),
-        "ours": lambda ids: target.generate(ids, **ours, **common),
-        "ours_tree": lambda ids: target.generate(ids, speculative_tree_budget=4, **ours, **common),
+        "transformers": lambda inputs: GenerationMixin.generate(target, **inputs, **theirs, **common),
+        "ours": lambda inputs: target.generate(**inputs, **ours, **common),
+        "ours_tree": lambda inputs: target.generate(**inputs, speculative_tree_budget=4, **ours, **common),
     }
     if refused is not None:
         del runs["transformers"]
@@ -249,7 +257,7 @@ def sampling_exactness(args, folder: str) -> dict:
     report = {"samples": args.goodness_of_fit, "outcomes": len(table), "dtype": "float32", **config}
     for name, run in runs.items():
         torch.manual_seed(0)
-        samples = [tuple(run(ids)[0, ids.shape[1] :].tolist()) for _ in range(args.goodness_of_fit)]
+        samples = [tuple(run({"input_ids": ids})[0, ids.shape[1] :].tolist()) for _ in range(args.goodness_of_fit)]
         inside = [sample for sample in samples if sample in table]
         report[name] = {"p_value": float(goodness_of_fit(table, inside)), "outside_support": len(samples) - len(inside)}
     return report
@@ -261,7 +269,7 @@ def peak_memory_mb(method: str, quick: bool, new_tokens: int, threads: int) -> f
         f"import resource, sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.set_num_threads({threads});"
         "import bench_native_drafters as b; from pairs import random_prompts;"
         f"target, vocab = b.build({quick}); ids = random_prompts(1, 32, vocab)[0];"
-        f"b.methods_for(target, {new_tokens})[{method!r}](ids);"
+        f"b.methods_for(target, {new_tokens})[{method!r}]({{'input_ids': ids}});"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -274,6 +282,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="rows per call: left-padded batches of `--prompts` calls (default 1)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--memory", action="store_true", help="also measure peak resident memory per method")
@@ -311,27 +322,76 @@ def run(args) -> dict:
         return measure(args, target, vocab, methods, refused, training, exactness)
 
 
+def rows_one_at_a_time(method):
+    """`method` on each row of a left-padded batch alone (without its padding), assembled as the batch's output: how
+    hf_specdec decoded a batch for a drafter that reads the target's hidden states before it verified every row in
+    one forward."""
+
+    def run(inputs):
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        rows = []
+        for row in range(ids.shape[0]):
+            padding = int((mask[row] == 0).sum())
+            out = method({"input_ids": ids[row : row + 1, padding:]})
+            rows.append(torch.cat([ids[row : row + 1, :padding], out], dim=-1))
+        return torch.cat(rows)
+
+    return run
+
+
+@torch.no_grad()
+def row_divergences(target, prompts: list[dict], reference: list, outputs: list) -> list[dict]:
+    """Each row whose greedy output leaves plain's: the call, the row, and where and by what logit gap
+    (`harness.divergence`: bfloat16 near ties that a forward over another number of tokens breaks the other way)."""
+    found = []
+    for call, (inputs, plain, other) in enumerate(zip(prompts, reference, outputs)):
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        for row in range(ids.shape[0]):
+            start = 0 if mask is None else int((mask[row] == 0).sum())
+            gap = divergence(target, ids[row, start:], plain[row, ids.shape[1] :], other[row, ids.shape[1] :])
+            if gap is not None:
+                found.append({"call": call, "row": row, **gap})
+    return found
+
+
 def measure(args, target, vocab: int, methods: dict, refused, training, exactness) -> dict:
-    prompts = random_prompts(args.prompts, args.prompt_length, vocab)
+    if args.batch > 1:  # left-padded batches of rows between half the prompt length and all of it
+        batches = [
+            padded_prompts(args.batch, vocab, seed=i, shortest=args.prompt_length // 2, longest=args.prompt_length)
+            for i in range(args.prompts)
+        ]
+        prompts = [{"input_ids": ids, "attention_mask": mask} for ids, mask in batches]
+        methods = dict(methods, ours_rows=rows_one_at_a_time(methods["ours"]))
+        methods.pop("ours_tree", None)  # token trees are verified for one sequence at a time
+        if "transformers" in methods:
+            try:  # transformers' assisted generation takes one sequence at a time
+                methods["transformers"](prompts[0])
+            except (ValueError, TypeError, RuntimeError) as error:
+                refused = f"{type(error).__name__}: {error}"
+                del methods["transformers"]
+    else:
+        prompts = [{"input_ids": ids} for ids in random_prompts(args.prompts, args.prompt_length, vocab)]
     counter = VerifyCounter(target)
-    reference = [methods["plain"](ids) for ids in prompts]
-    calls, identical = {}, {}
+    reference = [methods["plain"](inputs) for inputs in prompts]
+    calls, identical, diverged = {}, {}, {}
     for name, method in methods.items():  # outputs and target calls, outside the timed runs
         method(prompts[0])  # a first call probes the model once (capabilities): count warm calls, as the timed ones
         counter.take()
-        outputs = [method(ids) for ids in prompts]
+        outputs = [method(inputs) for inputs in prompts]
         calls[name] = counter.take()
         identical[name] = sum(bool(torch.equal(out, ref)) for out, ref in zip(outputs, reference))
+        diverged[name] = row_divergences(target, prompts, reference, outputs)
     counter.handle.remove()
     seconds = interleaved(methods, args.repeats, inputs=prompts)
     plain = statistics.median(seconds["plain"])
-    tokens = args.prompts * args.max_new_tokens
+    tokens = args.prompts * args.max_new_tokens * args.batch  # every row's: a batched forward serves them all
     results = {
         name: {
             "seconds": summarize(seconds[name]),
             "speedup": plain / statistics.median(seconds[name]),
             "tokens_per_target_call": tokens / calls[name],
             "identical_to_plain": f"{identical[name]}/{args.prompts}",
+            "divergences": diverged[name],
         }
         for name in methods
     }
@@ -357,6 +417,7 @@ def measure(args, target, vocab: int, methods: dict, refused, training, exactnes
         else deepseek_config(args.quick).to_diff_dict(),
         "dtype": "bfloat16",
         "prompts": args.prompts,
+        "batch": args.batch,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "results": results,
@@ -366,6 +427,7 @@ def measure(args, target, vocab: int, methods: dict, refused, training, exactnes
     output = args.output
     if output is None:
         name = "cpu_bf16" if args.family == "early_exit" else f"mtp_{args.target}_cpu_bf16"
+        name += f"_batch{args.batch}" if args.batch > 1 else ""
         output = DEFAULT_OUTPUT.with_name(f"native_drafters_{name}.json")
     write_results(output, payload)
     print(f"{'method':14} {'speedup':>8} {'tok/call':>9} {'identical':>10} {'x transformers':>15}")

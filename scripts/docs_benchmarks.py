@@ -255,6 +255,7 @@ SETTING_KEYS = {
     "max_gamma": "largest γ",
     "tree_budget": "tree budget",
     "prompts": "prompts",
+    "batch": "rows per call",
     "repeats": "repeats",
     "prompt_length": "prompt length",
     "max_new_tokens": "new tokens",

@@ -55,3 +55,23 @@ def test_quick_mtp_run_trains_a_layer_and_decodes_exactly(bench_native, tmp_path
     for name, row in payload["results"].items():
         assert row["identical_to_plain"] == "1/1", name
     assert payload["results"]["ours_constant_3"]["tokens_per_target_call"] > 1.0
+
+
+def test_quick_mtp_batch_run_verifies_every_row_in_one_forward(bench_native, tmp_path):
+    """`--batch 2`: left-padded batches; transformers' assisted generation refuses them (one sequence at a time);
+    `ours_rows` decodes each row alone, as hf_specdec did before it verified every row in one forward. bfloat16
+    greedy outputs may leave plain's only at near ties, recorded with their logit gap."""
+    output = tmp_path / "native_mtp_batch.json"
+    bench_native.main(
+        ["--quick", "--family", "mtp", "--target", "deepseek_v3", "--batch", "2", "--repeats", "1", "--prompts", "1"]
+        + ["--max-new-tokens", "8", "--threads", "1", "--mtp-steps", "2", "--mtp-texts", "4", "--output", str(output)]
+    )
+    payload = json.loads(output.read_text())
+    assert payload["batch"] == 2
+    assert "batch_size = 1" in payload["results"].pop("transformers")["refused"]
+    assert set(payload["results"]) == {"plain", "ours", "ours_constant_3", "early_exit", "ours_use_mtp", "ours_rows"}
+    assert payload["results"]["plain"]["tokens_per_target_call"] == 2.0  # both rows' tokens per batched forward
+    assert payload["results"]["ours_constant_3"]["tokens_per_target_call"] > 2.0
+    for name, row in payload["results"].items():
+        for gap in row["divergences"]:
+            assert gap["top2_logit_gap"] <= 0.25, (name, gap)
