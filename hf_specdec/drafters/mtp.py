@@ -291,7 +291,9 @@ class MtpDrafter(Drafter):
                 "position."
             )
         for layer in self.cache.layers:  # drop the keys of slots that read a rejected draft, or a reused layer's
-            layer.crop(self.exact - layer.get_seq_length())
+            excess = layer.get_seq_length() - self.exact
+            if excess > 0:  # a sliding-window layer (Mellum's) cannot crop before its first keys, nor by zero once full
+                layer.crop(-excess)
         ids = input_ids
         probs, usable = [], []  # per draft: its q (sampling) and whether the processors left any token
         hidden = self.pending.to(device=self.device, dtype=self.dtype)  # stage 0: slots exact .. length - 2
