@@ -183,3 +183,110 @@ def test_published_layout_decodes_a_left_padded_batch_exactly(family, tmp_path):
         assert sizes[0] == 2 and sizes == sorted(sizes, reverse=True)
     else:
         assert set(sizes) == {1}
+
+
+def qwen_config(family: str):
+    """A tiny Qwen3.5 (dense) or Qwen3-Next (MoE) hybrid: three gated-delta-rule layers, then full attention, as the
+    published ones end. The config declares its MTP layer as they do, `mtp_num_hidden_layers` (no
+    `num_mtp_layers`)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    common.update(num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    common.update(linear_key_head_dim=16, linear_value_head_dim=16, mtp_num_hidden_layers=1, tie_word_embeddings=False)
+    common.update(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "qwen3_next":
+        common.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        )
+    return AutoConfig.for_model(family, **common)
+
+
+def qwen_checkpoint(directory, family: str, context: float = 0.3, roughness: float = 0.05) -> dict:
+    """The published layout of Qwen3.5 / Qwen3-Next MTP weights: `mtp.fc` (the projection), `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden`, `mtp.norm`, and the full-attention block under `mtp.layers.0.` (its experts one by one),
+    beside the model's own keys. The target mostly maps its current token to the next (mixers scaled by `context`,
+    MLP outputs zeroed); the MTP layer passes the embedding it reads through (norm weights 0: these norms scale by
+    1 + w), so its drafts are partly right."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(qwen_config(family)).save_pretrained(directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    block = "model.layers.3."  # the full-attention layer: the MTP block's keys, as the model names them
+    for key in [key for key in tensors if key.startswith(block)]:
+        tensors["mtp.layers.0." + key[len(block) :]] = tensors[key].clone()
+    for key in list(tensors):
+        if "down_proj" in key:
+            tensors[key] = torch.zeros_like(tensors[key])
+        elif key.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight")):
+            tensors[key] = tensors[key] * (roughness if key.startswith("mtp.") else context)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 8.0
+    hidden = 64
+    generator = torch.Generator().manual_seed(1)
+    projection = torch.cat([torch.eye(hidden), torch.randn(hidden, hidden, generator=generator) * roughness], dim=1)
+    tensors["mtp.fc.weight"] = projection
+    tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
+    tensors["mtp.pre_fc_norm_hidden.weight"] = torch.zeros(hidden)
+    tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def drafts_from_scratch(target, mtp, sequence: torch.LongTensor) -> list[int]:
+    """The greedy drafts `MtpModel.forward` makes after `sequence` (`[1, n]`) from a fresh cache, fed the target's
+    `last_hidden_state` at positions 0..n-2, as transformers' `MTPCandidateGenerator` feeds it after a prefill."""
+    from transformers.cache_utils import MtpCache
+
+    length = sequence.shape[1]
+    with torch.no_grad():
+        hidden = target.model(sequence).last_hidden_state[:, : length - 1]
+        drafts, _, _ = mtp(
+            input_ids=sequence[:, 1:],
+            last_hidden_states=hidden,
+            attention_mask=None,
+            position_ids=torch.arange(1, length)[None],
+            mtp_cache=MtpCache(config=mtp.config),
+            do_sample=False,
+            full_input_ids=sequence,
+        )
+    return drafts[0].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+def test_qwen_published_layout_loads_and_drafts_as_its_mtp_model(family, tmp_path):
+    """transformers reads no `mtp_num_hidden_layers` (and refuses these stateful models with a drafter): hf_specdec
+    loads the layer with transformers' loader through a config copy that declares it, the weights land where the
+    published keys say, each round's draft is what `MtpModel` makes from scratch, and the output is plain's (each
+    rejected round rolls the gated-delta state back)."""
+    tensors = qwen_checkpoint(tmp_path, family)
+    target = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
+    assert getattr(target.config, "num_mtp_layers", None) is None and target.config.mtp_num_hidden_layers == 1
+    drafter = MtpDrafter.from_target(target)
+    loaded = dict(drafter.mtp_model.named_parameters())
+    published = {
+        "mtp.fc.weight": "layers.0.eh_proj.weight",
+        "mtp.pre_fc_norm_embedding.weight": "layers.0.enorm.weight",
+        "mtp.pre_fc_norm_hidden.weight": "layers.0.hnorm.weight",
+        "mtp.norm.weight": "layers.0.post_norm.weight",
+        "mtp.layers.0.self_attn.q_proj.weight": "layers.0.mtp_block.self_attn.q_proj.weight",
+    }
+    for key, name in published.items():
+        assert torch.equal(loaded[name], tensors[key]), (key, name)
+    if family == "qwen3_next":  # experts stored one by one, loaded fused
+        gate_up = loaded["layers.0.mtp_block.mlp.experts.gate_up_proj"]
+        assert torch.equal(gate_up[1, : gate_up.shape[1] // 2], tensors["mtp.layers.0.mlp.experts.1.gate_proj.weight"])
+    assert drafter.mtp_model.config.layer_types == ["full_attention"]
+    assert getattr(target.config, "num_mtp_layers", None) is None  # the target's config is not changed
+
+    ids = prompt(6, seed=2)
+    plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+    copies = []
+    recorder = Recorder(drafter.mtp_model)
+    recorder.for_call = lambda context: copies.append(Recorder.for_call(recorder, context)) or copies[-1]
+    out = target.generate(
+        ids, drafter=recorder, speculative_gamma=1, return_dict_in_generate=True, **dict(GREEDY, max_new_tokens=24)
+    )
+    assert torch.equal(out.sequences, plain)
+    assert len(copies[0].log) >= 10
+    for length, drafts in copies[0].log:
+        assert drafts == drafts_from_scratch(target, drafter.mtp_model, out.sequences[:, :length])[:1], length
+    assert 0 < out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens
+    for request in (dict(drafter="mtp", speculative_gamma=3), dict(use_mtp=True)):
+        assert torch.equal(target.generate(ids, **request, **GREEDY, max_new_tokens=24), plain)

@@ -7,9 +7,11 @@ with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the s
 - **Weights.** `MtpModel.from_pretrained(target)`, transformers' own loader: the checkpoint's MTP keys (the target's
   `_keys_to_ignore_on_load_unexpected` patterns, renamed by its conversion mapping), the layers built from
   `config.get_mtp_config()`. For a class that registers no such patterns (Llama, Qwen3, ... with layers trained by
-  `hf_specdec.distill.train_mtp_layers`), `mtp_checkpoint.load_mtp_layers` reads the same layout itself. The token
-  embeddings, the head and the rotary embedding *are* the target's modules (`MtpModel.tie_with_main_model`): nothing
-  is copied.
+  `hf_specdec.distill.train_mtp_layers`), `mtp_checkpoint.load_mtp_layers` reads the same layout itself. Qwen3.5
+  and Qwen3-Next configs declare their layers as `mtp_num_hidden_layers`, which transformers' `MtpModel` does not
+  read: the same loader runs on a view whose config copy declares them (full-attention blocks, as these checkpoints
+  hold under `mtp.`). The token embeddings, the head and the rotary embedding *are* the target's modules
+  (`MtpModel.tie_with_main_model`): nothing is copied.
 - **What is fed.** MTP layer k at slot i (a position of the target whose hidden state is known) reads the previous
   stage's hidden state at i and the embedding of token x_{i+1+k}, at position i+1+k, and its output predicts
   x_{i+2+k}. Stage 0's hidden state is the target's `last_hidden_state` (after the final norm, as transformers feeds
@@ -48,7 +50,7 @@ from transformers import PreTrainedModel
 from ..sampling import sample_tokens
 from ..trees import additive_bias
 from .base import DraftContext, Drafter, DraftProposal, chain_proposal, register_drafter, require_hidden_states
-from .mtp_checkpoint import load_mtp_layers
+from .mtp_checkpoint import load_mtp_layers, mtp_main_model
 from .tree_builder import DynamicTree
 
 __all__ = ["MtpDrafter"]
@@ -60,6 +62,9 @@ def _mtp_layer_count(target: PreTrainedModel) -> int:
     count = getattr(text, "num_mtp_layers", None)
     if isinstance(count, int) and count > 0:
         return count
+    qwen = getattr(text, "mtp_num_hidden_layers", None)  # Qwen3.5 / Qwen3-Next configs name them so
+    if count is None and isinstance(qwen, int) and not isinstance(qwen, bool) and qwen > 0:
+        return qwen
     declared = getattr(text, "num_nextn_predict_layers", None)
     if declared and count is None:
         detail = (
@@ -82,7 +87,7 @@ def _load_mtp_model(target: PreTrainedModel):
     last decoder layer (transformers' choice)."""
     from transformers.modeling_layers import MtpModel
 
-    _mtp_layer_count(target)
+    main = mtp_main_model(target, _mtp_layer_count(target))
     where = target.config.name_or_path
     fix = (
         '`drafter="mtp"` reads them from the checkpoint the target was loaded from (`from_pretrained`); for a model '
@@ -96,11 +101,11 @@ def _load_mtp_model(target: PreTrainedModel):
     last_layer = target.get_decoder().layers[-1]
     device = next((p.device for p in last_layer.parameters() if p.device.type != "meta"), torch.device("cpu"))
     try:
-        MtpModel.get_mtp_weights_regex(target)
+        MtpModel.get_mtp_weights_regex(main)
     except (TypeError, ValueError):  # the class registers no MTP key patterns: read the published layout here
         load = load_mtp_layers
     else:
-        load = lambda target: MtpModel.from_pretrained(target, device_map={"": device})
+        load = lambda target: MtpModel.from_pretrained(main, device_map={"": device})
     try:
         return load(target)
     except (OSError, ValueError, RuntimeError) as error:

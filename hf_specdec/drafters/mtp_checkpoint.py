@@ -22,25 +22,32 @@ from transformers import PreTrainedModel
 
 from ..file_writes import replace_file, save_into, write_text
 
-__all__ = ["build_mtp_layers", "load_mtp_layers", "save_mtp_layers"]
+__all__ = ["build_mtp_layers", "load_mtp_layers", "mtp_main_model", "save_mtp_layers"]
 
 _LIFTED = ("enorm.", "hnorm.", "eh_proj.")  # an MTP layer's own modules, stored beside its block's keys
 _INDEX = "model.safetensors.index.json"
 
 
 class _MainModelView:
-    """What `MtpModel(main_model, n)` reads of its main model, with a copy of its config that declares `n` MTP
-    layers: a model whose config declares none gets MTP layers without its own config being changed."""
+    """What `MtpModel(main_model, n)` (and transformers' `MtpModel.from_pretrained`) reads of its main model, with a
+    copy of its config that declares `n` MTP layers: a model whose config declares none (or declares them as Qwen3.5
+    and Qwen3-Next do, `mtp_num_hidden_layers`) gets MTP layers without its own config being changed. Everything else
+    is the target's."""
 
-    def __init__(self, target: PreTrainedModel, num_mtp_layers: int):
+    def __init__(self, target: PreTrainedModel, num_mtp_layers: int, layer_type: str | None = None):
         self._target = target
         self.config = copy.deepcopy(target.config)
         text = self.config.get_text_config(decoder=True)
         text.num_mtp_layers = num_mtp_layers
-        for field in ("layer_types", "mlp_layer_types"):  # each MTP layer takes the type of the last decoder layer
+        if layer_type is not None and getattr(text, "layer_types", None) is not None:
+            text.mtp_layer_types = [layer_type] * num_mtp_layers
+        for field in ("layer_types", "mlp_layer_types"):  # otherwise the type of the last decoder layer
             types = getattr(text, field, None)
             if types is not None and getattr(text, f"mtp_{field}", None) is None:
                 setattr(text, f"mtp_{field}", [types[-1]] * num_mtp_layers)
+
+    def __getattr__(self, name):  # the class's MTP key patterns, dtype, name_or_path, weight conversions, ...
+        return getattr(self._target, name)
 
     def get_decoder(self):
         return self._target.get_decoder()
@@ -51,6 +58,18 @@ class _MainModelView:
     @property
     def lm_head(self):
         return self._target.get_output_embeddings()
+
+
+def mtp_main_model(target: PreTrainedModel, num_mtp_layers: int):
+    """What transformers' `MtpModel` and its loader take as the main model: `target` itself when its config declares
+    `num_mtp_layers`; for Qwen3.5 / Qwen3-Next configs, which declare `mtp_num_hidden_layers` instead (their
+    checkpoints keep the layers under `mtp.`: `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm` and
+    `layers.{k}`, full-attention decoder blocks), a view whose config copy declares them."""
+    text = target.config.get_text_config(decoder=True)
+    if getattr(text, "num_mtp_layers", None) == num_mtp_layers:
+        return target
+    qwen = getattr(text, "mtp_num_hidden_layers", None) == num_mtp_layers
+    return _MainModelView(target, num_mtp_layers, layer_type="full_attention" if qwen else None)
 
 
 def build_mtp_layers(target: PreTrainedModel, num_mtp_layers: int | None = None):
