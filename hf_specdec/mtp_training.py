@@ -13,7 +13,8 @@ embedding (its `eh_proj` passes the embedding half through and ignores the hidde
 as its post norm: before any step it drafts what the target's own first layer, final norm and head (a LayerSkip early
 exit) would predict one position further on, and training teaches it to use the hidden state. A mixture-of-experts
 block after dense layers (DeepSeek-V3's, GLM-4 MoE's) takes the first layer's MLP as its shared expert, its routed
-experts' outputs zeroed; a block shaped otherwise starts from the model class's initialization.
+experts' outputs zeroed. A hybrid's MTP block, an attention layer after recurrent ones (Qwen3.5's), starts as the
+target's first attention layer. A block that no decoder layer fits starts from the model class's initialization.
 """
 
 from __future__ import annotations
@@ -71,11 +72,13 @@ def _initialize(model, target, init_from_target: bool, seed: int) -> None:
                 weight.copy_(torch.randn(weight.shape, generator=generator) * std)
         if not init_from_target:
             return
-        first = target.get_decoder().layers[0].state_dict()
+        decoder_layers = [layer.state_dict() for layer in target.get_decoder().layers]
         final_norm = getattr(target.get_decoder(), "norm", None)
         scale = _embedding_rms(target)  # eh_proj sees the embedding after `enorm`: scaled back to its size
         for layer in model.layers:
-            _first_layer_as_block(layer.mtp_block, first)
+            # the first decoder layer the block can hold: a hybrid's first layer is a recurrent one, its MTP block an
+            # attention one (Qwen3.5's), which starts as the first attention layer
+            any(_first_layer_as_block(layer.mtp_block, weights) for weights in decoder_layers)
             projection = torch.zeros_like(layer.eh_proj.weight)
             projection[:, :hidden] = torch.eye(hidden) * scale
             layer.eh_proj.weight.copy_(projection)

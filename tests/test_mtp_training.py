@@ -223,3 +223,36 @@ def test_cli_trains_mtp_layers_and_the_saved_model_drafts_with_them(tmp_path, lo
     assert "train-mtp needs data" in capsys.readouterr().err
     assert main([*argv, *data]) == 2
     assert "train-mtp needs a budget" in capsys.readouterr().err
+
+
+def test_a_hybrid_s_mtp_block_starts_as_its_first_attention_layer_and_drafts_exactly():
+    """Qwen3.5: gated-delta-rule layers, then attention layers; its MTP block is an attention layer, which starts as
+    the target's first one (not its first layer, which the block cannot hold). Trained layers then draft on the
+    hybrid exactly, its recurrent state rolled back after each rejection."""
+    from conftest import VOCAB as SMALL_VOCAB
+    from conftest import prompt
+    from test_mtp_checkpoints import qwen_config
+
+    from hf_specdec.mtp_training import _initialize
+
+    config = qwen_config("qwen3_5_text")
+    config.layer_types = ["linear_attention", "linear_attention", "full_attention", "full_attention"]
+    torch.manual_seed(0)
+    target = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(8.0)
+    layers = build_mtp_layers(target, 1)
+    _initialize(layers, target, True, seed=0)
+    block = layers.layers[0].mtp_block.state_dict()
+    first_attention = target.model.layers[2].state_dict()
+    assert set(first_attention) <= set(block)
+    for name, tensor in first_attention.items():
+        assert torch.equal(block[name], tensor), name
+    generator = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, SMALL_VOCAB, (8, 6), generator=generator)
+    texts = GenerationMixin.generate(target, prompts, max_new_tokens=24, do_sample=False).tolist()
+    trained = train_mtp_layers(target, texts=texts, num_steps=2, batch_size=4, show_progress=False)
+    ids = prompt(6, seed=2)
+    plain = target.generate(ids, max_new_tokens=20, do_sample=False)
+    out = target.generate(ids, drafter=MtpDrafter(trained), speculative_gamma=2, max_new_tokens=20, **GREEDY)
+    assert torch.equal(out.sequences, plain) and out.speculative_stats.drafted_tokens > 10
