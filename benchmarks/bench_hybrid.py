@@ -15,7 +15,10 @@ batch 1, seeded random prompts, every method interleaved per prompt and repeated
 
 - plain `generate`; transformers' assisted generation with the same drafter (refused: its error is recorded);
 - ours with the early-exit drafter at the default settings, at constant γ, and at constant γ with `FOLDED_TAIL = 0`;
-- ours with prompt lookup (default settings).
+- ours with prompt lookup (default settings);
+- on the Qwen3.5-shaped hybrid, ours with one MTP layer fitted to it by `hf_specdec.distill.train_mtp_layers`
+  (`--mtp-steps` steps on its own greedy continuations of `--mtp-texts` random prompts; 0: no MTP rows), at the
+  default settings and at constant γ (transformers refuses these models with any drafter).
 
 Reported for each: speedup over plain, tokens per target call, α, identity with plain greedy (bf16 near ties can
 flip: where an output differs, the first differing position and the target's top-2 logit gap there). Costs measured
@@ -25,6 +28,7 @@ recurrent state a checkpoint copies (bytes) and the time of one copy, against a 
     python benchmarks/bench_hybrid.py                                   # both models, 2 threads
     python benchmarks/bench_hybrid.py --models qwen3_5 --prompts 2 --repeats 2 --max-new-tokens 48
     python benchmarks/bench_hybrid.py --quick --output /tmp/hybrid_quick.json   # small shapes, a smoke run
+    python benchmarks/bench_hybrid.py --models qwen3_5 --mtp-steps 30 --mtp-texts 32
 """
 
 from __future__ import annotations
@@ -138,6 +142,23 @@ def build_pair(name: str, quick: bool, dtype: torch.dtype, seed: int = 0):
     return hf_specdec.enable(target), drafter
 
 
+def mtp_drafter(target, args):
+    """One MTP layer fitted to `target` on its own greedy continuations of seeded random prompts (`--mtp-texts` of
+    them, `--max-new-tokens` long), `--mtp-steps` steps; returns its drafter and the training summary."""
+    from hf_specdec.distill import train_mtp_layers
+    from hf_specdec.drafters.mtp import MtpDrafter
+
+    prompts = torch.cat(random_prompts(args.mtp_texts, args.prompt_length, target.config.vocab_size, seed=1000))
+    texts = []
+    for start in range(0, args.mtp_texts, 8):
+        out = GenerationMixin.generate(
+            target, prompts[start : start + 8], max_new_tokens=args.max_new_tokens, do_sample=False
+        )
+        texts += out.tolist()
+    layers = train_mtp_layers(target, texts=texts, num_steps=args.mtp_steps, batch_size=4, show_progress=False)
+    return MtpDrafter(layers), layers.training_summary
+
+
 @torch.no_grad()
 def costs(target, drafter, prompt, repeats: int) -> dict:
     """v(k) for k = 1, 5, 9, 13 at the prompt's context, the drafter's c, and one checkpoint's size and copy time."""
@@ -223,6 +244,14 @@ def run_model(name: str, args) -> dict:
         labels["apart"]: ours(labels["apart"], folded=0, assistant_model=drafter, **constant),
         labels["lookup"]: ours(labels["lookup"], drafter="prompt_lookup"),
     }
+    mtp_training = None
+    if args.mtp_steps and "full_attention" in (getattr(target.config, "layer_types", None) or ()):  # its MTP block
+        mtp, mtp_training = mtp_drafter(target, args)
+        for label, kwargs in (
+            ("ours, MTP layer (defaults)", {}),
+            (f"ours, MTP layer (constant γ {args.gamma})", constant),
+        ):
+            methods[label] = ours(label, drafter=mtp, **kwargs)
     seconds = {m: [[0.0] * len(prompts) for _ in range(args.repeats)] for m in methods}
     calls: dict[str, int] = dict.fromkeys(methods, 0)
     outputs: dict[str, dict[int, torch.Tensor]] = {m: {} for m in methods}
@@ -269,6 +298,7 @@ def run_model(name: str, args) -> dict:
     counter.close()
     return {
         "parameters": parameters,
+        "mtp_training": mtp_training,
         "config": target.config.to_dict(),
         "transformers_assisted_generation": transformers_error or "ran",
         "costs": costs(target, drafter, prompts[0], args.cost_repeats),
@@ -289,6 +319,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
+    parser.add_argument("--mtp-steps", type=int, default=30, help="training steps of the MTP layer (0: no MTP rows)")
+    parser.add_argument("--mtp-texts", type=int, default=32, help="continuations the MTP layer trains on")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()

@@ -11,9 +11,14 @@ def test_the_quick_run_measures_both_hybrids_and_records_transformers_refusal(tm
         bench.main(
             ["--quick", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8", "--prompt-length", "12"]
             + ["--cost-repeats", "1", "--threads", "1", "--dtype", "float32", "--output", str(output)]
+            + ["--mtp-steps", "2", "--mtp-texts", "4"]
         )
     results = json.loads(output.read_text())
     assert set(results["models"]) == {"qwen3_5", "mamba2"}
+    # the hybrid with an attention layer gets an MTP layer fitted to it (two rows); the pure SSM gets none
+    assert results["models"]["qwen3_5"]["mtp_training"]["steps"] == 2
+    assert sum("MTP layer" in name for name in results["models"]["qwen3_5"]["methods"]) == 2
+    assert results["models"]["mamba2"]["mtp_training"] is None
     for model in results["models"].values():
         assert "not supported with stateful models" in model["transformers_assisted_generation"]
         assert model["costs"]["checkpoint_bytes"] > 0
