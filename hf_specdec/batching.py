@@ -339,8 +339,8 @@ class PaddedBatchLane(Lane):
         rectangle (all of it in the first round, its newest column after) and then the drafts; a row's left padding
         among them, and its drafts past those it kept, are left out."""
         states = self.capture.take()  # [round rows, tail + num_drafted, H]
-        fed_from = self.ids.shape[1] - (states.shape[1] - num_drafted)  # the columns cached before the forward
-        tail = self.ids.shape[1] - fed_from
+        tail = states.shape[1] - num_drafted
+        fed_from = self.ids.shape[1] - tail  # the columns cached before the forward
         return {
             r: states[i : i + 1, max(0, self.padding[r] - fed_from) : tail + self.emitted[i] - 1]
             for i, r in enumerate(self.rows)

@@ -107,7 +107,7 @@ def transformers_drafts(target, mtp, sequence: torch.LongTensor, logits_processo
         last_hidden_states=hidden,
         attention_mask=None,
         position_ids=torch.arange(1, length)[None],
-        mtp_cache=MtpCache(config=target.config.get_mtp_config()),
+        mtp_cache=MtpCache(config=mtp.config),  # the MTP config (`get_mtp_config()`) the layers were built from
         do_sample=False,
         logits_processor=logits_processor,
         full_input_ids=sequence,

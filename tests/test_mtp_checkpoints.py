@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import VOCAB, prompt
 from safetensors.torch import load_file, save_file
+from test_mtp import Recorder, recorded_generate, transformers_drafts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_specdec
@@ -104,20 +105,6 @@ LOADED_AS = {
 }
 
 
-class Recorder(MtpDrafter):
-    """Records each non-empty proposal: the length of the sequence it followed, and its tokens."""
-
-    def reset(self, context):
-        super().reset(context)
-        self.log = []
-
-    def propose(self, input_ids, num_tokens, attention_mask=None):
-        proposal = super().propose(input_ids, num_tokens, attention_mask)
-        if proposal.tokens.shape[1]:
-            self.log.append((input_ids.shape[1], proposal.tokens[0].tolist()))
-        return proposal
-
-
 @pytest.mark.parametrize("family", ["glm4_moe", "mellum"])
 def test_published_layout_loads_and_drafts_as_transformers_use_mtp(family, tmp_path, monkeypatch):
     from transformers.generation.candidate_generator import MTPCandidateGenerator
@@ -146,14 +133,12 @@ def test_published_layout_loads_and_drafts_as_transformers_use_mtp(family, tmp_p
     monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval().generate(ids, use_mtp=True, **run)
     monkeypatch.undo()
-    copies = []
-    recorder = Recorder(drafter.mtp_model)
-    recorder.for_call = lambda context: copies.append(Recorder.for_call(recorder, context)) or copies[-1]
-    out = target.generate(
-        ids, drafter=recorder, speculative_gamma=1, return_dict_in_generate=True, **dict(GREEDY, max_new_tokens=24)
+    out, ours = recorded_generate(
+        target, Recorder(drafter.mtp_model), ids, speculative_gamma=1, **dict(GREEDY, max_new_tokens=24)
     )
     assert torch.equal(theirs, plain) and torch.equal(out.sequences, plain)
-    assert copies[0].log == theirs_log[: len(copies[0].log)] and len(copies[0].log) >= 12
+    ours_log = [(sequence.shape[1], drafts) for sequence, drafts in ours.log]
+    assert ours_log == theirs_log[: len(ours_log)] and len(ours_log) >= 12
     assert 0 < out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens
     # longer chains (the layer reused), by name, and transformers' own request on the enabled model
     for request in (dict(drafter="mtp", speculative_gamma=3), dict(use_mtp=True)):
@@ -229,26 +214,6 @@ def qwen_checkpoint(directory, family: str, context: float = 0.3, roughness: flo
     return tensors
 
 
-def drafts_from_scratch(target, mtp, sequence: torch.LongTensor) -> list[int]:
-    """The greedy drafts `MtpModel.forward` makes after `sequence` (`[1, n]`) from a fresh cache, fed the target's
-    `last_hidden_state` at positions 0..n-2, as transformers' `MTPCandidateGenerator` feeds it after a prefill."""
-    from transformers.cache_utils import MtpCache
-
-    length = sequence.shape[1]
-    with torch.no_grad():
-        hidden = target.model(sequence).last_hidden_state[:, : length - 1]
-        drafts, _, _ = mtp(
-            input_ids=sequence[:, 1:],
-            last_hidden_states=hidden,
-            attention_mask=None,
-            position_ids=torch.arange(1, length)[None],
-            mtp_cache=MtpCache(config=mtp.config),
-            do_sample=False,
-            full_input_ids=sequence,
-        )
-    return drafts[0].tolist()
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
 def test_qwen_published_layout_loads_and_drafts_as_its_mtp_model(family, tmp_path):
     """transformers reads no `mtp_num_hidden_layers` (and refuses these stateful models with a drafter): hf_specdec
@@ -277,16 +242,13 @@ def test_qwen_published_layout_loads_and_drafts_as_its_mtp_model(family, tmp_pat
 
     ids = prompt(6, seed=2)
     plain = target.generate(ids, max_new_tokens=24, do_sample=False)
-    copies = []
-    recorder = Recorder(drafter.mtp_model)
-    recorder.for_call = lambda context: copies.append(Recorder.for_call(recorder, context)) or copies[-1]
-    out = target.generate(
-        ids, drafter=recorder, speculative_gamma=1, return_dict_in_generate=True, **dict(GREEDY, max_new_tokens=24)
+    out, ours = recorded_generate(
+        target, Recorder(drafter.mtp_model), ids, speculative_gamma=1, **dict(GREEDY, max_new_tokens=24)
     )
     assert torch.equal(out.sequences, plain)
-    assert len(copies[0].log) >= 10
-    for length, drafts in copies[0].log:
-        assert drafts == drafts_from_scratch(target, drafter.mtp_model, out.sequences[:, :length])[:1], length
+    assert len(ours.log) >= 10
+    for sequence, drafts in ours.log:
+        assert drafts == transformers_drafts(target, drafter.mtp_model, sequence)[:1], sequence.shape[1]
     assert 0 < out.speculative_stats.accepted_tokens < out.speculative_stats.drafted_tokens
     for request in (dict(drafter="mtp", speculative_gamma=3), dict(use_mtp=True)):
         assert torch.equal(target.generate(ids, **request, **GREEDY, max_new_tokens=24), plain)

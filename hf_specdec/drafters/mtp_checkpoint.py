@@ -91,7 +91,7 @@ def build_mtp_layers(target: PreTrainedModel, num_mtp_layers: int | None = None)
             f"`num_mtp_layers` must be a positive integer, got {count!r} (the target's config declares "
             f"`num_mtp_layers={declared!r}`). Pass `num_mtp_layers=1` (DeepSeek-V3's count)."
         )
-    main = target if declared == count else _MainModelView(target, count)
+    main = mtp_main_model(target, count)
     last = target.get_decoder().layers[-1]
     weight = next(p for p in last.parameters())
     with torch.device(weight.device):
