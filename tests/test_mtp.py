@@ -406,11 +406,30 @@ def checkpoint_with_mtp_layer(directory, context: float, roughness: float):
     return tensors
 
 
+def use_mtp_drafts(monkeypatch, model, ids, **kwargs) -> tuple[torch.LongTensor, list]:
+    """transformers' own `generate(use_mtp=True)` on `model` (not enabled), recording each round's drafts: its output
+    and `[(sequence length, drafts)]`."""
+    from transformers.generation.candidate_generator import MTPCandidateGenerator
+
+    log = []
+    get_candidates = MTPCandidateGenerator.get_candidates
+
+    def recording(self, input_ids, **candidate_kwargs):
+        candidates, logits = get_candidates(self, input_ids, **candidate_kwargs)
+        if candidates.shape[1] > input_ids.shape[1]:
+            log.append((input_ids.shape[1], candidates[0, input_ids.shape[1] :].tolist()))
+        return candidates, logits
+
+    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
+    try:
+        return model.generate(ids, use_mtp=True, **kwargs), log
+    finally:
+        monkeypatch.undo()
+
+
 def test_checkpoint_mtp_layers_load_and_draft_as_transformers_use_mtp(tmp_path, monkeypatch):
     """`drafter="mtp"` loads the checkpoint's MTP layer with transformers' loader (same keys, embeddings and head
     shared), and drafts per round exactly what `generate(use_mtp=True)` drafts."""
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-
     tensors = checkpoint_with_mtp_layer(tmp_path, context=0.5, roughness=0.05)
     target = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
     drafter = MtpDrafter.from_target(target)
@@ -423,19 +442,8 @@ def test_checkpoint_mtp_layers_load_and_draft_as_transformers_use_mtp(tmp_path, 
 
     ids = prompt(6, seed=2)
     plain = target.generate(ids, max_new_tokens=16, do_sample=False)
-    theirs_log = []
-    get_candidates = MTPCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, **kwargs):
-        candidates, logits = get_candidates(self, input_ids, **kwargs)
-        if candidates.shape[1] > input_ids.shape[1]:
-            theirs_log.append((input_ids.shape[1], candidates[0, input_ids.shape[1] :].tolist()))
-        return candidates, logits
-
-    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
     plain_target = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # not enabled: transformers' own MTP
-    theirs = plain_target.generate(ids, max_new_tokens=16, do_sample=False, use_mtp=True)
-    monkeypatch.undo()
+    theirs, theirs_log = use_mtp_drafts(monkeypatch, plain_target, ids, max_new_tokens=16, do_sample=False)
     out, ours = recorded_generate(
         target, Recorder(drafter.mtp_model), ids, speculative_gamma=1, **dict(GREEDY, max_new_tokens=16)
     )

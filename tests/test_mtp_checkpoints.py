@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import VOCAB, prompt
 from safetensors.torch import load_file, save_file
-from test_mtp import Recorder, recorded_generate, transformers_drafts
+from test_mtp import Recorder, recorded_generate, transformers_drafts, use_mtp_drafts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_specdec
@@ -107,8 +107,6 @@ LOADED_AS = {
 
 @pytest.mark.parametrize("family", ["glm4_moe", "mellum"])
 def test_published_layout_loads_and_drafts_as_transformers_use_mtp(family, tmp_path, monkeypatch):
-    from transformers.generation.candidate_generator import MTPCandidateGenerator
-
     tensors = published_checkpoint(tmp_path, family)
     target = hf_specdec.enable(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
     drafter = MtpDrafter.from_target(target)
@@ -121,18 +119,7 @@ def test_published_layout_loads_and_drafts_as_transformers_use_mtp(family, tmp_p
     ids = prompt(6, seed=2)
     run = dict(max_new_tokens=24, do_sample=False)  # past Mellum's sliding window of 6
     plain = target.generate(ids, **run)
-    theirs_log = []
-    get_candidates = MTPCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, **kwargs):
-        candidates, logits = get_candidates(self, input_ids, **kwargs)
-        if candidates.shape[1] > input_ids.shape[1]:
-            theirs_log.append((input_ids.shape[1], candidates[0, input_ids.shape[1] :].tolist()))
-        return candidates, logits
-
-    monkeypatch.setattr(MTPCandidateGenerator, "get_candidates", recording)
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval().generate(ids, use_mtp=True, **run)
-    monkeypatch.undo()
+    theirs, theirs_log = use_mtp_drafts(monkeypatch, AutoModelForCausalLM.from_pretrained(tmp_path).eval(), ids, **run)
     out, ours = recorded_generate(
         target, Recorder(drafter.mtp_model), ids, speculative_gamma=1, **dict(GREEDY, max_new_tokens=24)
     )
