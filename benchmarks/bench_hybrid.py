@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import transformers
 from harness import ForwardCounter, divergence, interleaved, merged_stats, time_summary, write_results
-from pairs import random_prompts
+from pairs import random_prompts, trained_mtp_layers
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin
 
 import hf_specdec
@@ -145,17 +145,11 @@ def build_pair(name: str, quick: bool, dtype: torch.dtype, seed: int = 0):
 def mtp_drafter(target, args):
     """One MTP layer fitted to `target` on its own greedy continuations of seeded random prompts (`--mtp-texts` of
     them, `--max-new-tokens` long), `--mtp-steps` steps; returns its drafter and the training summary."""
-    from hf_specdec.distill import train_mtp_layers
     from hf_specdec.drafters.mtp import MtpDrafter
 
-    prompts = torch.cat(random_prompts(args.mtp_texts, args.prompt_length, target.config.vocab_size, seed=1000))
-    texts = []
-    for start in range(0, args.mtp_texts, 8):
-        out = GenerationMixin.generate(
-            target, prompts[start : start + 8], max_new_tokens=args.max_new_tokens, do_sample=False
-        )
-        texts += out.tolist()
-    layers = train_mtp_layers(target, texts=texts, num_steps=args.mtp_steps, batch_size=4, show_progress=False)
+    layers = trained_mtp_layers(
+        target, args.mtp_steps, args.mtp_texts, args.prompt_length, args.max_new_tokens, generation_batch=8
+    )
     return MtpDrafter(layers), layers.training_summary
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 from harness import divergence, interleaved, summarize, write_results
-from pairs import FULL_PAIR, QUICK_PAIR, padded_prompts, random_prompts
+from pairs import FULL_PAIR, QUICK_PAIR, padded_prompts, random_prompts, trained_mtp_layers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin
 
 import hf_specdec
@@ -159,20 +159,6 @@ def methods_for(target, new_tokens: int):
     }
 
 
-def train_layers(target, vocab: int, steps: int, texts: int, prompt_length: int, new_tokens: int):
-    """One MTP layer for `target`, trained on its own greedy continuations of seeded random prompts."""
-    from hf_specdec.distill import train_mtp_layers
-
-    prompts = torch.cat(random_prompts(texts, prompt_length, vocab, seed=1000))
-    sequences = []
-    for start in range(0, texts, 16):
-        out = GenerationMixin.generate(
-            target, prompts[start : start + 16], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-        )
-        sequences += out.tolist()
-    return train_mtp_layers(target, texts=sequences, num_steps=steps, batch_size=4, show_progress=False)
-
-
 def mtp_methods_for(target, drafter, new_tokens: int, from_checkpoint: bool):
     """The MTP rows; with `from_checkpoint` (a target loaded from a checkpoint holding its MTP layers) also
     `ours_use_mtp`: transformers' own request, `use_mtp=True`, served by hf_specdec (the layers loaded per call, as
@@ -208,7 +194,7 @@ def mtp_target(args, folder: str, quick: bool, dtype: torch.dtype = torch.bfloat
     from hf_specdec.drafters.mtp_checkpoint import save_mtp_layers
 
     target, vocab = build_deepseek(quick, dtype) if args.target == "deepseek_v3" else build(quick, dtype)
-    layers = train_layers(target, vocab, args.mtp_steps, args.mtp_texts, args.prompt_length, args.max_new_tokens)
+    layers = trained_mtp_layers(target, args.mtp_steps, args.mtp_texts, args.prompt_length, args.max_new_tokens)
     training = layers.training_summary
     if args.target == "deepseek_v3":
         save_mtp_layers(target, layers, folder)

@@ -5,6 +5,8 @@
   `bench_beam.py` and `bench_prompt_lookup.py --memory-bound`); `QUICK_PAIR`: the same construction at smoke-test size.
 - `early_exit`: the first layers of any causal LM as its untrained drafter (the real-model benchmark's baseline).
 - `random_prompts`: seeded random token prompts; `padded_prompts`: a left-padded batch of prompts of mixed lengths.
+- `trained_mtp_layers`: MTP layers fitted to a target on its own greedy continuations (`bench_native_drafters.py`,
+  `bench_hybrid.py`).
 - `load_target`: SmolLM2-135M-Instruct from its GGUF file (`bench_real_model.py`, `bench_suffix.py`; `DOWNLOAD` says
   how to get it offline, `GGUF_ENV` names the variable that may point at it).
 """
@@ -27,6 +29,7 @@ __all__ = [
     "load_target",
     "padded_prompts",
     "random_prompts",
+    "trained_mtp_layers",
 ]
 
 # TinyLlama-1.1B's shape; build_early_exit_pair's default num_attention_heads (hidden // 64) is 32
@@ -54,6 +57,29 @@ def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, lo
         ids[row, width - length :] = torch.randint(1, vocab, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def trained_mtp_layers(target, steps: int, texts: int, prompt_length: int, new_tokens: int, generation_batch: int = 16):
+    """MTP layers for `target` (`hf_specdec.distill.train_mtp_layers`, `steps` steps of 4 sequences), fitted on its own
+    greedy continuations (`new_tokens` long) of `texts` seeded random prompts, generated `generation_batch` at a
+    time."""
+    from transformers import GenerationMixin
+
+    from hf_specdec.distill import train_mtp_layers
+
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    prompts = torch.cat(random_prompts(texts, prompt_length, vocab, seed=1000))
+    sequences = []
+    for start in range(0, texts, generation_batch):
+        out = GenerationMixin.generate(
+            target,
+            prompts[start : start + generation_batch],
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
+        sequences += out.tolist()
+    return train_mtp_layers(target, texts=sequences, num_steps=steps, batch_size=4, show_progress=False)
 
 
 def early_exit(target, layers: int = 6):
