@@ -46,19 +46,11 @@ from pathlib import Path
 import torch
 import transformers
 from harness import cost_curves, interleaved, spread, write_results  # run from the repository root or benchmarks/
-from pairs import FULL_PAIR
+from pairs import FULL_PAIR, float32_head
 from transformers import GenerationMixin
 
 import hf_specdec
 from hf_specdec.toy import build_early_exit_pair, copying_target
-
-
-def float32_head(model) -> None:
-    """Runs `model`'s output head in float32 (its input cast up): bfloat16 logits near 40 are multiples of 0.25, so
-    the top two of 32000 tie exactly at one token in ten, and the argmax of a tie then depends on how the forward
-    rounded (one token or several). Ties of a float32 head are rare; the hidden states still round differently."""
-    model.lm_head.float()
-    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
 
 
 def run_case(target, prompts, args, label, sweep=()):

@@ -3,6 +3,7 @@
 - `FULL_PAIR`: TinyLlama-1.1B's shape for `hf_specdec.toy.build_early_exit_pair`, the memory-bound pair of
   `bench_memory_bound.py` (also timed by `bench_gpu.py`, `bench_offload.py`, `bench_static_compile.py`,
   `bench_beam.py` and `bench_prompt_lookup.py --memory-bound`); `QUICK_PAIR`: the same construction at smoke-test size.
+- `float32_head`: runs a bfloat16 model's output head in float32 (exact ties of bfloat16 logits are common).
 - `early_exit`: the first layers of any causal LM as its untrained drafter (the real-model benchmark's baseline).
 - `random_prompts`: seeded random token prompts; `padded_prompts`: a left-padded batch of prompts of mixed lengths.
 - `trained_mtp_layers`: MTP layers fitted to a target on its own greedy continuations (`bench_native_drafters.py`,
@@ -26,6 +27,7 @@ __all__ = [
     "PAD",
     "QUICK_PAIR",
     "early_exit",
+    "float32_head",
     "load_target",
     "padded_prompts",
     "random_prompts",
@@ -112,3 +114,11 @@ def load_target(gguf: str):
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     return model, tokenizer
+
+
+def float32_head(model) -> None:
+    """Runs `model`'s output head in float32 (its input cast up): bfloat16 logits near 40 are multiples of 0.25, so
+    the top two of 32000 tie exactly at one token in ten, and the argmax of a tie then depends on how the forward
+    rounded (one token or several). Ties of a float32 head are rare; the hidden states still round differently."""
+    model.lm_head.float()
+    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationMixin, Pipeline, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from . import continuous_batching
 from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
 from .drafter_arguments import resolve_drafter
@@ -78,6 +79,10 @@ class SpeculativeGenerationMixin:
         # that override it (Whisper's `input_features`, SeamlessM4T's `tgt_lang`) name and order them differently
         parent_generate = super().generate
         call = _BoundCall(parent_generate, args, kwargs)
+        if call.extra.get("cache_implementation") == "paged" and (assistant_model is not None or drafter is not None):
+            return continuous_batching.paged_generate(
+                self, parent_generate, call, drafter, assistant_model, drafter_kwargs
+            )
         # the call's `speculative_*` arguments (not a config's, which may hold defaults for later calls)
         called_with = [
             (name, value) for name, value in call.extra.items() if name.startswith("speculative_") and value is not None
@@ -190,32 +195,33 @@ class SpeculativeGenerationMixin:
         return output
 
     def generate_batch(self, inputs, generation_config=None, *args, **kwargs):
-        """transformers' continuous batching, unchanged, but drafting arguments are refused: hf_specdec does not
-        speculate inside continuous batching yet, and transformers' `generate_batch` would drop them without a word."""
-        wanted = [name for name in kwargs if name in _DRAFTING_ARGUMENTS or name.startswith("speculative_")]
-        wanted += [
-            name
-            for name in _TRANSFORMERS_DRAFTING
-            if getattr(generation_config, name, None) not in (None, False) and name not in kwargs
-        ]
-        if wanted:
-            name = wanted[0]
-            value = kwargs[name] if name in kwargs else getattr(generation_config, name)
-            shown = f"<{type(value).__name__}>" if isinstance(value, torch.nn.Module) else repr(value)
-            raise ValueError(
-                f"`{name}={shown}`: hf_specdec does not speculate inside continuous batching (`generate_batch`) "
-                "yet, and transformers' continuous batching would decode without it. Pass a left-padded batch to "
-                "`generate(input_ids, attention_mask=..., ...)` to draft, or drop the drafting arguments."
-            )
-        return super().generate_batch(inputs, generation_config, *args, **kwargs)
+        """transformers' continuous batching; with `drafter=...` (or `assistant_model=...`), `drafter_kwargs` and the
+        `speculative_*` settings, each request drafts and verifies inside it (see `hf_specdec.continuous_batching`),
+        and each result carries its `speculative_stats`. Drafting arguments it cannot serve are refused, never
+        dropped."""
+        request = continuous_batching.take_drafting_request(self, generation_config, kwargs)
+        if request is None:
+            return super().generate_batch(inputs, generation_config, *args, **kwargs)
+        token = continuous_batching.pending_drafting.set(request)
+        try:
+            return super().generate_batch(inputs, generation_config, *args, **kwargs)
+        finally:
+            continuous_batching.pending_drafting.reset(token)
 
+    def init_continuous_batching(
+        self, generation_config=None, continuous_batching_config=None, workload_hints=None, **drafting
+    ):
+        """transformers' `init_continuous_batching`; with `drafter=...` (and `drafter_kwargs`, `speculative_*`), a
+        manager with the same interface whose steps draft and verify."""
+        return continuous_batching.init_manager(
+            self,
+            super().init_continuous_batching,
+            generation_config,
+            continuous_batching_config,
+            workload_hints,
+            drafting,
+        )
 
-# transformers' own drafting settings, which a generation config may carry too
-_TRANSFORMERS_DRAFTING = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
-# what asks for drafting besides the `speculative_*` settings (ours and transformers' own)
-_DRAFTING_ARGUMENTS = frozenset(
-    {"assistant_model", "drafter", "drafter_kwargs", "assistant_tokenizer", "speculation_type", *_TRANSFORMERS_DRAFTING}
-)
 
 # enabled classes whose own `generate` was seen to take `custom_generate` and not use it
 _IGNORES_CUSTOM_GENERATE: set[type] = set()
@@ -441,8 +447,10 @@ def _reject_conflicting_arguments(custom_generate, synced_gpus, generation_confi
         raise ValueError("`synced_gpus=True` is not supported with a drafter yet; drop it or the drafter.")
     if kwargs.get("cache_implementation") == "paged":  # read from the call only, as transformers reads it
         raise ValueError(
-            "`cache_implementation='paged'` switches `generate` to continuous batching (`generate_batch`), where a "
-            "drafter would be left unused (transformers refuses `assistant_model` there too). Drop it or the drafter."
+            "`cache_implementation='paged'` switches `generate` to continuous batching (`generate_batch`), where "
+            "hf_specdec drafts only with `drafter=...` or `assistant_model=...` given to the call, not with "
+            "transformers' own drafting settings (`use_mtp`, `assistant_early_exit`, `speculation_type`). Drop "
+            'them or the paged cache, or pass a drafter it serves there (e.g. `drafter="prompt_lookup"`).'
         )
     config = generation_config if generation_config is not None else model_config
     for name in ("prompt_lookup_num_tokens",):

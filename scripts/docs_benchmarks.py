@@ -64,6 +64,7 @@ FAMILIES = (
     Family("gpu", "GPU", r"^gpu_", "bench_gpu.py"),
     Family("native", "Drafters that ship with the model", r"^native_drafters_", "bench_native_drafters.py"),
     Family("hybrid", "Hybrid and state-space models", r"^hybrid_", "bench_hybrid.py"),
+    Family("continuous-batching", "Continuous batching", r"^continuous_batching_", "bench_continuous_batching.py"),
     Family("other", "Other results", r"", None),
 )
 
@@ -701,7 +702,46 @@ def _read_overhead(data: dict, report: Report) -> bool:
     return True
 
 
+def _read_continuous_batching(data: dict, report: Report) -> bool:
+    """`{"results": {task: {"B=n": {"requests": n, method: {speedup, tokens_per_call, p50_s, ...}}}}}`: one table
+    per task, a row per number of slots, and figures of the fewest and the most slots."""
+    results = data.get("results")
+    if not isinstance(results, dict) or not all(
+        isinstance(rows, dict) and all(key.startswith("B=") for key in rows) for rows in results.values()
+    ):
+        return False
+    for task, rows in results.items():
+        methods = [m for m in next(iter(rows.values())) if m != "requests"]
+        columns = ["slots (B)", "requests"] + [f"{method_label(m)}: speedup, tokens/call, p50 s" for m in methods]
+        table_rows = []
+        for slots, row in rows.items():
+            cells = [slots.removeprefix("B="), row.get("requests")]
+            for m in methods:
+                run = row.get(m, {})
+                speedup, per_call = _number(run.get("speedup")), _number(run.get("tokens_per_call"))
+                text = f"{speedup:.2f}x, {per_call:.2f}, {run.get('p50_s', float('nan')):.2f}" if speedup else "?"
+                cells.append(text if run.get("identical_to_plain", True) else text + " (differs)")
+            table_rows.append(cells)
+        note = "Speedup: tokens per second over plain continuous batching, same requests; every output is compared."
+        report.tables.append(Table(f"Task: {task}", columns, table_rows, note))
+        ends = list(rows.items())
+        for slots, row in ends[:1] + ends[1:][-1:]:  # the fewest and the most slots
+            group = [
+                Method(
+                    method_label(m) if m != "plain" else "plain continuous batching",
+                    _number(row[m].get("speedup")),
+                    _number(row[m].get("tokens_per_call")),
+                    identical="yes" if row[m].get("identical_to_plain") else "no",
+                )
+                for m in methods
+                if isinstance(row.get(m), dict)
+            ]
+            report.groups.append(Group(f"{task}, {slots}", group))
+    return True
+
+
 READERS = (
+    _read_continuous_batching,
     _read_overhead,
     _read_memory_bound,
     _read_method_results,

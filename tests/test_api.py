@@ -273,7 +273,7 @@ def test_drafter_argument_errors():
     with pytest.raises(ValueError, match="`output_attentions` and `output_hidden_states` are not supported"):
         model.generate(prompt(), assistant_model=model, output_attentions=True, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="`cache_implementation='paged'` switches `generate` to continuous batching"):
-        model.generate(prompt(), drafter="prompt_lookup", cache_implementation="paged", max_new_tokens=3)
+        model.generate(prompt(), assistant_early_exit=1, cache_implementation="paged", max_new_tokens=3)
 
 
 @pytest.mark.parametrize(

@@ -1,55 +1,429 @@
-"""Continuous batching (`generate_batch`) on an enabled model: hf_specdec does not speculate there yet, so drafting
-arguments are refused by name instead of being dropped by transformers' `generate_batch` (which takes `**kwargs` and
-reads only `max_new_tokens`), and plain continuous batching is unchanged."""
+"""Speculation inside continuous batching (`generate_batch`, `init_continuous_batching`, `generate(...,
+cache_implementation="paged")`): every request's output equals plain continuous batching's, token for token when
+greedy, in distribution when sampling; what is not served is refused by name, never dropped."""
 
 import pytest
-from conftest import tiny_model
-from transformers import GenerationConfig
+import torch
+from conftest import VOCAB, tiny_model
+from test_sampling_distribution import exact_distribution, goodness_of_fit
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.requests import RequestStatus
 
 import hf_specdec
+from hf_specdec import continuous_batching
 
-PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [7, 8, 9, 10, 7, 8, 9], [3] * 10, list(range(20, 40)), [11, 12]]
+NEW_TOKENS = 20
 
 
 def config(**overrides):
-    return GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, **overrides)
+    values = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    values.update(overrides)
+    return GenerationConfig(**values)
+
+
+def small_cache(**overrides):
+    """Pages of 4 tokens (drafts cross blocks), a small token budget (drafts get trimmed) and fewer slots than
+    requests."""
+    values = dict(page_size=4, num_blocks=64, max_batch_tokens=12, max_requests_per_batch=3, allow_block_sharing=False)
+    values.update(overrides)
+    return ContinuousBatchingConfig(**values)
+
+
+class ScriptedRequests(hf_specdec.Drafter):
+    """Proposes each request's known continuation (found by its prefix), corrupting every `period`-th absolute
+    position: `period=None` always right, 1 never right."""
+
+    def __init__(self, references: list[list[int]], period: int | None = None, vocab: int = VOCAB):
+        self.references, self.period, self.vocab = references, period, vocab
+
+    def propose(self, input_ids, num_tokens):
+        sequence = input_ids[0].tolist()
+        reference = next((r for r in self.references if r[: len(sequence)] == sequence), sequence)  # else: none
+        start = len(sequence)
+        tokens = reference[start : start + num_tokens]
+        if self.period is not None:
+            tokens = [
+                (t + 1) % self.vocab if (start + i) % self.period == self.period - 1 else t
+                for i, t in enumerate(tokens)
+            ]
+        return hf_specdec.DraftProposal(tokens=torch.tensor([tokens], dtype=torch.long))
+
+
+class Unlikely(hf_specdec.Drafter):
+    """Drafts the target's fourth most likely next token, again and again: in the support of top-k 4 sampling,
+    far from the target's distribution."""
+
+    def __init__(self, target):
+        self.target = target
+
+    @torch.no_grad()
+    def propose(self, input_ids, num_tokens):
+        token = self.target(input_ids).logits[0, -1].topk(4).indices[-1]
+        return hf_specdec.DraftProposal(tokens=token.repeat(1, num_tokens))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_specdec.enable(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    outputs = model.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache())
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+
+
+def tokens(outputs):
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(outputs))]
+
+
+@pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_identity_with_plain_continuous_batching(model, plain, period, gamma):
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], period)
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(),
+        continuous_batching_config=small_cache(),
+        drafter=drafter,
+        speculative_gamma=gamma,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == plain
+    stats = [output.speculative_stats for output in outputs.values()]
+    assert all(s.emitted_tokens == NEW_TOKENS for s in stats)
+    drafted, accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    assert drafted > 0
+    if period is None:
+        assert accepted == drafted  # every draft kept, even those trimmed by the token budget
+        assert max(s.mean_accepted_length for s in stats) > 1.5
+    elif period == 1:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix"])
+def test_registered_copy_drafters(model, plain, drafter):
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(),
+        continuous_batching_config=small_cache(),
+        drafter=drafter,
+        speculative_gamma=3,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == plain
+    assert sum(o.speculative_stats.accepted_tokens for o in outputs.values()) > 0
+
+
+def test_prefix_sharing_and_large_pages(model, plain):
+    """Default page size and block sharing on: identical, and the drafts of a rejected round are never hashed."""
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    cache = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    outputs = model.generate_batch(PROMPTS + PROMPTS[:2], config(), continuous_batching_config=cache, drafter=drafter)
+    assert tokens(outputs) == plain + plain[:2]
+
+
+def test_eos_inside_a_block_stops_there(model, plain):
+    stop = next(i for i in range(4, NEW_TOKENS) if plain[0][i] not in plain[0][:i])  # its first occurrence
+    eos = plain[0][stop]
+    expected = [out[: out.index(eos) + 1] if eos in out else out for out in plain]
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)])  # drafts past the EOS
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(eos_token_id=eos),
+        continuous_batching_config=small_cache(),
+        drafter=drafter,
+        speculative_gamma=6,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == expected
+    assert len(expected[0]) == stop + 1
+
+
+def test_max_new_tokens_inside_a_block(model, plain):
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)])
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(max_new_tokens=7),
+        continuous_batching_config=small_cache(),
+        drafter=drafter,
+        speculative_gamma=5,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == [out[:7] for out in plain]
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["no_sharing", "prefix_sharing"])
+def test_manager_cache_invariants_streaming_cancellation_and_no_leaked_blocks(model, plain, sharing):
+    """After every step each decoding request has cached prompt + generated - 1 positions, and each block hashed
+    for prefix sharing lies within them (a block whose slots hold a rejected draft is never hashed); streamed
+    outputs grow as prefixes of the final one; a cancelled request's blocks come back; without sharing every block
+    is free at the end."""
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 4)
+    manager = model.init_continuous_batching(
+        generation_config=config(),
+        continuous_batching_config=small_cache(allow_block_sharing=sharing),
+        drafter=drafter,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    assert isinstance(manager, continuous_batching.SpeculativeContinuousBatchingManager)
+    manager.warmup()
+    processor = manager.batch_processor
+    free_at_start = processor.cache.pool.num_free_sectors
+    update, violations, steps, hashes = processor.update_batch, [], [], set()
+
+    def checked_update():
+        update()
+        steps.append(1)
+        for state in processor.scheduler.active_requests.values():
+            if state.status == RequestStatus.DECODING and state.generated_tokens:
+                expected = len(state.initial_tokens) + len(state.generated_tokens) - 1
+                if state.position_offset != expected:
+                    violations.append((state.request_id, state.position_offset, expected))
+                for allocator in processor.cache.cache_allocators.values():
+                    blocks = allocator.block_table.get(state.request_id, [])
+                    hashed = [i for i, block in enumerate(blocks) if block in allocator.ledger.block_to_hash]
+                    if hashed and (max(hashed) + 1) * allocator.tokens_per_page > state.position_offset:
+                        violations.append((state.request_id, "hashed", max(hashed), state.position_offset))
+                    hashes.update(hashed)
+
+    processor.update_batch = checked_update
+    manager.start()
+    try:
+        streamed = manager.add_request(PROMPTS[0], request_id="streamed", streaming=True)
+        others = [manager.add_request(p, request_id=f"r{i}") for i, p in enumerate(PROMPTS[1:], 1)]
+        cancelled = manager.add_request(list(range(40, 60)), request_id="cancelled", max_new_tokens=200)
+        manager.cancel_request(cancelled)
+        growing = [output.generated_tokens for output in manager.request_id_iter(streamed)]
+        results = {}
+        while len(results) < len(others):
+            result = manager.get_result(timeout=5)
+            assert result is not None
+            if result.request_id in others and result.is_finished():
+                results[result.request_id] = result.generated_tokens
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert growing[-1] == plain[0] and len(growing) > 1
+    assert all(a == b[: len(a)] and len(a) < len(b) for a, b in zip(growing, growing[1:]))
+    assert [results[r] for r in others] == plain[1:]
+    assert steps and not violations
+    assert bool(hashes) == sharing == processor.cache.use_prefix_sharing
+    if sharing:  # finished requests' hashed blocks stay cached for later prompts
+        return
+    processor.cache.pool.try_to_free_sectors()  # blocks go back to their sector first, sectors to the pool lazily
+    assert processor.cache.pool.num_free_sectors == free_at_start
+    assert all(
+        not table for allocator in processor.cache.cache_allocators.values() for table in allocator.block_table.values()
+    )
+
+
+def serve(model, requests, cache, watch=None, generation_config=None, **drafting):
+    """Runs `requests` (`(prompt, add_request kwargs)`) on a started manager; `watch(processor)` before it starts.
+    Returns each request's final output, in order."""
+    manager = model.init_continuous_batching(generation_config or config(), cache, **drafting)
+    manager.warmup()
+    if watch is not None:
+        watch(manager.batch_processor)
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, **kwargs) for prompt, kwargs in requests]
+        finished = {r: next(o for o in manager.request_id_iter(r) if o.is_finished()) for r in ids}
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert all(finished[r].error is None for r in ids)
+    return [finished[r] for r in ids]
+
+
+def test_requests_offloaded_under_memory_pressure_come_back_exact(model, plain):
+    """Too few blocks for every request at once: transformers offloads requests (their cache is dropped and their
+    output so far becomes prompt) and brings them back; they go on drafting and end as plain's."""
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    offloads = []
+
+    def watch(processor):
+        offload = processor.offloading_manager.offload_requests
+        processor.offloading_manager.offload_requests = lambda *a, **k: offloads.append(1) or offload(*a, **k)
+
+    cache = small_cache(num_blocks=14, max_requests_per_batch=5, max_batch_tokens=24)
+    outputs = serve(
+        model,
+        [(p, {}) for p in PROMPTS],
+        cache,
+        watch,
+        drafter=drafter,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    assert offloads
+    assert [output.generated_tokens for output in outputs] == plain
+
+
+def test_per_request_processor_arguments_reach_every_verified_position(model, plain):
+    """With per-request processors, a request sampled at `top_k=1` decodes greedily while its neighbours sample:
+    its arguments must apply to each of its verified positions, not to a neighbour's."""
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    sampled = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=50, eos_token_id=None, pad_token_id=0)
+    cache = small_cache(per_request_processors=True, max_batch_tokens=32, max_requests_per_batch=5)
+    requests = [(p, {"top_k": 1} if i % 2 == 0 else {}) for i, p in enumerate(PROMPTS)]
+    outputs = serve(
+        model, requests, cache, None, sampled, drafter=drafter, speculative_gamma=4, speculative_gamma_policy="constant"
+    )
+    outputs = [output.generated_tokens for output in outputs]
+    assert [outputs[i] for i in range(0, len(PROMPTS), 2)] == plain[::2]
+    assert any(outputs[i] != plain[i] for i in range(1, len(PROMPTS), 2))  # the others did sample
+
+
+def test_generate_with_the_paged_cache_drafts(model):
+    ids = torch.tensor([PROMPTS[0]])
+    plain = model.generate(ids, cache_implementation="paged", max_new_tokens=12, do_sample=False)
+    ours = model.generate(
+        ids, cache_implementation="paged", max_new_tokens=12, do_sample=False, drafter="prompt_lookup"
+    )
+    assert torch.equal(plain, ours)
+    assert continuous_batching.pending_drafting.get() is None
+
+
+@pytest.mark.parametrize("cost, drafts", [((0.0, 1e-3), "none"), ((1.0, 1e-6), "all")])
+def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts):
+    """The default policy verifies no draft when the step is compute-bound (a = 0: no draft can pay) and every draft
+    when a step's fixed cost dwarfs its per-token cost; outputs are identical either way, and the drafts it does not
+    verify still measure each request's acceptance."""
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    watched = []
+
+    def watch(processor):
+        processor.allocator.cost.coefficients = lambda: cost
+        watched.append(processor)
+
+    outputs = serve(model, [(p, {}) for p in PROMPTS], small_cache(max_batch_tokens=64), watch, drafter=drafter)
+    assert [output.generated_tokens for output in outputs] == plain
+    drafted = sum(output.speculative_stats.drafted_tokens for output in outputs)
+    assert (drafted == 0) if drafts == "none" else (drafted >= 3 * NEW_TOKENS)
+    first_drafts_compared = watched[0].allocator.positions[0][1]
+    assert first_drafts_compared >= 2 * len(PROMPTS)  # drafts, verified or not, were compared with the output
+
+
+def test_the_auto_policy_is_exact_with_its_own_fit(model, plain):
+    outputs = model.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache(), drafter="suffix")
+    assert tokens(outputs) == plain
+
+
+SAMPLING = dict(do_sample=True, temperature=0.9, top_k=4, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("lenience", [1.0, 0.05], ids=["exact", "lossy_power_check"])
+def test_sampling_matches_the_target_distribution(model, lenience):
+    """Each request's three tokens (the second verified against a draft far from the target) follow the exactly
+    enumerated target distribution; a lossy verification (lenience 0.05) with the same drafter must fail."""
+    prompt = PROMPTS[1]
+    table = exact_distribution(model, torch.tensor([prompt]), dict(temperature=0.9, top_k=4), length=3)
+    torch.manual_seed(0)
+    outputs = model.generate_batch(
+        [prompt] * 1500,
+        config(**SAMPLING),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=256, max_batch_tokens=256, max_requests_per_batch=64
+        ),
+        drafter=Unlikely(model),
+        speculative_gamma=2,
+        speculative_gamma_policy="constant",
+        speculative_lenience=lenience,
+    )
+    samples = [tuple(output.generated_tokens) for output in outputs.values()]
+    assert len(samples) == 1500 and sum(o.speculative_stats.drafted_tokens for o in outputs.values()) >= 1500
+    p_value = goodness_of_fit(table, samples)
+    if lenience == 1.0:
+        assert p_value > 1e-3
+    else:
+        assert p_value < 1e-6
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs, match",
     [
-        dict(drafter="prompt_lookup"),
-        dict(drafter="prompt_lookup", drafter_kwargs={"max_ngram_size": 2}),
-        dict(speculative_gamma=4),
-        dict(speculative_tree_budget=8),
-        dict(prompt_lookup_num_tokens=3),
-        dict(assistant_early_exit=1),
-        dict(use_mtp=True),
+        (dict(drafter="prompt_lookup", speculative_tree_budget=8), "speculative_tree_budget=8"),
+        (dict(drafter="prompt_lookup", speculative_gamma_policy="optimal"), 'speculative_gamma_policy="optimal"'),
+        (
+            dict(speculative_gamma=4, speculative_gamma_policy="constant"),
+            "`speculative_gamma` was given without a drafter",
+        ),
+        (dict(drafter_kwargs={"max_ngram_size": 2}), "`drafter_kwargs` was given without a drafter"),
+        (dict(prompt_lookup_num_tokens=3), "`prompt_lookup_num_tokens=3` is not served inside continuous batching"),
+        (dict(assistant_early_exit=1), "`assistant_early_exit=1` is not served"),
+        (dict(use_mtp=True), "`use_mtp=True` is not served"),
+        (
+            dict(drafter=type("ReadsStates", (hf_specdec.Drafter,), {"reads_target_hidden_states": True})()),
+            "reads the target's hidden states",
+        ),
+        (
+            dict(drafter=type("ReadsCache", (hf_specdec.Drafter,), {"reads_target_cache": True})()),
+            "reads the target's key/value cache",
+        ),
     ],
-    ids=lambda kwargs: next(iter(kwargs)),
+    ids=lambda value: next(iter(value)) if isinstance(value, dict) else None,
 )
-def test_drafting_arguments_are_refused_by_name(kwargs):
-    model = hf_specdec.enable(tiny_model("llama"))
-    name, value = next(iter(kwargs.items()))
-    with pytest.raises(ValueError, match=f"`{name}={value!r}`.*continuous batching.*generate\\(input_ids"):
-        model.generate_batch(PROMPTS, config(), **kwargs)
+def test_refusals_name_the_argument(model, kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache(), **kwargs)
 
 
-def test_an_assistant_model_is_refused():
-    model = hf_specdec.enable(tiny_model("llama"))
-    with pytest.raises(ValueError, match="`assistant_model=<LlamaForCausalLM>`: .*continuous batching"):
+def test_a_draft_model_is_refused_naming_its_cache(model):
+    with pytest.raises(ValueError, match="drafts with a model of its own"):
         model.generate_batch(PROMPTS, config(), assistant_model=tiny_model("llama", seed=1))
 
 
-@pytest.mark.parametrize("setting", [dict(prompt_lookup_num_tokens=3), dict(assistant_early_exit=1)])
-def test_drafting_settings_in_the_generation_config_are_refused(setting):
-    model = hf_specdec.enable(tiny_model("llama"))
-    with pytest.raises(ValueError, match=f"`{next(iter(setting))}=.*continuous batching"):
-        model.generate_batch(PROMPTS, generation_config=config(**setting))
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(use_async_batching=True), "use_async_batching"),
+        (dict(return_logprobs=True), "return_logprobs"),
+    ],
+)
+def test_continuous_batching_settings_not_served_are_refused(model, setting, match):
+    cache = small_cache(**setting)
+    attention = model.config._attn_implementation
+    with pytest.raises(ValueError, match=f"`ContinuousBatchingConfig\\({match}=...\\)`"):
+        model.generate_batch(PROMPTS, config(), continuous_batching_config=cache, drafter="prompt_lookup")
+    assert model.config._attn_implementation == attention
+
+
+def test_forking_and_sliding_windows_are_refused(model):
+    with pytest.raises(ValueError, match="`num_return_sequences=2`"):
+        model.generate_batch(PROMPTS, config(num_return_sequences=2, do_sample=True), drafter="prompt_lookup")
+    sliding = hf_specdec.enable(tiny_model("mistral", sliding_window=8))
+    with pytest.raises(ValueError, match="mistral has sliding-window attention"):
+        sliding.generate_batch(PROMPTS, config(), drafter="prompt_lookup")
+
+
+def test_an_untested_transformers_release_is_refused(model, monkeypatch):
+    monkeypatch.setattr(continuous_batching.transformers, "__version__", "5.30.0")
+    with pytest.raises(RuntimeError, match="only with transformers 5.24.x.*this is transformers 5.30.0"):
+        model.generate_batch(PROMPTS, config(), drafter="prompt_lookup")
+
+
+def test_a_cached_manager_serves_only_its_own_drafting(model):
+    manager = model.init_continuous_batching(config(), small_cache(), drafter="prompt_lookup")
+    manager.start()
+    manager.stop(block=True, keep_for_next_session=True)
+    try:
+        assert model.init_continuous_batching(config(), small_cache(), drafter="prompt_lookup") is manager
+        with pytest.raises(ValueError, match="other drafting settings.*destroy_cached_continuous_batching_manager"):
+            model.init_continuous_batching(config(), small_cache(), drafter="suffix")
+        with pytest.raises(ValueError, match="other drafting settings"):
+            model.init_continuous_batching(config(), small_cache())
+    finally:
+        model.destroy_cached_continuous_batching_manager()
 
 
 def test_plain_continuous_batching_is_unchanged():
-    plain = tiny_model("llama").generate_batch(PROMPTS, config(), warmup=False)
-    enabled = hf_specdec.enable(tiny_model("llama")).generate_batch(PROMPTS, config(), warmup=False, max_new_tokens=5)
-    assert {k: v.generated_tokens for k, v in enabled.items()} == {k: v.generated_tokens for k, v in plain.items()}
+    plain = tiny_model("llama").generate_batch(PROMPTS[:2], config(max_new_tokens=5), warmup=False)
+    enabled = hf_specdec.enable(tiny_model("llama")).generate_batch(
+        PROMPTS[:2], config(max_new_tokens=5), warmup=False, max_new_tokens=5
+    )
+    assert tokens(enabled) == tokens(plain)
     assert all(len(output.generated_tokens) == 5 for output in plain.values())
+    assert not any(hasattr(output, "speculative_stats") for output in enabled.values())

@@ -1,0 +1,324 @@
+"""One step of speculative continuous batching: drafting before transformers' scheduler runs, the verify forward
+over every request's last token and drafts, and the update that emits the accepted tokens and rolls the request's
+write position back (see `hf_specdec.continuous_batching` for the whole design).
+
+The processor and scheduler are transformers' own objects, upgraded in place to the classes below, so their
+construction (cache sizing, scheduler choice, offloading) stays transformers'.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import time
+
+import torch
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from .configuration import SpeculativeOptions
+from .drafters.base import DraftContext, Drafter, DraftProposal
+from .modeling import logits_width
+from .policies.batch import BatchDraftAllocator
+from .stats import SpeculativeStats
+from .verdicts import verify_round
+
+__all__ = ["SpeculativeBatchProcessor", "draft_trimming"]
+
+
+@functools.cache
+def draft_trimming(scheduler_cls: type) -> type:
+    """transformers' scheduler class `scheduler_cls`, where a decoding request whose drafts do not fit the step's
+    token budget keeps the drafts that fit (at least its last token) instead of being split like a prompt."""
+
+    class DraftTrimmingScheduler(scheduler_cls):
+        def _schedule_request(self, state, request_tokens, token_budget, request_ids_to_remove_from_waiting) -> None:
+            if state.status == RequestStatus.DECODING and len(request_tokens) > token_budget:
+                state.tokens_to_process = request_tokens[:token_budget]
+                return
+            super()._schedule_request(state, request_tokens, token_budget, request_ids_to_remove_from_waiting)
+
+    DraftTrimmingScheduler.__name__ = DraftTrimmingScheduler.__qualname__ = f"DraftTrimming{scheduler_cls.__name__}"
+    return DraftTrimmingScheduler
+
+
+class VerifyingModelRunner(ModelRunner):
+    """transformers' model runner, keeping the processed scores of every verified position instead of sampling (a
+    step without drafts samples as transformers does)."""
+
+    verifying: bool = False  # whether this step verifies drafts
+    arg_rows: torch.LongTensor | None = None  # [positions]: each verified position's request, among those with a token
+    scores: torch.Tensor | None = None  # [positions, vocab]: processed fp32 scores
+
+    def _forward_process_and_sample(self, model, batch_data, carry_over_ids, prev_output_ids, output_ids) -> None:
+        if not self.verifying:
+            return super()._forward_process_and_sample(model, batch_data, carry_over_ids, prev_output_ids, output_ids)
+        logits = model(**batch_data).logits  # [1, positions or seq_len, vocab]
+        indices = batch_data["logits_indices"]
+        if "logits_to_keep" not in batch_data:
+            logits = logits[:, indices, :]
+        scores = logits[0].float()  # [positions, vocab], fp32 as plain continuous batching
+        if self.logit_processor.do_processing:
+            arguments = batch_data["logits_processor_args"][:, self.arg_rows]
+            scores = self.logit_processor(batch_data["input_ids"][0, indices], scores, arguments)
+        self.scores = scores
+
+
+@dataclasses.dataclass
+class _Scheduled:
+    """One request of the step that gets a new token: where its verified positions start in the scores, and its
+    drafts as scheduled (trimmed to the budget; None: it verifies none)."""
+
+    future_state: object
+    start: int
+    proposal: DraftProposal | None
+
+    @property
+    def num_drafted(self) -> int:
+        return 0 if self.proposal is None else self.proposal.tokens.shape[1]
+
+
+class SpeculativeBatchProcessor(ContinuousBatchProcessor):
+    """transformers' batch processor with a drafting step before scheduling and a verifying update after it."""
+
+    def setup_drafting(self, target, drafter: Drafter, options: SpeculativeOptions, generation_config) -> None:
+        self.target, self.drafter, self.options = target, drafter, options
+        self.gamma = options.speculative_gamma
+        self.vocab_size = logits_width(target)
+        self.drafter_processors = target._get_logits_processor(generation_config)
+        self.drafting_config = generation_config
+        runner = self.model_runner
+        runner.__class__ = VerifyingModelRunner
+        self.copies: dict[str, Drafter] = {}  # each request's own drafter
+        self.stats: dict[str, SpeculativeStats] = {}
+        self.proposals: dict[str, DraftProposal] = {}  # this step's drafts to verify, by request
+        self.drafted: dict[str, list[int]] = {}  # every draft of this step, verified or not, by request
+        self.scheduled: list[_Scheduled] = []
+        self.allocator = BatchDraftAllocator() if options.speculative_gamma_policy == "auto" else None
+        self.step_start = 0.0
+
+    def reset(self) -> None:
+        super().reset()
+        self.copies, self.stats, self.proposals, self.drafted, self.scheduled = {}, {}, {}, {}, []
+        if self.allocator is not None:
+            self.allocator.forget_requests()  # the step cost fit stays: same model, same machine
+
+    # ----- drafting and scheduling -----------------------------------------------------------------------------
+
+    def prepare_next_batch(self) -> bool:
+        self._draft()
+        if not super().prepare_next_batch():
+            return False
+        self._plan_verification()
+        return True
+
+    def _draft(self) -> None:
+        """Every decoding request's drafts (up to γ and its room), of which the `auto` policy keeps a count per
+        request priced on the whole step; the others stay shadow drafts, compared with what the request emits."""
+        self.step_start = time.perf_counter()
+        active = self.scheduler.active_requests
+        self._drop_departed(active)
+        self.proposals, self.drafted = {}, {}
+        for request_id, state in active.items():
+            if state.status != RequestStatus.DECODING or not state.generated_tokens:
+                continue
+            last = state.tokens_to_process[:1]
+            room = state._new_tokens_limit - state.generated_len() - 1  # the target's own token comes last
+            num_tokens = min(self.gamma, room)
+            state.tokens_to_process = last
+            if num_tokens <= 0 or (self.allocator and not self.allocator.should_draft(request_id, num_tokens)):
+                continue
+            started = time.perf_counter()
+            # on the host: copy drafters read and answer there, and no request's draft waits for the device
+            sequence = torch.tensor([state.initial_tokens + state.generated_tokens])
+            proposal = self._copy_for(request_id, sequence).propose(sequence, num_tokens)
+            drafts = proposal.tokens[0, :num_tokens].tolist()
+            if self.allocator is not None:
+                self.allocator.observe_draft(time.perf_counter() - started)
+            if any(not 0 <= token < self.vocab_size for token in drafts):
+                raise ValueError(
+                    f"{type(self.drafter).__name__}.propose returned token ids outside [0, {self.vocab_size}) for "
+                    f"request {request_id!r}: {drafts}. A drafter must propose ids of the target's vocabulary."
+                )
+            self.proposals[request_id], self.drafted[request_id] = proposal, drafts
+        counts = self.allocator.allocate({r: len(d) for r, d in self.drafted.items()}) if self.allocator else {}
+        for request_id, drafts in self.drafted.items():
+            count = counts.get(request_id, len(drafts))
+            if count:
+                self.proposals[request_id] = _first(self.proposals[request_id], count)
+            else:  # shadow drafts only
+                del self.proposals[request_id]
+            state = active[request_id]
+            state.tokens_to_process = state.tokens_to_process + drafts[:count]
+
+    def _drop_departed(self, active) -> None:
+        """Drafter copies of requests no longer active (finished, cancelled, or offloaded: those get a new copy when
+        they come back), and the statistics and acceptance counts of requests gone for good (cancelled)."""
+        for request_id in [r for r in self.copies if r not in active]:
+            del self.copies[request_id]
+        waiting = self.scheduler.waiting_requests
+        for request_id in [r for r in self.stats if r not in active and r not in waiting]:
+            del self.stats[request_id]
+        if self.allocator is not None:
+            for request_id in self.allocator.requests() - active.keys() - waiting.keys():
+                self.allocator.forget(request_id)
+
+    def _copy_for(self, request_id: str, sequence: torch.LongTensor) -> Drafter:
+        if request_id not in self.copies:
+            context = DraftContext(
+                target=self.target,
+                input_ids=sequence,
+                logits_processor=self.drafter_processors,
+                generation_config=self.drafting_config,
+                vocab_size=self.vocab_size,
+            )
+            self.copies[request_id] = self.drafter.for_call(context)
+        return self.copies[request_id]
+
+    def _plan_verification(self) -> None:
+        """Where each request's verified positions lie in the packed batch: its last token and its scheduled drafts."""
+        io = self.inputs_and_outputs
+        positions, arg_rows, self.scheduled = [], [], []
+        end = 0
+        for future_state in io.requests_in_batch:
+            end += future_state.query_length
+            if not future_state.has_new_token:
+                continue
+            proposal = self.proposals.get(future_state.state.request_id)
+            num_drafted = future_state.query_length - 1 if proposal is not None else 0  # the scheduler may trim
+            proposal = _first(proposal, num_drafted) if num_drafted else None
+            self.scheduled.append(_Scheduled(future_state, len(positions), proposal))
+            arg_rows += [len(self.scheduled) - 1] * (num_drafted + 1)
+            positions += range(end - 1 - num_drafted, end)
+        # a step where no request verifies drafts runs exactly as transformers' own (its sampling, one host read)
+        self.model_runner.verifying = len(positions) > len(self.scheduled)
+        if self.model_runner.verifying:
+            self.verify_positions = torch.tensor(positions, dtype=torch.int32, device=self.model_device)
+            self.model_runner.arg_rows = torch.tensor(arg_rows, dtype=torch.long, device=self.model_device)
+
+    @torch.no_grad()
+    def _generation_step(self, model) -> None:
+        if not self.model_runner.verifying:
+            return super()._generation_step(model)
+        batch_data = self.inputs_and_outputs.get_model_kwargs(use_padding=False)
+        batch_data["logits_indices"] = self.verify_positions
+        self.model_runner.compute_batch(model, batch_data)
+        self.inputs_and_outputs.retrieve_device_outputs()
+
+    # ----- verification and update -----------------------------------------------------------------------------
+
+    def _verify(self) -> list[tuple[int, int, list[float]]]:
+        """Each scheduled request's (accepted drafts, next token, β per verified draft), in one host read."""
+        if not self.scheduled:  # a step of prompt chunks only
+            return []
+        if not self.model_runner.verifying:  # transformers sampled each request's token
+            return [(0, token, []) for token in self.inputs_and_outputs.output_ids[0, : len(self.scheduled)].tolist()]
+        scores = self.model_runner.scores
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(self.scheduled):
+            groups.setdefault(item.num_drafted, []).append(i)
+        columns, order, width = [], [], 2 + max(groups)
+        for num_drafted, members in groups.items():
+            starts = torch.tensor([self.scheduled[i].start for i in members], device=scores.device)
+            rows = starts[:, None] + torch.arange(num_drafted + 1, device=scores.device)  # [n, k + 1]
+            proposal = _stack([self.scheduled[i].proposal for i in members], self.vocab_size, scores.device)
+            verdict = verify_round(self.do_sample, proposal, scores[rows], self.options)
+            column = torch.cat([verdict.accepted[:, None], verdict.next_tokens[:, None], verdict.betas], 1).double()
+            columns.append(torch.nn.functional.pad(column, (0, width - column.shape[1])))
+            order += members
+        values = torch.cat(columns).tolist()  # the step's one host read
+        results = [None] * len(self.scheduled)
+        for i, row in zip(order, values):
+            results[i] = (int(row[0]), int(row[1]), row[2:])
+        return results
+
+    @torch.no_grad()
+    def update_batch(self) -> None:
+        results = self._verify()
+        outputs = []
+        # a step of decoding requests only (no prompt chunk): the steps whose cost the `auto` policy fits
+        decoding_only = len(self.scheduled) == len(self.inputs_and_outputs.requests_in_batch)
+        for item, (accepted, next_token, betas) in zip(self.scheduled, results):
+            state = item.future_state.state
+            if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):
+                raise RuntimeError(f"Tried to update {state.status.name} request {state.request_id} in sync mode.")
+            if state.generated_len() == 0:
+                state.status = RequestStatus.DECODING
+                decoding_only = False
+            drafts = self.drafted.get(state.request_id, [])[: item.num_drafted]  # as verified, on the host
+            # the verify wrote 1 + k positions; keep the last token's and the accepted drafts'
+            state.position_offset -= len(drafts) - accepted
+            emitted, finished = 0, False
+            for token in drafts[:accepted] + [next_token]:
+                emitted += 1
+                if state.update_and_check_completion(token, None):
+                    finished = True
+                    break
+            self.cache.mark_complete_blocks(state, self._accepted_complete_blocks(state, 1 + accepted))
+            stats = self.stats.setdefault(
+                state.request_id, SpeculativeStats(lenience=self.options.speculative_lenience)
+            )
+            stats.record_round(len(drafts), len(drafts), accepted, betas[: min(accepted + 1, len(drafts))])
+            stats.emitted_tokens += emitted
+            if self.allocator is not None:
+                self.allocator.observe_request(
+                    state.request_id, self.drafted.get(state.request_id, []), state.generated_tokens[-emitted:]
+                )
+            if state.request_id in self.copies:  # also after the last step: a drafter may learn from the output
+                self.copies[state.request_id].on_verified(
+                    torch.tensor([state.initial_tokens + state.generated_tokens]), torch.tensor([accepted])
+                )
+            if finished:
+                self.copies.pop(state.request_id, None)
+                if self.allocator is not None:
+                    self.allocator.forget(state.request_id)
+                self.scheduler.finish_request(state.request_id)
+                self.scheduler.block_new_requests = False
+            if state.streaming or finished:
+                output = state.to_generation_output()
+                output.speculative_stats = self.stats.pop(state.request_id) if finished else copy.deepcopy(stats)
+                outputs.append(output)
+        for future_state in self.inputs_and_outputs.requests_in_batch:  # prompts split across steps
+            if not future_state.has_new_token and future_state.state.status == RequestStatus.PREFILLING:
+                self.cache.mark_complete_blocks(future_state.state, future_state.complete_blocks)
+        if outputs:
+            self.output_router.deliver_batch(outputs)
+        if self.allocator is not None and decoding_only:
+            query_tokens = sum(future_state.query_length for future_state in self.inputs_and_outputs.requests_in_batch)
+            self.allocator.observe_step(query_tokens, time.perf_counter() - self.step_start)
+
+    def _accepted_complete_blocks(self, state, written: int) -> dict[str, int]:
+        """The blocks completed by the `written` accepted positions of this step (the scheduler counted the drafts'
+        too): only these are marked for prefix sharing, so no block holding a rejected draft is ever hashed."""
+        if not self.cache.use_prefix_sharing:
+            return {}
+        before = state.position_offset - written
+        complete = {}
+        for name, allocator in self.cache.cache_allocators.items():
+            count = (before % allocator.tokens_per_page + written) // allocator.tokens_per_page
+            if count:
+                complete[name] = count
+        return complete
+
+
+def _first(proposal: DraftProposal, num_drafted: int) -> DraftProposal:
+    """`proposal` cut to its first `num_drafted` drafts (the policy and the scheduler may trim them)."""
+    probs = proposal.probs[:, :num_drafted] if proposal.probs is not None else None
+    return DraftProposal(tokens=proposal.tokens[:, :num_drafted], probs=probs)
+
+
+def _stack(proposals: list[DraftProposal | None], vocab_size: int, device) -> DraftProposal:
+    """Proposals of the same length as one batch (None: no drafts); deterministic drafts get their one-hot q when
+    others carry q."""
+    if proposals[0] is None:
+        return DraftProposal.empty(len(proposals), device)
+    tokens = torch.cat([p.tokens for p in proposals]).to(device)  # drafted on the host
+    if all(p.probs is None for p in proposals):
+        return DraftProposal(tokens=tokens)
+    probs = [
+        p.probs.to(device) if p.probs is not None else torch.nn.functional.one_hot(p.tokens, vocab_size).to(device)
+        for p in proposals
+    ]
+    return DraftProposal(tokens=tokens, probs=torch.cat([q[..., :vocab_size].float() for q in probs]))

@@ -1,0 +1,176 @@
+"""How many drafts each request verifies in one continuous-batching step, priced on the step's total query tokens.
+
+A step's cost grows with the tokens it packs: on a GPU the verify stays memory-bound up to a few hundred tokens, then
+becomes compute-bound; on a CPU it is compute-bound almost at once. So the value of a draft depends on the whole
+batch, and a γ that pays at one request per step can slow a full batch down. This is the goodput criterion of
+SmartSpec (Liu et al., 2024, "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput"):
+per step, choose each request's draft count k_i to maximize
+
+    expected emitted tokens / predicted step seconds = sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)),
+
+with E_i(k) = 1 + g_i1 + ... + g_ik, where g_ij is the probability that request i's first j drafts are all kept,
+and a + b * T the step's seconds for T query tokens, fitted online by least squares on the recent steps that held no
+prompt chunk (a chunk of hundreds of tokens costs less per token than a few drafts, and would flatten the slope where
+drafts are priced); the number of requests and of drafts make T vary, and until it has varied every draft is
+verified. The k_i are chosen greedily: request i's next draft adds g_i(k_i+1) expected tokens
+and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each request's gains
+shrink with depth). When no draft pays (a compute-bound step, a ~ 0), every request decodes plainly.
+
+g_ij = r_i1 * r_2 * ... * r_j: the request's own rate of keeping its first draft r_i1 (shrunk towards the batch's
+while it has few comparisons) times the batch's rates of keeping draft j once draft j - 1 was kept. Copy drafters
+are right in runs (a copied span is kept whole or breaks early), which these conditional rates capture and a single
+α per request would not. Every step measures them, drafted or not: a request's drafts are compared position by
+position with the tokens it then emitted (a verified draft is kept exactly when it equals the emitted token; a draft
+left unverified is a shadow draft).
+
+Drafting itself costs time (a table lookup, a search): a request whose best drafts would not pay for their own
+drafting at the step's current tokens per second does not draft, but on every `explore_every`-th step, so that the
+drafter's cost is not paid for nothing and the estimates still follow the text.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+
+__all__ = ["BatchDraftAllocator", "StepCostFit", "allocate_drafts"]
+
+
+def allocate_drafts(gains: list[list[float]], a: float, b: float) -> tuple[list[int], float]:
+    """Each request's draft count (at most `len(gains[i])`) maximizing sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)),
+    greedily, with `gains[i][j]` the expected tokens request i's draft j + 1 adds (non-increasing in j); `a` >= 0 and
+    `b` > 0 are the step's fixed and per-token seconds. Returns the counts and the predicted tokens per second."""
+    if not gains:
+        return [], 0.0
+    counts = [0] * len(gains)
+    expected = tokens = float(len(gains))  # every request emits one token from one query token
+    candidates = [(-row[0], i) for i, row in enumerate(gains) if row and row[0] > 0]
+    heapq.heapify(candidates)
+    while candidates:
+        gain, i = -candidates[0][0], candidates[0][1]
+        if gain * (a + b * tokens) <= b * expected:  # (expected + gain) / (seconds + b) <= expected / seconds
+            break
+        heapq.heappop(candidates)
+        counts[i] += 1
+        expected, tokens = expected + gain, tokens + 1
+        if counts[i] < len(gains[i]) and gains[i][counts[i]] > 0:
+            heapq.heappush(candidates, (-gains[i][counts[i]], i))
+    return counts, expected / (a + b * tokens)
+
+
+class StepCostFit:
+    """A step's seconds as a + b * (query tokens), fitted by least squares on the last `window` steps."""
+
+    def __init__(self, window: int = 64, min_steps: int = 4):
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.min_steps = min_steps
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None until `min_steps` steps of at least two different sizes were seen."""
+        if len(self.samples) < self.min_steps or len({t for t, _ in self.samples}) < 2:
+            return None
+        n = len(self.samples)
+        mean_t = sum(t for t, _ in self.samples) / n
+        mean_s = sum(s for _, s in self.samples) / n
+        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
+        cov = sum((t - mean_t) * (s - mean_s) for t, s in self.samples)
+        b = max(cov / var, 1e-12)  # a step never gets cheaper with more tokens
+        a = max(mean_s - b * mean_t, 0.0)
+        return a, b
+
+
+class BatchDraftAllocator:
+    """The `auto` γ policy of continuous batching: `should_draft` and `allocate` before each step, `observe_*` after
+    it."""
+
+    prior_weight = 4.0
+    """Comparisons' worth of the batch's first-draft rate in a request's own."""
+
+    explore_every = 8
+    """A request whose drafts did not pay drafts again only on every `explore_every`-th step."""
+
+    def __init__(self) -> None:
+        self.cost = StepCostFit()
+        self.draft_seconds: float | None = None  # a running mean of one request's drafting time
+        self.goodput: float | None = None  # the last allocation's predicted tokens per second
+        self.forget_requests()
+
+    def forget_requests(self) -> None:
+        """Forgets every request and the acceptance rates (a new generation loop); the step cost fit stays."""
+        self.first: dict[str, list[int]] = {}  # request -> [first drafts kept, first drafts compared]
+        self.positions: list[list[int]] = []  # depth j -> [kept, compared once draft j - 1 was kept], batch-wide
+        self.resting: dict[str, int] = {}  # request -> steps since drafting stopped paying for it
+
+    def _rate(self, kept: int, compared: int, prior: float, weight: float) -> float:
+        return (kept + weight * prior) / (compared + weight)
+
+    def gains(self, request_id: str, cap: int) -> list[float]:
+        """The expected tokens each of the request's next `cap` drafts adds (see the module docstring)."""
+        rates = [self._rate(kept, compared, 0.5, 2.0) for kept, compared in self.positions[:cap]]
+        rates += [0.5] * (cap - len(rates))
+        if cap:
+            kept, compared = self.first.get(request_id, (0, 0))
+            rates[0] = self._rate(kept, compared, rates[0], self.prior_weight)
+        gains, product = [], 1.0
+        for rate in rates:
+            product *= rate
+            gains.append(product)
+        return gains
+
+    def allocate(self, available: dict[str, int]) -> dict[str, int]:
+        """Each request's draft count this step, out of the drafts `available` to it (all of them until the cost
+        fit has seen enough steps)."""
+        fit = self.cost.coefficients()
+        if fit is None or not available:
+            return dict(available)
+        requests = list(available)
+        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], *fit)
+        return dict(zip(requests, counts))
+
+    def should_draft(self, request_id: str, cap: int) -> bool:
+        """Whether drafting up to `cap` tokens for `request_id` this step can pay for the drafting itself: some
+        k <= cap gives more expected tokens per second of drafting and verifying, (E(k) - 1) / (c + b k), than
+        the last step's goodput; else only on every `explore_every`-th step."""
+        fit = self.cost.coefficients()
+        if fit is None or self.goodput is None or self.draft_seconds is None:
+            return True
+        b, gains = fit[1], self.gains(request_id, cap)
+        added = [sum(gains[:k]) / (self.draft_seconds + b * k) for k in range(1, cap + 1)]
+        if added and max(added) > self.goodput:
+            self.resting.pop(request_id, None)
+            return True
+        self.resting[request_id] = self.resting.get(request_id, 0) + 1
+        return self.resting[request_id] % self.explore_every == 0
+
+    def observe_draft(self, seconds: float) -> None:
+        """One request's drafting took `seconds`."""
+        self.draft_seconds = seconds if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * seconds
+
+    def observe_step(self, query_tokens: int, seconds: float) -> None:
+        self.cost.observe(query_tokens, seconds)
+
+    def observe_request(self, request_id: str, drafts: list[int], emitted: list[int]) -> None:
+        """`drafts` (all the request drafted before the step, verified or not) against the tokens it `emitted`."""
+        for depth, (draft, token) in enumerate(zip(drafts, emitted)):
+            if depth == len(self.positions):
+                self.positions.append([0, 0])
+            kept = int(draft == token)
+            self.positions[depth][0] += kept
+            self.positions[depth][1] += 1
+            if depth == 0:
+                first = self.first.setdefault(request_id, [0, 0])
+                first[0] += kept
+                first[1] += 1
+            if not kept:
+                break
+
+    def requests(self) -> set[str]:
+        """The requests this allocator holds anything for."""
+        return self.first.keys() | self.resting.keys()
+
+    def forget(self, request_id: str) -> None:
+        self.first.pop(request_id, None)
+        self.resting.pop(request_id, None)

@@ -1,0 +1,82 @@
+"""The `auto` γ policy of continuous batching (`hf_specdec.policies.batch`): drafts allocated per step by goodput."""
+
+import itertools
+import random
+
+import pytest
+
+from hf_specdec.policies.batch import BatchDraftAllocator, StepCostFit, allocate_drafts
+
+
+def goodput(gains, counts, a, b):
+    expected = sum(1 + sum(row[:k]) for row, k in zip(gains, counts))
+    return expected / (a + b * sum(1 + k for k in counts))
+
+
+def random_gains(rng, cap):
+    gains, product = [], 1.0
+    for _ in range(cap):
+        product *= rng.random()
+        gains.append(product)
+    return gains
+
+
+def test_greedy_allocation_is_the_best_one():
+    """Against every allocation of small batches: the greedy choice reaches the best goodput, and reports it."""
+    rng = random.Random(0)
+    for _ in range(300):
+        gains = [random_gains(rng, rng.randint(0, 3)) for _ in range(rng.randint(1, 3))]
+        a, b = rng.choice([0.0, 0.1, 1.0, 10.0]), rng.uniform(0.05, 1.0)
+        counts, predicted = allocate_drafts(gains, a, b)
+        assert all(0 <= k <= len(row) for k, row in zip(counts, gains))
+        best = max(goodput(gains, c, a, b) for c in itertools.product(*(range(len(row) + 1) for row in gains)))
+        assert goodput(gains, counts, a, b) == pytest.approx(best, rel=1e-12)
+        assert predicted == pytest.approx(best, rel=1e-12)
+
+
+def test_no_draft_pays_on_a_compute_bound_step():
+    assert allocate_drafts([[0.99, 0.98], [0.9, 0.8]], a=0.0, b=1.0)[0] == [0, 0]
+
+
+def test_drafts_follow_acceptance_when_the_step_has_a_fixed_cost():
+    counts, _ = allocate_drafts([[0.95**j for j in range(1, 9)], [0.5**j for j in range(1, 9)], [0.0] * 8], 10.0, 1.0)
+    assert counts[0] > counts[1] > counts[2] == 0
+
+
+def test_the_cost_fit_recovers_a_line_and_waits_for_two_sizes():
+    fit = StepCostFit()
+    for _ in range(5):
+        fit.observe(4, 0.1 + 0.01 * 4)
+    assert fit.coefficients() is None  # one size only: the slope is unknown
+    for tokens in (8, 16, 32):
+        fit.observe(tokens, 0.1 + 0.01 * tokens)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.1) and b == pytest.approx(0.01)
+
+
+def test_rates_are_per_request_first_and_batch_wide_deeper():
+    allocator = BatchDraftAllocator()
+    assert allocator.gains("new", 2) == pytest.approx([0.5, 0.25])
+    for _ in range(10):
+        allocator.observe_request("copying", [1, 2, 3], [1, 2, 3, 4])  # a run of three kept drafts
+        allocator.observe_request("open", [5, 6], [7])  # the first draft is not kept: one comparison
+    copying, open_, new = (allocator.gains(r, 3) for r in ("copying", "open", "new"))
+    assert copying[0] > 0.8 > new[0] > open_[0]
+    # deeper drafts are kept at the batch's conditional rate once the one before was (here: always)
+    assert copying[2] / copying[1] == pytest.approx(open_[2] / open_[1]) and copying[2] / copying[1] > 0.8
+    assert allocator.allocate({"copying": 4, "open": 4}) == {"copying": 4, "open": 4}  # no cost fit yet: explore
+    allocator.forget("copying")
+    assert allocator.gains("copying", 1) == allocator.gains("new", 1)
+
+
+def test_a_request_whose_drafts_cannot_pay_for_their_drafting_drafts_only_now_and_then():
+    allocator = BatchDraftAllocator()
+    for tokens in (4, 8, 16, 32):
+        allocator.observe_step(tokens, 1.0 + 0.001 * tokens)  # a step's fixed cost dominates: drafts are cheap
+    allocator.observe_draft(1e-4)
+    assert allocator.allocate({"r": 4}) == {"r": 4}
+    assert allocator.should_draft("r", 4)
+    allocator.observe_draft(50.0)  # now drafting one request costs far more than the step it saves
+    allocator.draft_seconds = 50.0
+    drafts = [allocator.should_draft("r", 4) for _ in range(2 * allocator.explore_every)]
+    assert drafts.count(True) == 2 and drafts[allocator.explore_every - 1]
