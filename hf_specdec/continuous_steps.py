@@ -97,6 +97,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         self.drafted: dict[str, list[int]] = {}  # every draft of this step, verified or not, by request
         self.scheduled: list[_Scheduled] = []
         self.allocator = BatchDraftAllocator() if options.speculative_gamma_policy == "auto" else None
+        # drafts that cost next to nothing (copied from text) are always made: only their verification is priced
+        self.rests = self.allocator is not None and not drafter.free_drafts
         self.step_start = 0.0
 
     def reset(self) -> None:
@@ -128,7 +130,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             room = state._new_tokens_limit - state.generated_len() - 1  # the target's own token comes last
             num_tokens = min(self.gamma, room)
             state.tokens_to_process = last
-            if num_tokens <= 0 or (self.allocator and not self.allocator.should_draft(request_id, num_tokens)):
+            if num_tokens <= 0 or (self.rests and not self.allocator.should_draft(request_id, num_tokens)):
                 continue
             started = time.perf_counter()
             # on the host: copy drafters read and answer there, and no request's draft waits for the device

@@ -287,12 +287,18 @@ def test_generate_with_the_paged_cache_drafts(model):
     assert continuous_batching.pending_drafting.get() is None
 
 
+class FreeScriptedRequests(ScriptedRequests):
+    free_drafts = True  # like prompt lookup: drafted every step, only their verification priced
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["costly_drafts", "free_drafts"])
 @pytest.mark.parametrize("cost, drafts", [((0.0, 1e-3), "none"), ((1.0, 1e-6), "all")])
-def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts):
+def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, free):
     """The default policy verifies no draft when the step is compute-bound (a = 0: no draft can pay) and every draft
     when a step's fixed cost dwarfs its per-token cost; outputs are identical either way, and the drafts it does not
-    verify still measure each request's acceptance."""
-    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    verify still measure each request's acceptance: every step for free drafts, now and then for costly ones whose
+    drafting does not pay."""
+    drafter = (FreeScriptedRequests if free else ScriptedRequests)([p + out for p, out in zip(PROMPTS, plain)], 3)
     watched = []
 
     def watch(processor):
@@ -304,7 +310,12 @@ def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts):
     drafted = sum(output.speculative_stats.drafted_tokens for output in outputs)
     assert (drafted == 0) if drafts == "none" else (drafted >= 3 * NEW_TOKENS)
     first_drafts_compared = watched[0].allocator.positions[0][1]
-    assert first_drafts_compared >= 2 * len(PROMPTS)  # drafts, verified or not, were compared with the output
+    if drafts == "none" and free:
+        assert first_drafts_compared >= len(PROMPTS) * (NEW_TOKENS - 2)  # every step
+    elif drafts == "none":
+        assert 2 * len(PROMPTS) <= first_drafts_compared < len(PROMPTS) * NEW_TOKENS // 2  # now and then
+    else:
+        assert first_drafts_compared >= len(PROMPTS) * (NEW_TOKENS // 4)
 
 
 def test_the_auto_policy_is_exact_with_its_own_fit(model, plain):
@@ -340,6 +351,28 @@ def test_sampling_matches_the_target_distribution(model, lenience):
         assert p_value > 1e-3
     else:
         assert p_value < 1e-6
+
+
+def test_block_verification_matches_the_target_distribution(model):
+    """`speculative_verification="block"`: two drafts (far from the target) verified jointly at the second token;
+    the four tokens follow the exactly enumerated target distribution."""
+    prompt = PROMPTS[1]
+    table = exact_distribution(model, torch.tensor([prompt]), dict(temperature=0.9, top_k=4), length=4)
+    torch.manual_seed(0)
+    outputs = model.generate_batch(
+        [prompt] * 1500,
+        config(**{**SAMPLING, "max_new_tokens": 4}),
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=256, max_batch_tokens=256, max_requests_per_batch=64
+        ),
+        drafter=Unlikely(model),
+        speculative_gamma=2,
+        speculative_gamma_policy="constant",
+        speculative_verification="block",
+    )
+    stats = [output.speculative_stats for output in outputs.values()]
+    assert max(max(s.drafted_history) for s in stats) == 2
+    assert goodness_of_fit(table, [tuple(output.generated_tokens) for output in outputs.values()]) > 1e-3
 
 
 @pytest.mark.parametrize(

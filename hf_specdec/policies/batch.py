@@ -23,9 +23,11 @@ are right in runs (a copied span is kept whole or breaks early), which these con
 position with the tokens it then emitted (a verified draft is kept exactly when it equals the emitted token; a draft
 left unverified is a shadow draft).
 
-Drafting itself costs time (a table lookup, a search): a request whose best drafts would not pay for their own
-drafting at the step's current tokens per second does not draft, but on every `explore_every`-th step, so that the
-drafter's cost is not paid for nothing and the estimates still follow the text.
+Drafting itself costs time (a table lookup, a search): with a drafter whose drafts are not free (`Drafter.free_drafts`
+unset), a request whose best drafts would not pay for their own drafting at the step's current tokens per second
+does not draft, but on every `explore_every`-th step, so that the drafter's cost is not paid for nothing and the
+estimates still follow the text. Free drafts (prompt lookup, suffix decoding) are made every step: a copy can start
+at any token, and only its verification is priced.
 """
 
 from __future__ import annotations
