@@ -268,8 +268,10 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
                 self.allocator.observe_request(
                     state.request_id, self.drafted.get(state.request_id, []), state.generated_tokens[-emitted:]
                 )
-            if state.request_id in self.copies:  # also after the last step: a drafter may learn from the output
-                self.copies[state.request_id].on_verified(
+            copy_ = self.copies.get(state.request_id)
+            # also after the last step (a drafter may learn from the output); skipped where it is the base no-op
+            if copy_ is not None and type(copy_).on_verified is not Drafter.on_verified:
+                copy_.on_verified(
                     torch.tensor([state.initial_tokens + state.generated_tokens]), torch.tensor([accepted])
                 )
             if finished:
