@@ -179,7 +179,8 @@ _NOT_SERVED = ("assistant_tokenizer", *_TRANSFORMERS_DRAFTING)
 
 def take_drafting_request(model, generation_config, kwargs: dict) -> tuple[Drafter, SpeculativeOptions] | None:
     """Pops the drafting arguments of one `generate_batch` / `init_continuous_batching` call from `kwargs`: the
-    drafter and its options, or None when the call does not draft. What is not served here is refused by name."""
+    drafter and its options, or None when the call does not draft. What is not served here is refused by name.
+    `model` None: checked before any model is loaded (a server's arguments)."""
     for name in _NOT_SERVED:
         value = kwargs.get(name, getattr(generation_config, name, None) if name in _TRANSFORMERS_DRAFTING else None)
         if value not in (None, False):
@@ -189,7 +190,8 @@ def take_drafting_request(model, generation_config, kwargs: dict) -> tuple[Draft
     called_with = sorted(
         name for name, value in kwargs.items() if name.startswith("speculative_") and value is not None
     )
-    options = resolve_speculative_options(kwargs, generation_config, model.generation_config)
+    model_config = model.generation_config if model is not None else GenerationConfig()
+    options = resolve_speculative_options(kwargs, generation_config, model_config)
     if drafter is None and assistant_model is None:
         if drafter_kwargs is not None or called_with:
             name = "drafter_kwargs" if drafter_kwargs is not None else called_with[0]

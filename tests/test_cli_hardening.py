@@ -210,7 +210,7 @@ def subcommands():
     return action.choices
 
 
-@pytest.mark.parametrize("name", ["demo", "generate", "bench", "build-ngram", "distill"])
+@pytest.mark.parametrize("name", ["demo", "generate", "bench", "serve", "build-ngram", "distill"])
 def test_every_option_has_help_and_shows_its_default(name):
     sub = subcommands()[name]
     for action in sub._actions:

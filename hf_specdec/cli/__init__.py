@@ -1,4 +1,4 @@
-"""The `hf-specdec` command line: `demo`, `generate`, `bench`, `build-ngram`, `distill`, `train-drafter`.
+"""The `hf-specdec` command line: `demo`, `generate`, `bench`, `serve`, `build-ngram`, `distill`, `train-drafter`.
 
 Every user error (missing file, drafter whose vocabulary does not fit the target, empty corpus, corrupt checkpoint,
 a number out of range) ends as one line `hf-specdec: error: ...` on stderr and exit status 2, without a traceback.
@@ -6,7 +6,7 @@ Models are loaded from safetensors only (`use_safetensors=True`): a directory ho
 refused before anything is unpickled. A GGUF file (`--gguf-file`, read by transformers' GGUF loader with the `gguf`
 package) holds no pickle either.
 
-One module per command (`demo`, `generate`, `bench`; `training` for the three that build drafters), each with its
+One module per command (`demo`, `generate`, `bench`, `serve`; `training` for the three that build drafters), each with its
 options (`add_parser`); `common`, `loading` and `arguments` hold what they share. `python -m hf_specdec.cli` and
 `python -m hf_specdec` run `main`, as the `hf-specdec` script does.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, generate, training
+from . import bench, demo, generate, serve, training
 from .arguments import Formatter
 from .common import CLIError, one_line
 
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     def command(name, help):
         return commands.add_parser(name, help=help, description=help, formatter_class=Formatter)
 
-    for module in (demo, generate, bench, training):  # the order of `hf-specdec --help`
+    for module in (demo, generate, bench, serve, training):  # the order of `hf-specdec --help`
         module.add_parser(command)
     return parser
 

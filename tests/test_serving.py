@@ -1,0 +1,205 @@
+"""`hf-specdec serve` (`hf_specdec.serving`): transformers' OpenAI-compatible server whose continuous batching drafts.
+Real HTTP on localhost (uvicorn, the `openai` client), the embedded zoo model from its safetensors directory; every
+completion equals plain continuous batching's text for the same prompt, streamed or not, alone or concurrent."""
+
+import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import hf_specdec
+from hf_specdec import serving, zoo
+from hf_specdec.zoo.tasks import load_prompts
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+MODEL = str(zoo.ZOO_DIR / "target")
+NEW_TOKENS = 24
+CACHE = dict(page_size=16, num_blocks=96, max_batch_tokens=256, max_requests_per_batch=4)
+
+
+def prompts(count: int) -> list[str]:
+    """Copy-heavy held-out prompts (a function, then its renamed signature), cut to their last 600 characters."""
+    return [item["prompt"][-600:] for item in load_prompts()["editing"][:count]]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain continuous batching's completion text of each prompt (greedy, the model's EOS), as the server decodes."""
+    target, _, tokenizer = zoo.load_default()
+    texts = prompts(3)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    inputs = [tokenizer(text).input_ids for text in texts]
+    outputs = target.generate_batch(inputs, config, ContinuousBatchingConfig(**CACHE), progress_bar=False)
+    tokens = [outputs[request].generated_tokens for request in sorted(outputs, key=lambda r: int(r.split("_")[-1]))]
+    return {text: tokenizer.decode(ids, skip_special_tokens=True) for text, ids in zip(texts, tokens)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The server on a free localhost port, in this process (so the test sees its model), 1 thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    drafting = {"drafter": "prompt_lookup", "speculative_gamma": 6, "speculative_gamma_policy": "constant"}
+    app, model_manager, state = serving.build_server(
+        MODEL, drafting, device="cpu", dtype="float32", continuous_batching_config=ContinuousBatchingConfig(**CACHE)
+    )
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not uv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield client, model_manager
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        state.shutdown()
+        model_manager.shutdown()
+        torch.set_num_threads(threads)
+
+
+def complete(client, prompt: str, stream: bool = False) -> str:
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=stream
+    )
+    if stream:
+        return "".join(chunk.choices[0].text for chunk in response if chunk.choices)
+    return response.choices[0].text
+
+
+def test_models_endpoint_lists_the_served_model(server):
+    client, _ = server
+    assert [model.id for model in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_plain_continuous_batching_and_drafts(server, reference):
+    client, model_manager = server
+    prompt = next(iter(reference))
+    complete(client, prompt)  # the manager starts with the first request
+    (loaded,) = model_manager.loaded_models.values()
+    calls = []
+    hook = loaded.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        text = complete(client, prompt)
+    finally:
+        hook.remove()
+    assert text == reference[prompt]
+    assert isinstance(loaded.model, hf_specdec.SpeculativeGenerationMixin)
+    # one prefill and one call per step: plain decoding would take NEW_TOKENS - 1 steps after the prefill
+    assert len(calls) < NEW_TOKENS - 1, f"{len(calls)} target calls for {NEW_TOKENS} tokens: nothing was drafted"
+
+
+def test_streamed_completion_equals_plain(server, reference):
+    client, _ = server
+    for prompt, expected in reference.items():
+        assert complete(client, prompt, stream=True) == expected
+
+
+def test_concurrent_requests_each_equal_plain(server, reference):
+    client, _ = server
+    jobs = [(prompt, stream) for prompt in reference for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(lambda job: complete(client, *job), jobs))
+    assert texts == [reference[prompt] for prompt, _ in jobs]
+
+
+def test_other_model_names_are_refused(server):
+    client, _ = server
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="org/other", prompt="x", max_tokens=2)
+    assert "pinned" in error.value.response.text
+
+
+def test_build_server_refuses_drafting_it_cannot_serve():
+    with pytest.raises(ValueError, match="needs a drafter"):
+        serving.build_server(MODEL, {})
+    _, drafter, _ = zoo.load_default()
+    with pytest.raises(ValueError, match="drafts with a model of its own"):
+        serving.build_server(MODEL, {"assistant_model": drafter})
+    with pytest.raises(ValueError, match="speculative_tree_budget"):
+        serving.build_server(MODEL, {"drafter": "prompt_lookup", "speculative_tree_budget": 8})
+    with pytest.raises(ValueError, match="is not a registered drafter|Unknown drafter|unknown drafter"):
+        serving.build_server(MODEL, {"drafter": "no_such_drafter"})
+
+
+def test_requests_transformers_would_serve_sequentially_are_refused():
+    from fastapi import HTTPException
+    from transformers.cli.serving.utils import Modality
+
+    state = serving.SpeculativeGenerationState({"drafter": "prompt_lookup"})
+    target, _, _ = zoo.load_default()
+    assert state.use_continuous_batching(target, Modality.LLM)
+    with pytest.raises(HTTPException) as error:
+        state.use_continuous_batching(target, Modality.VLM)
+    assert error.value.status_code == 400 and "transformers serve" in error.value.detail
+
+
+def test_pickle_only_directories_are_refused(tmp_path):
+    target, _, tokenizer = zoo.load_default()
+    target.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(target.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors only"):
+        serving.build_server(str(tmp_path), {"drafter": "prompt_lookup"}, device="cpu")
+
+
+def test_cli_refuses_drafters_continuous_batching_does_not_serve(capsys):
+    from hf_specdec.cli import main
+
+    assert main(["serve", "--drafter", "model"]) == 2
+    assert "--drafter must be one of prompt_lookup, suffix, ngram" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "suffix", "somewhere"]) == 2
+    assert "takes no path" in capsys.readouterr().err
+    assert main(["serve", "./my-model", "--drafter", "ngram"]) == 2
+    assert "--drafter ngram needs a PATH" in capsys.readouterr().err
+
+
+def test_cli_serves_the_embedded_model_over_http(reference):
+    """`hf-specdec serve` as a user runs it (its own process), answering a real HTTP request with plain's text."""
+    with socket.socket() as probe:  # a free port (released just before the server binds it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "hf_specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--threads", "1", "--cb-num-blocks", "96", "--cb-block-size", "16", "--cb-max-batch-tokens", "256"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        deadline = time.time() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.time() < deadline, "hf-specdec serve did not answer within 120 s"
+                time.sleep(0.5)
+        prompt = next(iter(reference))
+        assert complete(client, prompt) == reference[prompt]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_missing_serving_packages_name_the_install(monkeypatch, capsys):
+    from hf_specdec.cli import main
+
+    monkeypatch.setattr(serving, "is_serve_available", lambda: False)
+    assert main(["serve"]) == 2
+    assert 'pip install "hf-specdec[serve]"' in capsys.readouterr().err
+    with pytest.raises(ImportError, match="serving packages"):
+        serving.build_server(MODEL, {"drafter": "prompt_lookup"})
