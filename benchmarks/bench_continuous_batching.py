@@ -19,7 +19,7 @@ plain in tokens per second. Methods run one after another at each B in an order 
         --output benchmarks/results/continuous_batching_zoo_cpu.json
 
 `--memory-bound` serves the memory-bound pair's target of `bench_memory_bound.py` instead (TinyLlama-1.1B's shape,
-bfloat16, head in float32, random weights) made a copier with `hf_specdec.toy.copying_target` (its attention adds
+bfloat16 with the head in float32, or `--dtype float32`; random weights) made a copier with `hf_specdec.toy.copying_target` (its attention adds
 nothing, so its next token depends on the current one only): task `copy` asks it to continue S + C + S, where C is its
 own continuation of a random S (it writes C again, like a model returning a block of code), task `no_match` a random
 prompt. Only copy drafters make sense there (`--methods plain prompt_lookup prompt_lookup_constant suffix`):
@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--memory-bound", action="store_true", help="the 1.1B bfloat16 copier (see above)")
     parser.add_argument("--prompts", type=int, default=8, help="with --memory-bound: prompts per task")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="with --memory-bound: the copier's dtype (in bfloat16 a verify over several tokens rounds differently "
+        "from a one-token step, so near ties flip and copies break off; float32 keeps them)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a few requests at B in (1, 2), one repeat")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -146,9 +153,11 @@ def zoo_workload(args):
 
 
 def memory_bound_workload(args):
-    target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=10.0, dtype=torch.bfloat16)
+    dtype = getattr(torch, args.dtype)
+    target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=10.0, dtype=dtype)
     del drafter
-    float32_head(target)
+    if dtype == torch.bfloat16:
+        float32_head(target)
     model = hf_specdec.enable(copying_target(target))
     del target
     generator = torch.Generator().manual_seed(0)
