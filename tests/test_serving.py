@@ -167,6 +167,9 @@ def test_cli_refuses_drafters_continuous_batching_does_not_serve(capsys):
     assert "takes no path" in capsys.readouterr().err
     assert main(["serve", "./my-model", "--drafter", "ngram"]) == 2
     assert "--drafter ngram needs a PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--cb-max-memory-percent", "2"])
+    assert "must be a number in (0, 1], got 2.0" in capsys.readouterr().err
 
 
 def test_cli_serves_the_embedded_model_over_http(reference):

@@ -80,6 +80,16 @@ def _drafting(args: argparse.Namespace) -> dict:
     return drafting
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value} (for example 0.8)")
+    return value
+
+
 def _drafter_name(args: argparse.Namespace) -> str:
     return args.drafter[0] if args.drafter else "prompt_lookup"
 
@@ -132,9 +142,15 @@ def add_parser(command) -> None:
     sub.add_argument("--cb-num-blocks", type=positive_int, default=None, metavar="N", help="KV cache blocks")
     sub.add_argument("--cb-max-batch-tokens", type=positive_int, default=None, metavar="N", help="most tokens per step")
     sub.add_argument(
-        "--cb-max-memory-percent", type=float, default=None, metavar="F", help="most GPU memory for the KV cache"
+        "--cb-max-memory-percent",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="fraction of free GPU memory the KV cache may take, in (0, 1]",
     )
     sub.add_argument("--enable-cors", action="store_true", help="permissive CORS")
-    sub.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    sub.add_argument(
+        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="log level"
+    )
     add_threads(sub)
     sub.set_defaults(func=serve)
