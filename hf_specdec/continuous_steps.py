@@ -291,7 +291,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             self.output_router.deliver_batch(outputs)
         if self.allocator is not None and decoding_only:
             query_tokens = sum(future_state.query_length for future_state in self.inputs_and_outputs.requests_in_batch)
-            self.allocator.observe_step(query_tokens, time.perf_counter() - self.step_start)
+            seconds = time.perf_counter() - self.step_start
+            self.allocator.observe_step(query_tokens, seconds, self.model_runner.verifying)
 
     def _accepted_complete_blocks(self, state, written: int) -> dict[str, int]:
         """The blocks completed by the `written` accepted positions of this step (the scheduler counted the drafts'

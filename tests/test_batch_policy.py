@@ -50,8 +50,47 @@ def test_the_cost_fit_recovers_a_line_and_waits_for_two_sizes():
     assert fit.coefficients() is None  # one size only: the slope is unknown
     for tokens in (8, 16, 32):
         fit.observe(tokens, 0.1 + 0.01 * tokens)
-    a, b = fit.coefficients()
-    assert a == pytest.approx(0.1) and b == pytest.approx(0.01)
+    a, b, jump = fit.coefficients()
+    assert a == pytest.approx(0.1) and b == pytest.approx(0.01) and jump == 0.0
+
+
+def test_the_cost_fit_tells_the_jump_of_a_verifying_step_from_the_slope():
+    """A single request's step: one token as a matrix-vector product, a verify as a matrix product (a jump), then
+    a small slope per draft. A line through both kinds would price each draft at the jump's share."""
+    fit = StepCostFit()
+    for tokens in (1, 1, 1):
+        fit.observe(tokens, 0.3, verifying=False)
+    line = StepCostFit()
+    for tokens in (1, 7):
+        line.observe(tokens, 0.3 if tokens == 1 else 0.3 + 0.5 + 0.02 * tokens, verifying=tokens > 1)
+        line.observe(tokens, 0.3 if tokens == 1 else 0.3 + 0.5 + 0.02 * tokens, verifying=tokens > 1)
+    # one size per kind: the jump and the slope cannot be told apart, so the line stands
+    assert line.coefficients()[2] == 0.0 and line.coefficients()[1] > 0.09
+    for tokens in (3, 5, 7, 9, 11):
+        fit.observe(tokens, 0.3 + 0.5 + 0.02 * tokens, verifying=True)
+    a, b, jump = fit.coefficients()
+    assert a + b == pytest.approx(0.3) and b == pytest.approx(0.02) and jump == pytest.approx(0.5 + 0.02)
+
+
+def test_allocation_with_a_jump_is_the_best_one():
+    """Against every allocation of small batches, with a step costing a + b T, plus j when any draft is verified."""
+    rng = random.Random(1)
+    for _ in range(300):
+        gains = {f"r{i}": random_gains(rng, rng.randint(0, 3)) for i in range(rng.randint(1, 3))}
+        a, b, jump = rng.choice([0.1, 1.0, 10.0]), rng.uniform(0.05, 1.0), rng.choice([0.0, 0.5, 2.0, 20.0])
+        allocator = BatchDraftAllocator()
+        allocator.cost.coefficients = lambda: (a, b, jump)
+        allocator.gains = lambda request, cap: gains[request][:cap]
+        counts = allocator.allocate({r: len(g) for r, g in gains.items()})
+        rows = list(gains.values())
+
+        def value(allocation):
+            expected = sum(1 + sum(row[:k]) for row, k in zip(rows, allocation))
+            return expected / (a + b * sum(1 + k for k in allocation) + (jump if any(allocation) else 0.0))
+
+        best = max(value(c) for c in itertools.product(*(range(len(row) + 1) for row in rows)))
+        assert value([counts[r] for r in gains]) == pytest.approx(best, rel=1e-12)
+        assert allocator.goodput == pytest.approx(best, rel=1e-12)
 
 
 def test_rates_are_per_request_first_and_batch_wide_deeper():

@@ -302,7 +302,7 @@ def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, f
     watched = []
 
     def watch(processor):
-        processor.allocator.cost.coefficients = lambda: cost
+        processor.allocator.cost.coefficients = lambda: (*cost, 0.0)
         watched.append(processor)
 
     outputs = serve(model, [(p, {}) for p in PROMPTS], small_cache(max_batch_tokens=64), watch, drafter=drafter)

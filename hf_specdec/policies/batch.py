@@ -9,12 +9,16 @@ per step, choose each request's draft count k_i to maximize
     expected emitted tokens / predicted step seconds = sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)),
 
 with E_i(k) = 1 + g_i1 + ... + g_ik, where g_ij is the probability that request i's first j drafts are all kept,
-and a + b * T the step's seconds for T query tokens, fitted online by least squares on the recent steps that held no
-prompt chunk (a chunk of hundreds of tokens costs less per token than a few drafts, and would flatten the slope where
-drafts are priced); the number of requests and of drafts make T vary, and until it has varied every draft is
-verified. The k_i are chosen greedily: request i's next draft adds g_i(k_i+1) expected tokens
-and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each request's gains
-shrink with depth). When no draft pays (a compute-bound step, a ~ 0), every request decodes plainly.
+and a + b * T (+ j when any draft is verified) the step's seconds for T query tokens, fitted online by least squares
+on the recent steps that held no prompt chunk (a chunk of hundreds of tokens costs less per token than a few drafts,
+and would flatten the slope where drafts are priced); the number of requests and of drafts make T vary, and until it
+has varied every draft is verified. The jump j is what a step pays for leaving the one-token-per-request shape (on a
+CPU a single request's step is a matrix-vector product and its verify a matrix product; on a GPU, transformers'
+decode-only attention path): fitted beside the slope when both kinds of step were seen, so the slope prices one more
+draft, not the switch. The k_i are chosen greedily with the fixed cost a + j: request i's next draft adds g_i(k_i+1)
+expected tokens and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each
+request's gains shrink with depth); the result is kept when it beats decoding plainly at a + b * T. When no draft
+pays (a compute-bound step, a ~ 0), every request decodes plainly.
 
 g_ij = r_i1 * r_2 * ... * r_j: the request's own rate of keeping its first draft r_i1 (shrunk towards the batch's
 while it has few comparisons) times the batch's rates of keeping draft j once draft j - 1 was kept. Copy drafters
@@ -61,27 +65,67 @@ def allocate_drafts(gains: list[list[float]], a: float, b: float) -> tuple[list[
 
 
 class StepCostFit:
-    """A step's seconds as a + b * (query tokens), fitted by least squares on the last `window` steps."""
+    """A step's seconds as a + b * (query tokens) + j * (whether it verifies drafts), fitted by least squares on the
+    last `window` steps."""
 
     def __init__(self, window: int = 64, min_steps: int = 4):
-        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.samples: collections.deque[tuple[int, bool, float]] = collections.deque(maxlen=window)
         self.min_steps = min_steps
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
+    def observe(self, tokens: int, seconds: float, verifying: bool = False) -> None:
+        self.samples.append((tokens, bool(verifying), seconds))
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """(a, b), or None until `min_steps` steps of at least two different sizes were seen."""
-        if len(self.samples) < self.min_steps or len({t for t, _ in self.samples}) < 2:
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, j), or None until `min_steps` steps of at least two different sizes were seen. j is 0 unless steps
+        with and without drafts were seen and the slope can be told apart from the jump (steps of two sizes among
+        those with drafts or among those without); then a negative jump counts as none."""
+        if len(self.samples) < self.min_steps or len({t for t, _, _ in self.samples}) < 2:
             return None
-        n = len(self.samples)
-        mean_t = sum(t for t, _ in self.samples) / n
-        mean_s = sum(s for _, s in self.samples) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self.samples)
-        cov = sum((t - mean_t) * (s - mean_s) for t, s in self.samples)
-        b = max(cov / var, 1e-12)  # a step never gets cheaper with more tokens
-        a = max(mean_s - b * mean_t, 0.0)
-        return a, b
+        sizes = [{t for t, v, _ in self.samples if v is kind} for kind in (False, True)]
+        if all(sizes) and max(len(s) for s in sizes) >= 2:
+            fit = _least_squares([(1.0, float(t), float(v)) for t, v, _ in self.samples], [s for *_, s in self.samples])
+            if fit is not None and fit[2] >= 0:
+                a, b, j = fit
+                return max(a, 0.0), max(b, 1e-12), j
+        a, b = _line([(t, s) for t, _, s in self.samples])
+        return a, b, 0.0
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of the least-squares line s = a + b * t (b > 0: a step never gets cheaper with more tokens)."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_s = sum(s for _, s in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    cov = sum((t - mean_t) * (s - mean_s) for t, s in points)
+    b = max(cov / var, 1e-12)
+    return max(mean_s - b * mean_t, 0.0), b
+
+
+def _least_squares(rows: list[tuple[float, ...]], values: list[float]) -> list[float] | None:
+    """The least-squares solution x of rows @ x = values (three unknowns: the normal equations, by elimination with
+    partial pivoting); None when they are singular."""
+    size = len(rows[0])
+    matrix = [[sum(r[i] * r[k] for r in rows) for k in range(size)] for i in range(size)]
+    vector = [sum(r[i] * v for r, v in zip(rows, values)) for i in range(size)]
+    scale = max(abs(x) for row in matrix for x in row)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(matrix[r][col]))
+        if abs(matrix[pivot][col]) <= 1e-12 * scale:
+            return None
+        matrix[col], matrix[pivot] = matrix[pivot], matrix[col]
+        vector[col], vector[pivot] = vector[pivot], vector[col]
+        for row in range(col + 1, size):
+            factor = matrix[row][col] / matrix[col][col]
+            for k in range(col, size):
+                matrix[row][k] -= factor * matrix[col][k]
+            vector[row] -= factor * vector[col]
+    solution = [0.0] * size
+    for row in reversed(range(size)):
+        solution[row] = (vector[row] - sum(matrix[row][k] * solution[k] for k in range(row + 1, size))) / matrix[row][
+            row
+        ]
+    return solution
 
 
 class BatchDraftAllocator:
@@ -128,8 +172,12 @@ class BatchDraftAllocator:
         fit = self.cost.coefficients()
         if fit is None or not available:
             return dict(available)
+        a, b, jump = fit
         requests = list(available)
-        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], *fit)
+        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], a + jump, b)
+        plain = len(requests) / (a + b * len(requests))  # every request decoding plainly: no jump
+        if plain >= self.goodput:
+            counts, self.goodput = [0] * len(requests), plain
         return dict(zip(requests, counts))
 
     def should_draft(self, request_id: str, cap: int) -> bool:
@@ -151,8 +199,9 @@ class BatchDraftAllocator:
         """One request's drafting took `seconds`."""
         self.draft_seconds = seconds if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * seconds
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None:
-        self.cost.observe(query_tokens, seconds)
+    def observe_step(self, query_tokens: int, seconds: float, verifying: bool = False) -> None:
+        """A step without prompt chunks took `seconds` for `query_tokens`; `verifying`: some request verified drafts."""
+        self.cost.observe(query_tokens, seconds, verifying)
 
     def observe_request(self, request_id: str, drafts: list[int], emitted: list[int]) -> None:
         """`drafts` (all the request drafted before the step, verified or not) against the tokens it `emitted`."""
