@@ -71,14 +71,22 @@ class StepCostFit:
     def __init__(self, window: int = 64, min_steps: int = 4):
         self.samples: collections.deque[tuple[int, bool, float]] = collections.deque(maxlen=window)
         self.min_steps = min_steps
+        self._fit: tuple[float, float, float] | None = None
+        self._fitted = True  # whether `_fit` holds the fit of the current samples
 
     def observe(self, tokens: int, seconds: float, verifying: bool = False) -> None:
         self.samples.append((tokens, bool(verifying), seconds))
+        self._fitted = False
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, b, j), or None until `min_steps` steps of at least two different sizes were seen. j is 0 unless steps
         with and without drafts were seen and the slope can be told apart from the jump (steps of two sizes among
-        those with drafts or among those without); then a negative jump counts as none."""
+        those with drafts or among those without); then a negative jump counts as none. Fitted once per new step."""
+        if not self._fitted:
+            self._fit, self._fitted = self._coefficients(), True
+        return self._fit
+
+    def _coefficients(self) -> tuple[float, float, float] | None:
         if len(self.samples) < self.min_steps or len({t for t, _, _ in self.samples}) < 2:
             return None
         sizes = [{t for t, v, _ in self.samples if v is kind} for kind in (False, True)]
