@@ -173,8 +173,8 @@ def _check_drafting(drafting: dict) -> None:
 
     if drafting.get("drafter") is None and drafting.get("assistant_model") is None:
         raise ValueError(
-            "`hf-specdec serve` needs a drafter (e.g. `--drafter prompt_lookup`); without one, use `transformers "
-            "serve --continuous-batching`."
+            f"`build_server(drafting={drafting!r})` needs a drafter: pass `drafting={{'drafter': 'prompt_lookup'}}` "
+            "(`hf-specdec serve --drafter prompt_lookup`); without one, use `transformers serve --continuous-batching`."
         )
     kwargs = dict(drafting)
     request = take_drafting_request(None, None, kwargs)
