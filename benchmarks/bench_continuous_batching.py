@@ -16,7 +16,7 @@ plain in tokens per second. Methods run one after another at each B in an order 
 `--repeats`.
 
     python benchmarks/bench_continuous_batching.py --threads 2 --slots 1 2 4 8 16 32 --repeats 3 \\
-        --output benchmarks/results/continuous_batching_zoo_cpu.json
+        --output benchmarks/results/continuous_batching_zoo_cpu_2threads.json
 
 `--memory-bound` serves the memory-bound pair's target of `bench_memory_bound.py` instead (TinyLlama-1.1B's shape,
 bfloat16 with the head in float32, or `--dtype float32`; random weights) made a copier with `hf_specdec.toy.copying_target` (its attention adds

@@ -150,7 +150,6 @@ def _check_attention_layout(config) -> None:
 def _check_continuous_batching_config(config) -> None:
     refused = {
         "use_async_batching": bool(config.use_async_batching),
-        "return_logprobs": bool(config.return_logprobs),
         "varlen_compile_config": config.varlen_compile_config is not None,
         "decode_compile_config": config.decode_compile_config is not None,
         "use_cuda_graph": any(config.cuda_graph_booleans),

@@ -211,29 +211,41 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
 
     # ----- verification and update -----------------------------------------------------------------------------
 
-    def _verify(self) -> list[tuple[int, int, list[float]]]:
-        """Each scheduled request's (accepted drafts, next token, β per verified draft), in one host read."""
+    def _verify(self) -> list[tuple[int, int, list[float], list[float] | None]]:
+        """Each scheduled request's (accepted drafts, next token, β per verified draft, and with `return_logprobs`
+        the log-probability of each token it emits), in one host read."""
         if not self.scheduled:  # a step of prompt chunks only
             return []
-        if not self.model_runner.verifying:  # transformers sampled each request's token
-            return [(0, token, []) for token in self.inputs_and_outputs.output_ids[0, : len(self.scheduled)].tolist()]
+        count, logprobs = len(self.scheduled), self.model_runner.return_logprobs
+        if not self.model_runner.verifying:  # transformers sampled each request's token (and its log-probability)
+            output_ids = self.inputs_and_outputs.output_ids
+            if not logprobs:
+                return [(0, token, [], None) for token in output_ids[0, :count].tolist()]
+            # transformers stores each float32 log-probability's bits in its int32 output row
+            values = torch.stack([output_ids[0, :count].double(), output_ids[1, :count].view(torch.float32).double()])
+            tokens, read = values.tolist()
+            return [(0, int(token), [], [value]) for token, value in zip(tokens, read)]
         scores = self.model_runner.scores
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(self.scheduled):
             groups.setdefault(item.num_drafted, []).append(i)
-        columns, order, width = [], [], 2 + max(groups)
+        columns, order, width = [], [], 3 + 2 * max(groups)
         for num_drafted, members in groups.items():
             starts = torch.tensor([self.scheduled[i].start for i in members], device=scores.device)
             rows = starts[:, None] + torch.arange(num_drafted + 1, device=scores.device)  # [n, k + 1]
             proposal = _stack([self.scheduled[i].proposal for i in members], self.vocab_size, scores.device)
             verdict = verify_round(self.do_sample, proposal, scores[rows], self.options)
-            column = torch.cat([verdict.accepted[:, None], verdict.next_tokens[:, None], verdict.betas], 1).double()
+            parts = [verdict.accepted[:, None], verdict.next_tokens[:, None], verdict.betas]
+            if logprobs:
+                parts.append(_emitted_logprobs(scores[rows], proposal.tokens, verdict))
+            column = torch.cat([part.double() for part in parts], 1)
             columns.append(torch.nn.functional.pad(column, (0, width - column.shape[1])))
             order += members
         values = torch.cat(columns).tolist()  # the step's one host read
-        results = [None] * len(self.scheduled)
+        results = [None] * count
         for i, row in zip(order, values):
-            results[i] = (int(row[0]), int(row[1]), row[2:])
+            k = self.scheduled[i].num_drafted
+            results[i] = (int(row[0]), int(row[1]), row[2 : 2 + k], row[2 + k : 3 + 2 * k] if logprobs else None)
         return results
 
     @torch.no_grad()
@@ -242,7 +254,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         outputs = []
         # a step of decoding requests only (no prompt chunk): the steps whose cost the `auto` policy fits
         decoding_only = len(self.scheduled) == len(self.inputs_and_outputs.requests_in_batch)
-        for item, (accepted, next_token, betas) in zip(self.scheduled, results):
+        for item, (accepted, next_token, betas, logprobs) in zip(self.scheduled, results):
             state = item.future_state.state
             if state.status in (RequestStatus.FINISHED, RequestStatus.PENDING):
                 raise RuntimeError(f"Tried to update {state.status.name} request {state.request_id} in sync mode.")
@@ -255,7 +267,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             emitted, finished = 0, False
             for token in drafts[:accepted] + [next_token]:
                 emitted += 1
-                if state.update_and_check_completion(token, None):
+                if state.update_and_check_completion(token, None if logprobs is None else logprobs[emitted - 1]):
                     finished = True
                     break
             self.cache.mark_complete_blocks(state, self._accepted_complete_blocks(state, 1 + accepted))
@@ -306,6 +318,16 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             if count:
                 complete[name] = count
         return complete
+
+
+def _emitted_logprobs(scores: torch.Tensor, drafts: torch.LongTensor, verdict) -> torch.Tensor:
+    """`[n, k + 1]`: at each verified position, the log-probability under the processed scores (`[n, k + 1, vocab]`)
+    of the token emitted there (an accepted draft, then the next token; later positions emit nothing), computed as
+    transformers' continuous batching computes it for the one token it samples."""
+    positions = torch.arange(drafts.shape[1] + 1, device=scores.device)
+    padded = torch.nn.functional.pad(drafts, (0, 1))
+    emitted = torch.where(positions < verdict.accepted[:, None], padded, verdict.next_tokens[:, None])
+    return torch.softmax(scores, dim=-1).gather(-1, emitted[..., None]).squeeze(-1).log()
 
 
 def _first(proposal: DraftProposal, num_drafted: int) -> DraftProposal:

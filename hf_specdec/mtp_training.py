@@ -13,8 +13,9 @@ embedding (its `eh_proj` passes the embedding half through and ignores the hidde
 as its post norm: before any step it drafts what the target's own first layer, final norm and head (a LayerSkip early
 exit) would predict one position further on, and training teaches it to use the hidden state. A mixture-of-experts
 block after dense layers (DeepSeek-V3's, GLM-4 MoE's) takes the first layer's MLP as its shared expert, its routed
-experts' outputs zeroed. A hybrid's MTP block, an attention layer after recurrent ones (Qwen3.5's), starts as the
-target's first attention layer. A block that no decoder layer fits starts from the model class's initialization.
+experts' outputs zeroed. A hybrid's MTP block, an attention layer after recurrent ones (Qwen3.5's), takes its
+attention from the target's first attention layer and its MLP and norms from the first layer. A block that no decoder
+layer fits starts from the model class's initialization.
 """
 
 from __future__ import annotations
@@ -55,17 +56,40 @@ def _embedding_rms(target) -> float:
     return float(target.get_input_embeddings().weight.detach().float().pow(2).mean(-1).sqrt().mean())
 
 
+def _identity_weight(norm: torch.nn.Module) -> float:
+    """The weight at which `norm` only normalizes: 1, or 0 for a norm that scales by `1 + weight` (Qwen3.5's, Gemma's),
+    found by running it: at weight 0, does it give back its input divided by its RMS?"""
+    weight = norm.weight
+    saved = weight.detach().clone()
+    try:
+        weight.zero_()
+        x = torch.randn(2, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+        normalized = x.float() * x.float().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+        try:
+            out = norm(x)
+        except TypeError:  # a norm that reads more than its input (a gated one) scales by its weight
+            return 1.0
+        return 0.0 if torch.allclose(out.float(), normalized, rtol=2e-2, atol=2e-2) else 1.0
+    finally:
+        weight.copy_(saved)
+
+
 def _initialize(model, target, init_from_target: bool, seed: int) -> None:
-    """Seeded weights for every MTP parameter (norms 1, biases of expert routing 0, the rest normal with the config's
-    `initializer_range`), then, with `init_from_target`, the target's first layer as each block (see the module
-    docstring)."""
+    """Seeded weights for every MTP parameter (norms at the weight where they only normalize, biases of expert routing
+    0, the rest normal with the config's `initializer_range`), then, with `init_from_target`, the target's first layer
+    as each block (see the module docstring)."""
     generator = torch.Generator().manual_seed(seed)
     std = getattr(model.config, "initializer_range", 0.02)
     hidden = model.config.hidden_size
     with torch.no_grad():
+        identity = {
+            f"{name}.weight": _identity_weight(module)
+            for name, module in model.layers.named_modules()
+            if "norm" in name.rsplit(".", 1)[-1] and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+        }
         for name, weight in model.layers.named_parameters():
             if "norm" in name.rsplit(".", 2)[-2]:
-                weight.fill_(1.0)
+                weight.fill_(identity.get(name, 1.0))
             elif name.endswith(("bias", "e_score_correction_bias")):
                 weight.zero_()
             else:
@@ -77,8 +101,10 @@ def _initialize(model, target, init_from_target: bool, seed: int) -> None:
         scale = _embedding_rms(target)  # eh_proj sees the embedding after `enorm`: scaled back to its size
         for layer in model.layers:
             # the first decoder layer the block can hold: a hybrid's first layer is a recurrent one, its MTP block an
-            # attention one (Qwen3.5's), which starts as the first attention layer
-            any(_first_layer_as_block(layer.mtp_block, weights) for weights in decoder_layers)
+            # attention one (Qwen3.5's), which starts as the first attention layer, then takes every weight the first
+            # layer has too (its MLP and norms): as much of the first layer as the block can compute
+            if any(_first_layer_as_block(layer.mtp_block, weights) for weights in decoder_layers):
+                _take_matching(layer.mtp_block, decoder_layers[0])
             projection = torch.zeros_like(layer.eh_proj.weight)
             projection[:, :hidden] = torch.eye(hidden) * scale
             layer.eh_proj.weight.copy_(projection)
@@ -108,6 +134,15 @@ def _first_layer_as_block(block: torch.nn.Module, first: dict) -> bool:
             loaded[key] = torch.zeros_like(state[key])
     block.load_state_dict(loaded, strict=False)
     return True
+
+
+def _take_matching(block: torch.nn.Module, weights: dict) -> None:
+    """Loads into `block` every tensor of `weights` (a decoder layer's state dict) whose name and shape it has."""
+    state = block.state_dict()
+    block.load_state_dict(
+        {key: tensor for key, tensor in weights.items() if key in state and state[key].shape == tensor.shape},
+        strict=False,
+    )
 
 
 def _padded(sequences: list[list[int]], indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,12 +7,13 @@ assembles the same parts from transformers' serving modules, with two subclasses
 
 - `SpeculativeModelManager` loads each model as a causal LM from safetensors (or a GGUF file) and enables it
   (`hf_specdec.enable`);
-- `SpeculativeGenerationState` serves every request with continuous batching, through a manager made by
-  `model.init_continuous_batching(..., drafter=...)`.
+- `SpeculativeGenerationState` serves requests with continuous batching, through a manager made by
+  `model.init_continuous_batching(..., drafter=...)`, or, with `continuous_batching=False` and for the requests
+  transformers serves with sequential `generate` (another modality), through transformers' sequential manager, whose
+  `model.generate(...)` calls get the drafting arguments too.
 
-A request that transformers would serve with sequential `generate` instead (a model without continuous batching, or
-another modality) is refused with HTTP 400 naming why: it is never decoded without the drafter the server was started
-with. Needs transformers' serving packages (`pip install "hf-specdec[serve]"`).
+No request is decoded without the drafter the server was started with. Needs transformers' serving packages
+(`pip install "hf-specdec[serve]"`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from transformers.cli.serving.model_manager import ModelManager  # transformers' serving modules import no FastAPI
-from transformers.cli.serving.utils import CBGenerateManager, GenerationState, split_revision
+from transformers.cli.serving.utils import CBGenerateManager, GenerateManager, GenerationState, split_revision
 from transformers.utils.import_utils import is_serve_available
 
 from .continuous_batching import check_transformers_release
 
-__all__ = ["SpeculativeGenerationState", "SpeculativeModelManager", "build_server"]
+__all__ = ["SpeculativeGenerateManager", "SpeculativeGenerationState", "SpeculativeModelManager", "build_server"]
 
 SERVE_INSTALL_HINT = 'Install them with `pip install "hf-specdec[serve]"` (FastAPI, uvicorn, openai).'
 
@@ -85,28 +86,47 @@ class SpeculativeCBGenerateManager(CBGenerateManager):
         self._cb.start()
 
 
-class SpeculativeGenerationState(GenerationState):
-    """transformers serve's generation state: every request in continuous batching, which drafts."""
+class _DraftingModel:
+    """`model` whose `generate` also gets the server's drafting arguments (every other attribute is the model's)."""
 
-    def __init__(self, drafting: dict, cb_config=None):
-        super().__init__(continuous_batching=True, compile=False, cb_config=cb_config)
+    def __init__(self, model, drafting: dict):
+        self._model, self._drafting = model, drafting
+
+    def generate(self, *args, **kwargs):
+        return self._model.generate(*args, **kwargs, **self._drafting)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class SpeculativeGenerateManager(GenerateManager):
+    """transformers serve's sequential manager (`model.generate()` on its inference thread, one request at a time),
+    each call drafting with the server's drafting arguments."""
+
+    def __init__(self, drafting: dict):
+        super().__init__()
         self.drafting = drafting
 
-    def use_continuous_batching(self, model, modality) -> bool:
-        if not super().use_continuous_batching(model, modality):
-            from fastapi import HTTPException
+    def generate_streaming(self, model, *args, **kwargs):
+        return super().generate_streaming(_DraftingModel(model, self.drafting), *args, **kwargs)
 
-            raise HTTPException(
-                status_code=400,
-                detail=(
-                    "hf-specdec serve drafts inside continuous batching, which transformers does not run for "
-                    f"{type(model).__name__} ({getattr(modality, 'name', modality)} requests); serve this model "
-                    "with `transformers serve` (no drafter)."
-                ),
-            )
-        return True
+    async def generate_non_streaming(self, model, *args, **kwargs):
+        return await super().generate_non_streaming(_DraftingModel(model, self.drafting), *args, **kwargs)
+
+
+class SpeculativeGenerationState(GenerationState):
+    """transformers serve's generation state, whose managers draft: continuous batching's (by default) and the
+    sequential one (`continuous_batching=False`, or a request continuous batching does not serve)."""
+
+    def __init__(self, drafting: dict, cb_config=None, continuous_batching: bool = True):
+        super().__init__(continuous_batching=continuous_batching, compile=False, cb_config=cb_config)
+        self.drafting = drafting
 
     def get_manager(self, model_id: str, use_cb: bool = False):
+        if not use_cb:
+            if model_id not in self._generate_managers:
+                self._generate_managers[model_id] = SpeculativeGenerateManager(self.drafting)
+            return self._generate_managers[model_id]
         manager = super().get_manager(model_id, use_cb=True)
         if type(manager) is CBGenerateManager:  # made by transformers, not started yet: upgraded in place
             manager.__class__ = SpeculativeCBGenerateManager
@@ -122,6 +142,7 @@ def build_server(
     dtype: str = "auto",
     attn_implementation: str | None = None,
     model_timeout: int = 300,
+    continuous_batching: bool = True,
     continuous_batching_config=None,
     enable_cors: bool = False,
 ):
@@ -129,6 +150,9 @@ def build_server(
     `/health`, ...), whose continuous batching drafts with `drafting` (the keyword arguments of
     `init_continuous_batching`: `drafter`, `drafter_kwargs`, `speculative_*`). `model`: preloaded and served for
     every request (a local directory, a Hub id, or `<repo>:<file>.gguf`); None: each request names its model.
+    `continuous_batching=False` decodes each request alone with `model.generate(..., **drafting)`, as `transformers
+    serve` does without `--continuous-batching` (for models continuous batching does not run: hybrids, sliding
+    windows).
 
     Returns `(app, model_manager, generation_state)`; the app runs under any ASGI server (`hf-specdec serve` uses
     uvicorn). The drafting arguments are checked here, before any model is loaded.
@@ -147,11 +171,11 @@ def build_server(
         device=device,
         dtype=dtype,
         attn_implementation=attn_implementation,
-        continuous_batching=True,
+        continuous_batching=continuous_batching,
         model_timeout=model_timeout,
         force_model=model,
     )
-    state = SpeculativeGenerationState(drafting, continuous_batching_config)
+    state = SpeculativeGenerationState(drafting, continuous_batching_config, continuous_batching)
     app = build_app(
         model_manager,
         ChatCompletionHandler(model_manager=model_manager, generation_state=state, chat_template_kwargs={}),

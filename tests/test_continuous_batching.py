@@ -118,6 +118,72 @@ def test_registered_copy_drafters(model, plain, drafter):
     assert sum(o.speculative_stats.accepted_tokens for o in outputs.values()) > 0
 
 
+@pytest.mark.parametrize("period", [None, 3], ids=["always_right", "partly_right"])
+def test_log_probabilities_equal_plain_continuous_batching(model, plain, period):
+    """`return_logprobs=True`: each emitted token's log-probability, read off the verify forward for accepted drafts
+    and the token after them, equals plain continuous batching's (to float tolerance: a verify is one forward over
+    several positions)."""
+    cache = small_cache(return_logprobs=True)
+    reference = model.generate_batch(PROMPTS, config(), continuous_batching_config=cache)
+    drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], period)
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(),
+        continuous_batching_config=cache,
+        drafter=drafter,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == plain
+    for request, expected in reference.items():
+        output = outputs[request]
+        assert len(output.logprobs) == len(output.generated_tokens) == NEW_TOKENS
+        torch.testing.assert_close(output.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+        assert output.speculative_stats.accepted_tokens > 0
+        if period is not None:
+            assert output.speculative_stats.accepted_tokens < output.speculative_stats.drafted_tokens
+
+
+class TargetArgmax(hf_specdec.Drafter):
+    """Drafts the target's own greedy continuation: often accepted when sampling at a low temperature, not always."""
+
+    def __init__(self, target):
+        self.target = target
+
+    @torch.no_grad()
+    def propose(self, input_ids, num_tokens):
+        ids = input_ids
+        for _ in range(num_tokens):
+            ids = torch.cat([ids, self.target(ids).logits[:, -1:].argmax(-1)], 1)
+        return hf_specdec.DraftProposal(tokens=ids[:, input_ids.shape[1] :])
+
+
+def test_sampled_log_probabilities_are_the_target_s(model):
+    """Sampling (temperature 0.7) with drafts accepted or not: every emitted token's log-probability is the target's
+    processed log-probability of that token at its position, recomputed from one forward over the output."""
+    drafter = TargetArgmax(model)
+    torch.manual_seed(0)
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(do_sample=True, temperature=0.7, top_k=None, top_p=None),
+        continuous_batching_config=small_cache(return_logprobs=True),
+        drafter=drafter,
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    accepted = rejected = 0
+    for i, prompt in enumerate(PROMPTS):
+        output = outputs[f"req_{i}"]
+        sequence = torch.tensor([prompt + output.generated_tokens])
+        with torch.no_grad():
+            logits = model(sequence).logits[0, len(prompt) - 1 : -1].float() / 0.7
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(output.logprobs), expected, rtol=0, atol=1e-4)
+        accepted += output.speculative_stats.accepted_tokens
+        rejected += output.speculative_stats.drafted_tokens - output.speculative_stats.accepted_tokens
+    assert accepted > 0 and rejected > 0
+
+
 def test_prefix_sharing_and_large_pages(model, plain):
     """Default page size and block sharing on: identical, and the drafts of a rejected round are never hashed."""
     drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
@@ -413,7 +479,6 @@ def test_a_draft_model_is_refused_naming_its_cache(model):
     "setting, match",
     [
         (dict(use_async_batching=True), "use_async_batching"),
-        (dict(return_logprobs=True), "return_logprobs"),
     ],
 )
 def test_continuous_batching_settings_not_served_are_refused(model, setting, match):

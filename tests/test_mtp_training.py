@@ -225,15 +225,17 @@ def test_cli_trains_mtp_layers_and_the_saved_model_drafts_with_them(tmp_path, lo
     assert "train-mtp needs a budget" in capsys.readouterr().err
 
 
-def test_a_hybrid_s_mtp_block_starts_as_its_first_attention_layer_and_drafts_exactly():
-    """Qwen3.5: gated-delta-rule layers, then attention layers; its MTP block is an attention layer, which starts as
-    the target's first one (not its first layer, which the block cannot hold). Trained layers then draft on the
-    hybrid exactly, its recurrent state rolled back after each rejection."""
+def test_a_hybrid_s_mtp_block_starts_as_its_first_layer_where_it_can_and_drafts_exactly():
+    """Qwen3.5: gated-delta-rule layers, then attention layers; its MTP block is an attention layer, which takes the
+    target's first attention layer's attention and its first layer's MLP and norms (as much of the first layer as the
+    block can compute). On a target whose deeper layers are damped, that start agrees with the target far more often
+    than the first attention layer alone. Trained layers then draft on the hybrid exactly, its recurrent state rolled
+    back after each rejection."""
     from conftest import VOCAB as SMALL_VOCAB
     from conftest import prompt
     from test_mtp_checkpoints import qwen_config
 
-    from hf_specdec.mtp_training import _initialize
+    from hf_specdec.mtp_training import _first_layer_as_block, _initialize
 
     config = qwen_config("qwen3_5_text")
     config.layer_types = ["linear_attention", "linear_attention", "full_attention", "full_attention"]
@@ -241,13 +243,26 @@ def test_a_hybrid_s_mtp_block_starts_as_its_first_attention_layer_and_drafts_exa
     target = hf_specdec.enable(AutoModelForCausalLM.from_config(config).eval())
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(8.0)
+        for layer in target.model.layers[1:]:
+            for module in layer.modules():
+                for name in ("out_proj", "o_proj", "down_proj"):
+                    if isinstance(getattr(module, name, None), torch.nn.Linear):
+                        getattr(module, name).weight.mul_(0.05)
     layers = build_mtp_layers(target, 1)
     _initialize(layers, target, True, seed=0)
     block = layers.layers[0].mtp_block.state_dict()
-    first_attention = target.model.layers[2].state_dict()
+    first, first_attention = target.model.layers[0].state_dict(), target.model.layers[2].state_dict()
     assert set(first_attention) <= set(block)
     for name, tensor in first_attention.items():
-        assert torch.equal(block[name], tensor), name
+        source = first if name in first and first[name].shape == tensor.shape else first_attention
+        assert torch.equal(block[name], source[name]), name
+    assert any(name.startswith("mlp.") for name in first) and any(name.startswith("self_attn.") for name in block)
+    generator = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, SMALL_VOCAB, (8, 6), generator=generator)
+    texts = GenerationMixin.generate(target, prompts, max_new_tokens=24, do_sample=False).tolist()
+    merged = mtp_agreement(layers, target, texts)[0]
+    _first_layer_as_block(layers.layers[0].mtp_block, first_attention)  # the first attention layer alone
+    assert merged > mtp_agreement(layers, target, texts)[0] + 0.1
     generator = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, SMALL_VOCAB, (8, 6), generator=generator)
     texts = GenerationMixin.generate(target, prompts, max_new_tokens=24, do_sample=False).tolist()
@@ -256,3 +271,29 @@ def test_a_hybrid_s_mtp_block_starts_as_its_first_attention_layer_and_drafts_exa
     plain = target.generate(ids, max_new_tokens=20, do_sample=False)
     out = target.generate(ids, drafter=MtpDrafter(trained), speculative_gamma=2, max_new_tokens=20, **GREEDY)
     assert torch.equal(out.sequences, plain) and out.speculative_stats.drafted_tokens > 10
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_every_mtp_norm_starts_where_it_only_normalizes(family):
+    """Norms start at the weight where they give back their input over its RMS: 1 for a Llama's, 0 for Qwen3.5's
+    (which scale by `1 + weight`; a weight of 1 would double what they pass on), from scratch and from the target."""
+    from test_mtp_checkpoints import qwen_config
+
+    from hf_specdec.mtp_training import _initialize
+
+    if family == "llama":
+        target, _ = build_early_exit_pair(num_layers=2, hidden_size=64, vocab_size=VOCAB, seed=0)
+    else:
+        torch.manual_seed(0)
+        target = AutoModelForCausalLM.from_config(qwen_config("qwen3_5_text")).eval()
+    layers = build_mtp_layers(target, 1)
+    norms = {name: module for name, module in layers.layers.named_modules() if name.endswith(("enorm", "hnorm"))}
+    assert len(norms) == 2
+    x = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for init_from_target in (False, True):
+        _initialize(layers, target, init_from_target, seed=0)
+        for name, norm in norms.items():
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            with torch.no_grad():
+                expected = x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
+                torch.testing.assert_close(norm(x), expected, rtol=1e-4, atol=1e-4, msg=name)

@@ -3,6 +3,7 @@ Real HTTP on localhost (uvicorn, the `openai` client), the embedded zoo model fr
 completion equals plain continuous batching's text for the same prompt, streamed or not, alone or concurrent."""
 
 import concurrent.futures
+import contextlib
 import os
 import socket
 import subprocess
@@ -53,23 +54,31 @@ def server():
     app, model_manager, state = serving.build_server(
         MODEL, drafting, device="cpu", dtype="float32", continuous_batching_config=ContinuousBatchingConfig(**CACHE)
     )
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     try:
-        yield client, model_manager
+        with run_server(app) as client:
+            yield client, model_manager
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
         state.shutdown()
         model_manager.shutdown()
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def run_server(app):
+    """`app` under uvicorn on a free localhost port in this process; gives an `openai` client."""
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 60
+        while not uv.started:
+            assert thread.is_alive() and time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        port = uv.servers[0].sockets[0].getsockname()[1]
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
 
 
 def complete(client, prompt: str, stream: bool = False) -> str:
@@ -136,16 +145,84 @@ def test_build_server_refuses_drafting_it_cannot_serve():
         serving.build_server(MODEL, {"drafter": "no_such_drafter"})
 
 
-def test_requests_transformers_would_serve_sequentially_are_refused():
-    from fastapi import HTTPException
+def test_requests_continuous_batching_does_not_serve_go_to_generate_with_the_drafter():
     from transformers.cli.serving.utils import Modality
 
-    state = serving.SpeculativeGenerationState({"drafter": "prompt_lookup"})
+    drafting = {"drafter": "prompt_lookup"}
+    state = serving.SpeculativeGenerationState(drafting)
     target, _, _ = zoo.load_default()
     assert state.use_continuous_batching(target, Modality.LLM)
-    with pytest.raises(HTTPException) as error:
-        state.use_continuous_batching(target, Modality.VLM)
-    assert error.value.status_code == 400 and "transformers serve" in error.value.detail
+    assert not state.use_continuous_batching(target, Modality.VLM)  # transformers' sequential fallback...
+    manager = state.get_manager("m", use_cb=False)
+    assert isinstance(manager, serving.SpeculativeGenerateManager) and manager.drafting is drafting  # ...drafts
+    assert state.get_manager("m", use_cb=False) is manager
+
+
+def plain_generate(model, tokenizer, prompt: str) -> str:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def tiny_hybrid(directory, tokenizer):
+    """A Qwen3.5 text model (gated delta rule + attention layers: continuous batching does not run it) with the
+    zoo's tokenizer, saved as safetensors."""
+    from test_mtp_checkpoints import qwen_config
+    from transformers import AutoModelForCausalLM
+
+    config = qwen_config("qwen3_5_text")
+    config.vocab_size = len(tokenizer)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # peaked: greedy text falls into loops prompt lookup copies
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return hf_specdec.enable(model)
+
+
+@pytest.mark.parametrize("model_kind", ["zoo", "hybrid"])
+def test_one_request_at_a_time_drafts_in_generate_and_equals_plain_generate(model_kind, tmp_path):
+    """`continuous_batching=False`: each request is decoded by `generate` with the server's drafter (for a hybrid,
+    its recurrent state rolled back after rejections), streamed or not, and answers plain `generate`'s text."""
+    target, _, tokenizer = zoo.load_default()
+    model_dir = MODEL
+    if model_kind == "hybrid":
+        target, model_dir = tiny_hybrid(tmp_path, tokenizer), str(tmp_path)
+    drafting = {"drafter": "prompt_lookup", "speculative_gamma": 4, "speculative_gamma_policy": "constant"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    app, model_manager, state = serving.build_server(
+        model_dir, drafting, device="cpu", dtype="float32", continuous_batching=False
+    )
+    (loaded,) = model_manager.loaded_models.values()
+    multi_token = []
+
+    def record(module, args, kwargs, out):
+        multi_token.append((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape[1] > 1)
+
+    hook = loaded.model.register_forward_hook(record, with_kwargs=True)
+    try:
+        with run_server(app) as client:
+            for prompt in prompts(2):
+                expected = plain_generate(target, tokenizer, prompt)
+                multi_token.clear()
+                response = client.completions.create(
+                    model=model_dir, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+                )
+                assert response.choices[0].text == expected
+                assert any(multi_token[1:]), "no forward after the prefill verified drafts"
+                streamed = client.completions.create(
+                    model=model_dir, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True
+                )
+                assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
+        assert isinstance(state.get_manager(model_dir), serving.SpeculativeGenerateManager)
+    finally:
+        hook.remove()
+        state.shutdown()
+        model_manager.shutdown()
+        torch.set_num_threads(threads)
 
 
 def test_pickle_only_directories_are_refused(tmp_path):
@@ -167,6 +244,8 @@ def test_cli_refuses_drafters_continuous_batching_does_not_serve(capsys):
     assert "takes no path" in capsys.readouterr().err
     assert main(["serve", "./my-model", "--drafter", "ngram"]) == 2
     assert "--drafter ngram needs a PATH" in capsys.readouterr().err
+    assert main(["serve", "--no-continuous-batching", "--cb-num-blocks", "8"]) == 2
+    assert "--no-continuous-batching serves without a paged cache: drop --cb-num-blocks 8" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--cb-max-memory-percent", "2"])
     assert "must be a number in (0, 1], got 2.0" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 a padded batch), exact sampling, and its `SuffixCache`: eviction bounds, thread safety, incremental updates,
 safetensors save/load (size limit, pickles refused, links not followed) and clear errors."""
 
+import gc
 import os
 import pickle
 import random
@@ -232,6 +233,9 @@ def test_eviction_keeps_the_bounds_and_drops_the_oldest_first():
         assert held[1:] == added[len(added) - len(held) + 1 :]
         assert added[len(added) - len(held)][-len(held[0]) :] == held[0]
         assert cache.snapshot() == fresh(held, 4)
+        # evicted substrings give their nodes back: the live ones are exactly the substrings held (and the root)
+        trie = cache._trie
+        assert len(trie.counts) - len(trie._free) == len(cache.snapshot()) + 1
     evicted = cache.add([1])  # a request that gets evicted stops taking tokens
     for _ in range(3):
         cache.add([2, 2])
@@ -304,6 +308,49 @@ def test_appending_touches_at_most_depth_nodes_and_equals_a_fresh_build():
         assert trie.touched - before <= 7
     trie.append(0, tokens[:50])
     assert trie.snapshot() == fresh([tokens[150:] + tokens[:50]], 7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_appending_in_pieces_builds_what_one_token_at_a_time_builds(seed):
+    """A prompt is indexed in one `append`: in pieces of any size, the trie holds every substring of up to `depth`
+    tokens with its occurrence count (counted here from the text itself), every parent's children in the order of
+    their first occurrence (the order `speculate` breaks ties in), the same nodes visited, and appending goes on
+    from where it was."""
+    generator = random.Random(seed)
+    depth = generator.randrange(2, 9)
+    tokens = [generator.randrange(4) for _ in range(generator.randrange(1, 120))]
+    single, pieces = SuffixTrie(depth), SuffixTrie(depth)
+    for token in tokens:
+        single.append(0, [token])
+    start = 0
+    while start < len(tokens):
+        size = generator.choice([0, 1, 2, 3, depth - 1, depth, depth + 1, 50])
+        pieces.append(0, tokens[start : start + size])
+        start += size
+    counts = {}
+    for i in range(len(tokens)):
+        for j in range(i + 1, min(i + depth, len(tokens)) + 1):
+            counts[tuple(tokens[i:j])] = counts.get(tuple(tokens[i:j]), 0) + 1
+    assert dict(pieces.substrings()) == counts
+    assert pieces.substrings() == single.substrings() and pieces.touched == single.touched
+    more = [generator.randrange(4) for _ in range(30)]
+    single.append(0, more)
+    for token in more:
+        pieces.append(0, [token])
+    assert pieces.substrings() == single.substrings() and pieces.touched == single.touched
+
+
+def test_a_large_trie_adds_no_objects_for_the_garbage_collector_to_walk():
+    """Tens of thousands of nodes (a long prompt, a full shared cache) would make every full collection of the
+    serving process walk them all if each were a tracked object."""
+    generator = random.Random(2)
+    tokens = [generator.randrange(3000) for _ in range(1000)]
+    gc.collect()
+    before = len(gc.get_objects())
+    trie = SuffixTrie(depth=24)
+    trie.append(0, tokens)
+    assert len(trie.snapshot()) > 20_000
+    assert len(gc.get_objects()) - before < 50
 
 
 def test_save_and_load_round_trip(tmp_path):

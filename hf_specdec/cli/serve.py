@@ -1,6 +1,7 @@
 """`hf-specdec serve`: transformers' OpenAI-compatible server with continuous batching, drafting and verifying with an
 hf_specdec drafter (`hf_specdec.serving`). Same endpoints and request format as `transformers serve
---continuous-batching`; by default it serves the embedded zoo model with prompt lookup."""
+--continuous-batching`; by default it serves the embedded zoo model with prompt lookup. `--no-continuous-batching`
+decodes one request at a time with `generate` and the drafter (models continuous batching does not run)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,18 @@ def serve(args: argparse.Namespace) -> int:
         "max_memory_percent": args.cb_max_memory_percent,
     }
     cb_options = {name: value for name, value in cb_options.items() if value is not None}
+    if cb_options and not args.continuous_batching:
+        raise CLIError(
+            f"--no-continuous-batching serves without a paged cache: drop {', '.join(_cb_flags(args))}, or serve "
+            "with continuous batching"
+        )
     app, model_manager, _ = serving.build_server(
         model,
         drafting,
         device=args.device,
         dtype=dtype,
         attn_implementation=args.attn_implementation,
+        continuous_batching=args.continuous_batching,
         continuous_batching_config=ContinuousBatchingConfig(**cb_options) if cb_options else None,
         enable_cors=args.enable_cors,
     )
@@ -50,8 +57,10 @@ def serve(args: argparse.Namespace) -> int:
         loading.check_vocabulary(loaded.model, drafting)
     import uvicorn
 
+    batching = "continuous batching" if args.continuous_batching else "one request at a time"
     print(
-        f"hf-specdec serve: {model} with {_drafter_name(args)}, {threads}, on http://{args.host}:{args.port}/v1",
+        f"hf-specdec serve: {model} with {_drafter_name(args)}, {batching}, {threads}, on "
+        f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )
@@ -78,6 +87,11 @@ def _drafting(args: argparse.Namespace) -> dict:
         drafting["speculative_gamma"] = args.gamma
     drafting["speculative_gamma_policy"] = args.gamma_policy
     return drafting
+
+
+def _cb_flags(args: argparse.Namespace) -> list[str]:
+    names = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
+    return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in names if getattr(args, name) is not None]
 
 
 def _fraction(text: str) -> float:
@@ -125,6 +139,13 @@ def add_parser(command) -> None:
         default="auto",
         choices=["auto", "constant"],
         help="auto: each step, the drafts verified are priced on the batch's query tokens; constant: all of them",
+    )
+    sub.add_argument(
+        "--continuous-batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requests share each step's forward (default); --no-continuous-batching decodes one request at a time "
+        "with generate(), for models continuous batching does not run (hybrid, sliding-window)",
     )
     sub.add_argument("--host", default="localhost", help="address to listen on")
     sub.add_argument("--port", type=positive_int, default=8000, help="port to listen on")

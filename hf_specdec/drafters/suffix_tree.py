@@ -39,24 +39,16 @@ def check_int(name: str, value, low: int = 1) -> None:
         raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
 
 
-class _Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self):
-        self.count = 0  # occurrences of the node's substring
-        self.children: dict[int, _Node] | None = None  # token -> node, None while it has none
-
-
 class _Sequence:
-    """One sequence in a trie: its tokens since `first`, and the nodes of its substrings that end at its last token
-    and are shorter than the trie's depth (oldest start first), the ones the next token extends."""
+    """One sequence in a trie: its tokens since `first`, and the nodes (ids) of its substrings that end at its last
+    token and are shorter than the trie's depth (oldest start first), the ones the next token extends."""
 
     __slots__ = ("tokens", "first", "active")
 
     def __init__(self):
         self.tokens: deque[int] = deque()
         self.first = 0  # absolute position of tokens[0]
-        self.active: deque[_Node] = deque()
+        self.active: deque[int] = deque()
 
 
 class Speculation:
@@ -77,39 +69,71 @@ class SuffixTrie:
     """The substrings of up to `depth` tokens of several sequences, with their occurrence counts (not thread-safe on
     its own: `SuffixCache` locks around it).
 
-    `touched` counts the nodes that appends and removals have visited (for tests of the incremental cost).
+    Nodes are ids into two lists (each node's children, `{token: id}` or None, and its count), not objects: a dict of
+    ints is not tracked by Python's garbage collector, so a trie of millions of nodes adds nothing to a collection's
+    work, where one object per node made every full collection walk them all. `touched` counts the nodes that appends
+    and removals have visited (for tests of the incremental cost).
     """
+
+    ROOT = 0
 
     def __init__(self, depth: int):
         check_int("depth", depth)
         self.depth = depth
-        self.root = _Node()
+        self.children: list[dict[int, int] | None] = [None]  # node id -> {token: child id}, None while it has none
+        self.counts: list[int] = [0]  # node id -> occurrences of its substring
+        self._free: list[int] = []  # ids of deleted nodes, given out again
         self.sequences: dict[int, _Sequence] = {}
         self.touched = 0
 
+    def _new_node(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self.children.append(None)
+        self.counts.append(0)
+        return len(self.counts) - 1
+
     def append(self, key: int, tokens: Iterable[int]) -> None:
-        """Appends `tokens` to sequence `key` (a new one when unknown): at most `depth` nodes per token."""
+        """Appends `tokens` to sequence `key` (a new one when unknown): at most `depth` nodes per token.
+
+        Each substring is walked from where it starts (the substrings already begun first, oldest first, then one
+        walk per new token), which creates every node in the order the token-by-token definition would (a parent's
+        children in the order of their first occurrence) in a tight loop: a prompt is indexed in one call."""
         sequence = self.sequences.get(key)
         if sequence is None:
             sequence = self.sequences[key] = _Sequence()
-        for token in tokens:
-            token = int(token)
-            active = sequence.active
-            active.append(self.root)  # the empty substring: the new token's own one-token substring starts here
-            for _ in range(len(active)):
-                node = active.popleft()
-                if node.children is None:
-                    node.children = {}
-                child = node.children.get(token)
+        tokens = [int(token) for token in tokens]
+        depth, count, begun = self.depth, len(tokens), len(sequence.active)
+        children, counts, new_node = self.children, self.counts, self._new_node
+        active: deque[int] = deque()
+        starts = [(node, begun - j) for j, node in enumerate(sequence.active)] + [(self.ROOT, 0)] * count
+        for start, (node, length) in enumerate(starts):
+            offset = max(0, start - begun)  # the walk's first new token
+            steps = tokens[offset : offset + depth - length]
+            for token in steps:
+                below = children[node]
+                if below is None:
+                    below = children[node] = {}
+                child = below.get(token)
                 if child is None:
-                    child = node.children[token] = _Node()
-                child.count += 1
-                self.touched += 1
-                active.append(child)
-            # the substrings now `depth` long stop growing (they sit first: the oldest start is the longest)
-            if len(active) >= self.depth:
-                active.popleft()
-            sequence.tokens.append(token)
+                    child = below[token] = new_node()
+                counts[child] += 1
+                node = child
+            self.touched += len(steps)
+            if length + len(steps) < depth:  # shorter than `depth`, so it ran to the last token: it grows next time
+                active.append(node)
+        sequence.active = active
+        sequence.tokens.extend(tokens)
+
+    def _delete(self, node: int) -> None:
+        """Gives `node` and everything below it back (their substrings no longer occur)."""
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            stack.extend((self.children[node] or {}).values())
+            self.children[node] = None
+            self.counts[node] = 0
+            self._free.append(node)
 
     def pop_oldest(self, key: int) -> None:
         """Removes the oldest token of sequence `key` (the substrings that start there); the sequence goes when it
@@ -119,16 +143,18 @@ class SuffixTrie:
         span = min(self.depth, length)
         if length < self.depth:  # the substring starting at the oldest token is still growing: it leaves `active`
             sequence.active.popleft()
-        node = self.root
+        node = self.ROOT
         for offset in range(span):
             token = sequence.tokens[offset]
-            child = node.children[token]
-            child.count -= 1
+            below = self.children[node]
+            child = below[token]
+            self.counts[child] -= 1
             self.touched += 1
-            if child.count == 0:  # no other occurrence goes through it (nor through anything below it)
-                del node.children[token]
-                if not node.children:
-                    node.children = None
+            if self.counts[child] == 0:  # no other occurrence goes through it (nor through anything below it)
+                del below[token]
+                if not below:
+                    self.children[node] = None
+                self._delete(child)
                 break
             node = child
         sequence.tokens.popleft()
@@ -146,13 +172,14 @@ class SuffixTrie:
             self.pop_oldest(key)
         return length
 
-    def find(self, pattern: Sequence[int]) -> _Node | None:
-        """The node of `pattern` (its count is how often it occurs), or None when it never occurs."""
-        node = self.root
+    def find(self, pattern: Sequence[int]) -> int | None:
+        """The node of `pattern` (`counts[node]` is how often it occurs), or None when it never occurs."""
+        node = self.ROOT
         for token in pattern:
-            if node.children is None:
+            below = self.children[node]
+            if below is None:
                 return None
-            node = node.children.get(token)
+            node = below.get(token)
             if node is None:
                 return None
         return node
@@ -182,41 +209,49 @@ class SuffixTrie:
                 break
             size = min(max_spec_tokens, int(max_spec_factor * m))
             depth = min(max_depth, self.depth - m)
-            if size < 1 or depth < 1 or node.children is None:
+            if size < 1 or depth < 1 or self.children[node] is None:
                 continue
             grow = _grow_tree if tree else _grow_chain
-            tokens, parents, score = grow(node, size, depth, min_token_prob, vocab_size)
+            tokens, parents, score = grow(self, node, size, depth, min_token_prob, vocab_size)
             if tokens:
                 candidate = Speculation(tokens, parents, score, m)
                 if candidate.better_than(best):
                     best = candidate
         return best
 
-    def snapshot(self) -> dict[tuple[int, ...], int]:
-        """Every substring the trie holds, with its count (for tests: an incremental trie equals a fresh build)."""
-        found, stack = {}, [((), self.root)]
+    def substrings(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every substring the trie holds with its count, depth first, each node's children in the trie's order (the
+        order of their first occurrence, in which `speculate` breaks ties): for tests."""
+        found, stack = [], [((), self.ROOT)]
         while stack:
             path, node = stack.pop()
-            for token, child in (node.children or {}).items():
-                found[path + (token,)] = child.count
+            below = list((self.children[node] or {}).items())
+            for token, child in reversed(below):
                 stack.append((path + (token,), child))
+            if path:
+                found.append((path, self.counts[node]))
         return found
 
+    def snapshot(self) -> dict[tuple[int, ...], int]:
+        """Every substring the trie holds, with its count (for tests: an incremental trie equals a fresh build)."""
+        return dict(self.substrings())
 
-def _usable(node: _Node, vocab_size: int | None) -> list[tuple[int, _Node]]:
-    children = node.children or {}
-    return [(t, c) for t, c in children.items() if vocab_size is None or t < vocab_size]
+
+def _usable(trie: SuffixTrie, node: int, vocab_size: int | None) -> list[tuple[int, int]]:
+    below = trie.children[node] or {}
+    return [(t, c) for t, c in below.items() if vocab_size is None or t < vocab_size]
 
 
-def _grow_chain(node: _Node, size: int, depth: int, min_prob: float, vocab_size: int | None):
+def _grow_chain(trie: SuffixTrie, node: int, size: int, depth: int, min_prob: float, vocab_size: int | None):
+    counts = trie.counts
     tokens, parents, score, prob = [], [], 0.0, 1.0
-    while len(tokens) < min(size, depth) and node.children:
-        total = sum(child.count for child in node.children.values())  # the observed continuations
-        usable = _usable(node, vocab_size)
+    while len(tokens) < min(size, depth) and trie.children[node]:
+        total = sum(counts[child] for child in trie.children[node].values())  # the observed continuations
+        usable = _usable(trie, node, vocab_size)
         if not usable:
             break
-        token, child = max(usable, key=lambda item: (item[1].count, -item[0]))  # ties: the smaller token id
-        prob *= child.count / total
+        token, child = max(usable, key=lambda item: (counts[item[1]], -item[0]))  # ties: the smaller token id
+        prob *= counts[child] / total
         if prob < min_prob:
             break
         parents.append(len(tokens) - 1)
@@ -226,17 +261,18 @@ def _grow_chain(node: _Node, size: int, depth: int, min_prob: float, vocab_size:
     return tokens, parents, score
 
 
-def _grow_tree(node: _Node, size: int, depth: int, min_prob: float, vocab_size: int | None):
+def _grow_tree(trie: SuffixTrie, node: int, size: int, depth: int, min_prob: float, vocab_size: int | None):
+    counts = trie.counts
     tokens, parents, score = [], [], 0.0
     heap, order = [], 0  # (-probability, insertion order, parent index, depth, token, node)
 
-    def push_children(parent_node: _Node, parent: int, parent_prob: float, parent_depth: int) -> None:
+    def push_children(parent_node: int, parent: int, parent_prob: float, parent_depth: int) -> None:
         nonlocal order
-        if parent_depth >= depth or not parent_node.children:
+        if parent_depth >= depth or not trie.children[parent_node]:
             return
-        total = sum(child.count for child in parent_node.children.values())
-        for token, child in _usable(parent_node, vocab_size):
-            prob = parent_prob * child.count / total
+        total = sum(counts[child] for child in trie.children[parent_node].values())
+        for token, child in _usable(trie, parent_node, vocab_size):
+            prob = parent_prob * counts[child] / total
             if prob >= min_prob:
                 heapq.heappush(heap, (-prob, order, parent, parent_depth + 1, token, child))
                 order += 1
@@ -264,8 +300,9 @@ class SuffixCache:
     request was evicted stops adding to the cache). Every method takes the cache's lock, so concurrent calls
     neither lose nor corrupt entries.
 
-    Memory: the trie holds up to `tree_depth` nodes per cached token (fewer for repetitive text), each a small Python
-    object: budget roughly `max_tokens * tree_depth * 200` bytes at worst (about 480 MB for the defaults).
+    Memory: the trie holds up to `tree_depth` nodes per cached token (fewer for repetitive text), each two list
+    entries and, when it has children, a small dict (none of them tracked by the garbage collector): budget roughly
+    `max_tokens * tree_depth * 270` bytes at worst (about 650 MB for the defaults).
 
     Args:
         max_requests (`int`, *optional*, defaults to 1000): the most requests (calls, rows) kept.
