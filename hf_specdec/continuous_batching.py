@@ -93,7 +93,6 @@ class SpeculativeContinuousBatchingManager(ContinuousBatchingManager):
     def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *, drafter, options):
         check_transformers_release()
         check_drafter(drafter, options)
-        _check_generation_config(generation_config)
         _check_attention_layout(model.config.get_text_config())
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
         try:
@@ -126,15 +125,6 @@ def _same_vars(a, b) -> bool:
         return bool(vars(a) == vars(b))
     except Exception:  # attributes that do not compare (tensors): not the same
         return False
-
-
-def _check_generation_config(generation_config: GenerationConfig) -> None:
-    returns = getattr(generation_config, "num_return_sequences", None) or 1
-    if returns > 1:
-        raise ValueError(
-            f"`num_return_sequences={returns}`: continuous batching forks such requests after their prompt, which "
-            "hf_specdec does not draft for yet. Submit the prompt several times instead, or drop the drafter."
-        )
 
 
 def _check_attention_layout(config) -> None:

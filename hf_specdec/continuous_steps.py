@@ -17,6 +17,7 @@ import torch
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.utils import stream_context
 
 from .configuration import SpeculativeOptions
 from .drafters.base import DraftContext, Drafter, DraftProposal
@@ -305,6 +306,29 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             query_tokens = sum(future_state.query_length for future_state in self.inputs_and_outputs.requests_in_batch)
             seconds = time.perf_counter() - self.step_start
             self.allocator.observe_step(query_tokens, seconds, self.model_runner.verifying)
+        self._fork_requests()
+
+    def _fork_requests(self) -> None:
+        """`num_return_sequences > 1`: the requests whose prompt stopped one token short are forked now, as
+        transformers' own update does (children share the prompt's complete blocks and copy the partial one, so no
+        draft a child writes lands in a block another request reads); each child then drafts with a copy of its own."""
+        if not self.scheduler._requests_to_fork:
+            return
+        self.cache.pool.try_to_free_sectors()
+        fork_src_and_dst = {name: ([], []) for name in self.cache.cache_allocators}
+        while self.scheduler._requests_to_fork:
+            state = self.scheduler._requests_to_fork.pop()
+            num_children, state.num_children = state.num_children, 0
+            new_request_ids = [f"{state.request_id}__child#{i}" for i in range(num_children)]
+            forked_ids = self.cache.prepare_fork_request(state, new_request_ids, fork_src_and_dst)
+            for new_request_id in forked_ids:
+                self.scheduler.active_requests[new_request_id] = state.fork(new_request_id)
+            for new_request_id in new_request_ids[len(forked_ids) :]:  # no room: prefilled from scratch later
+                child = state.create_equivalent_initial_request()
+                child.request_id = new_request_id
+                self.scheduler.add_waiting_request(child)
+        with stream_context(self.inputs_and_outputs.compute_stream):
+            self.cache.perform_cache_copy(fork_src_and_dst)
 
     def _accepted_complete_blocks(self, state, written: int) -> dict[str, int]:
         """The blocks completed by the `written` accepted positions of this step (the scheduler counted the drafts'

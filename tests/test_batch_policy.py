@@ -119,3 +119,17 @@ def test_a_request_whose_drafts_cannot_pay_for_their_drafting_drafts_only_now_an
     allocator.draft_seconds = 50.0
     drafts = [allocator.should_draft("r", 4) for _ in range(2 * allocator.explore_every)]
     assert drafts.count(True) == 2 and drafts[allocator.explore_every - 1]
+
+
+def test_drafts_are_priced_with_the_jump_of_verifying_when_the_last_step_verified_none():
+    """One request on a step where verifying at all costs a jump (a matrix-vector product becoming a matrix one):
+    its drafts do not pay, so the allocation verifies none, and it then stops drafting (it would pay the drafter for
+    drafts left unverified); once another request's drafts are verified, the jump is paid anyway and it drafts."""
+    allocator = BatchDraftAllocator()
+    for tokens, verifying in ((1, False), (2, False), (5, True), (9, True)):
+        allocator.observe_step(tokens, 1.0 + 0.01 * tokens + 2.0 * verifying, verifying)
+    allocator.observe_draft(0.01)
+    assert allocator.allocate({"r": 4}) == {"r": 0} and not allocator.verifies
+    assert not allocator.should_draft("r", 4)
+    allocator.verifies = True
+    assert allocator.should_draft("r", 4)

@@ -174,14 +174,49 @@ def test_sampled_log_probabilities_are_the_target_s(model):
     accepted = rejected = 0
     for i, prompt in enumerate(PROMPTS):
         output = outputs[f"req_{i}"]
-        sequence = torch.tensor([prompt + output.generated_tokens])
-        with torch.no_grad():
-            logits = model(sequence).logits[0, len(prompt) - 1 : -1].float() / 0.7
-        expected = logits.log_softmax(-1).gather(-1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(output.logprobs), expected, rtol=0, atol=1e-4)
+        assert_logprobs_are_the_target_s(model, prompt, output, temperature=0.7)
         accepted += output.speculative_stats.accepted_tokens
         rejected += output.speculative_stats.drafted_tokens - output.speculative_stats.accepted_tokens
     assert accepted > 0 and rejected > 0
+
+
+def assert_logprobs_are_the_target_s(model, prompt, output, temperature):
+    """Each generated token's log-probability in `output` is log_softmax(logits / temperature) of that token, the
+    logits recomputed by one forward over prompt + output: the request's cache held exactly its own tokens."""
+    sequence = torch.tensor([prompt + output.generated_tokens])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float() / temperature
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(output.generated_tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(output.logprobs), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("sharing", [False, True], ids=["copied_blocks", "shared_blocks"])
+def test_forked_requests_each_decode_exactly(model, sharing):
+    """`num_return_sequences=3`: each request is forked after its prompt (children share its complete blocks or get
+    copies, and copy the partial one), and every sequence drafts and verifies on its own: greedy (top-k 1), all
+    three equal plain continuous batching's; sampling, every token's log-probability is the target's at its place in
+    that sequence, and the children differ."""
+    cache = small_cache(return_logprobs=True, allow_block_sharing=sharing, max_requests_per_batch=4)
+    drafting = dict(drafter=TargetArgmax(model), speculative_gamma=4, speculative_gamma_policy="constant")
+    greedy = config(num_return_sequences=3, do_sample=True, top_k=1)  # transformers forks sampled requests only
+    reference = model.generate_batch(PROMPTS, greedy, continuous_batching_config=cache)
+    outputs = model.generate_batch(PROMPTS, greedy, continuous_batching_config=cache, **drafting)
+    assert sorted(outputs) == sorted(reference) and len(outputs) == 3 * len(PROMPTS)
+    for request, output in outputs.items():
+        assert output.generated_tokens == reference[request].generated_tokens, request
+    sampled = config(num_return_sequences=3, do_sample=True, temperature=0.7, top_k=None, top_p=None)
+    torch.manual_seed(0)
+    outputs = model.generate_batch(PROMPTS, sampled, continuous_batching_config=cache, **drafting)
+    assert len(outputs) == 3 * len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        family = [output for request, output in outputs.items() if request.split("__")[0] == f"req_{i}"]
+        assert len(family) == 3
+        for output in family:
+            assert len(output.generated_tokens) == NEW_TOKENS
+            assert_logprobs_are_the_target_s(model, prompt, output, temperature=0.7)
+    assert len({tuple(output.generated_tokens) for output in outputs.values()}) > len(PROMPTS)
+    stats = [output.speculative_stats for output in outputs.values()]
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
 
 
 def test_prefix_sharing_and_large_pages(model, plain):
@@ -489,9 +524,7 @@ def test_continuous_batching_settings_not_served_are_refused(model, setting, mat
     assert model.config._attn_implementation == attention
 
 
-def test_forking_and_sliding_windows_are_refused(model):
-    with pytest.raises(ValueError, match="`num_return_sequences=2`"):
-        model.generate_batch(PROMPTS, config(num_return_sequences=2, do_sample=True), drafter="prompt_lookup")
+def test_sliding_windows_are_refused(model):
     sliding = hf_specdec.enable(tiny_model("mistral", sliding_window=8))
     with pytest.raises(ValueError, match="mistral has sliding-window attention"):
         sliding.generate_batch(PROMPTS, config(), drafter="prompt_lookup")

@@ -30,7 +30,9 @@ left unverified is a shadow draft).
 Drafting itself costs time (a table lookup, a search): with a drafter whose drafts are not free (`Drafter.free_drafts`
 unset), a request whose best drafts would not pay for their own drafting at the step's current tokens per second
 does not draft, but on every `explore_every`-th step, so that the drafter's cost is not paid for nothing and the
-estimates still follow the text. Free drafts (prompt lookup, suffix decoding) are made every step: a copy can start
+estimates still follow the text. When the last step verified no drafts, the request's drafts are also priced with
+the jump of verifying at all (which some other request would otherwise share): drafts that the allocation would
+then leave unverified are not made. Free drafts (prompt lookup, suffix decoding) are made every step: a copy can start
 at any token, and only its verification is priced.
 """
 
@@ -150,6 +152,7 @@ class BatchDraftAllocator:
         self.cost = StepCostFit()
         self.draft_seconds: float | None = None  # a running mean of one request's drafting time
         self.goodput: float | None = None  # the last allocation's predicted tokens per second
+        self.verifies = False  # whether the last allocation verified drafts (the step paid the jump of verifying)
         self.forget_requests()
 
     def forget_requests(self) -> None:
@@ -179,6 +182,7 @@ class BatchDraftAllocator:
         fit has seen enough steps)."""
         fit = self.cost.coefficients()
         if fit is None or not available:
+            self.verifies = bool(available)
             return dict(available)
         a, b, jump = fit
         requests = list(available)
@@ -186,17 +190,20 @@ class BatchDraftAllocator:
         plain = len(requests) / (a + b * len(requests))  # every request decoding plainly: no jump
         if plain >= self.goodput:
             counts, self.goodput = [0] * len(requests), plain
+        self.verifies = any(counts)
         return dict(zip(requests, counts))
 
     def should_draft(self, request_id: str, cap: int) -> bool:
         """Whether drafting up to `cap` tokens for `request_id` this step can pay for the drafting itself: some
-        k <= cap gives more expected tokens per second of drafting and verifying, (E(k) - 1) / (c + b k), than
-        the last step's goodput; else only on every `explore_every`-th step."""
+        k <= cap gives more expected tokens per second of drafting and verifying, (E(k) - 1) / (c + b k), plus the
+        jump j of verifying at all when the last step verified nothing, than the last step's goodput; else only on
+        every `explore_every`-th step."""
         fit = self.cost.coefficients()
         if fit is None or self.goodput is None or self.draft_seconds is None:
             return True
-        b, gains = fit[1], self.gains(request_id, cap)
-        added = [sum(gains[:k]) / (self.draft_seconds + b * k) for k in range(1, cap + 1)]
+        _, b, jump = fit
+        fixed, gains = self.draft_seconds + (0.0 if self.verifies else jump), self.gains(request_id, cap)
+        added = [sum(gains[:k]) / (fixed + b * k) for k in range(1, cap + 1)]
         if added and max(added) > self.goodput:
             self.resting.pop(request_id, None)
             return True
