@@ -235,10 +235,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             starts = torch.tensor([self.scheduled[i].start for i in members], device=scores.device)
             rows = starts[:, None] + torch.arange(num_drafted + 1, device=scores.device)  # [n, k + 1]
             proposal = _stack([self.scheduled[i].proposal for i in members], self.vocab_size, scores.device)
-            verdict = verify_round(self.do_sample, proposal, scores[rows], self.options)
+            group_scores = scores[rows]  # [n, k + 1, vocab]
+            verdict = verify_round(self.do_sample, proposal, group_scores, self.options)
             parts = [verdict.accepted[:, None], verdict.next_tokens[:, None], verdict.betas]
             if logprobs:
-                parts.append(_emitted_logprobs(scores[rows], proposal.tokens, verdict))
+                parts.append(_emitted_logprobs(group_scores, proposal.tokens, verdict))
             column = torch.cat([part.double() for part in parts], 1)
             columns.append(torch.nn.functional.pad(column, (0, width - column.shape[1])))
             order += members
