@@ -8,8 +8,9 @@ is open text (a window of a held-out file), where copying rarely helps. Each req
 For each number of slots B (`max_requests_per_batch`) in `--slots`, `--requests-per-slot` x B requests (at least
 `--min-requests`), many more than slots, are submitted at once to a started manager that has already served one
 warm-up request (start-up and first-call costs excluded). Methods: `plain` (transformers' manager), `prompt_lookup`,
-`suffix` and `ngram` (the zoo's trigram table), drafting up to `--gamma` under the default `auto` policy (drafts priced
-on each step's total query tokens), and each `<drafter>_constant` at constant γ. Every request's output is checked against
+`suffix`, `ngram` (the zoo's trigram table) and `model` (the zoo's distilled 1-layer draft model, each request drafting
+with a draft cache of its own), drafting up to `--gamma` under the default `auto` policy (drafts priced on each step's
+total query tokens), and each `<drafter>_constant` at constant γ. Every request's output is checked against
 plain's. Per method and B: tokens per second over the whole batch of requests (from the first submission to the last
 result), p50 / p95 latency per request (submission to completion), tokens per target call, and the speedup over
 plain in tokens per second. Methods run one after another at each B in an order rotated each repeat; medians over
@@ -48,21 +49,33 @@ from hf_specdec.benchmarking import rotated
 from hf_specdec.toy import build_early_exit_pair, copying_target
 from hf_specdec.zoo.tasks import load_prompts
 
-METHODS = ("plain", "prompt_lookup", "prompt_lookup_constant", "suffix", "suffix_constant", "ngram", "ngram_constant")
+METHODS = (
+    "plain",
+    "prompt_lookup",
+    "prompt_lookup_constant",
+    "suffix",
+    "suffix_constant",
+    "ngram",
+    "ngram_constant",
+    "model",
+    "model_constant",
+)
 
 
-def drafting(method: str, gamma: int) -> dict:
+def drafting(method: str, gamma: int, draft_model=None) -> dict:
     """`<drafter>`: the default (`auto`) policy, drafts up to γ priced per step; `<drafter>_constant`: every draft
-    up to γ verified."""
+    up to γ verified. `model`: `draft_model` (the zoo's distilled drafter), each request with a draft cache of its own."""
     if method == "plain":
         return {}
     name = method.removesuffix("_constant")
-    drafter = zoo.load_ngram() if name == "ngram" else name
     policy = "constant" if method.endswith("_constant") else "auto"
-    return dict(drafter=drafter, speculative_gamma=gamma, speculative_gamma_policy=policy)
+    options = dict(speculative_gamma=gamma, speculative_gamma_policy=policy)
+    if name == "model":
+        return dict(assistant_model=draft_model, **options)
+    return dict(drafter=zoo.load_ngram() if name == "ngram" else name, **options)
 
 
-def serve(model, prompts, method, slots, args, warm_prompt):
+def serve(model, prompts, method, slots, args, warm_prompt, draft_model=None):
     """One run: a started manager (warmed by one request) serves every prompt; returns outputs and timings."""
     longest = max(len(p) for p in prompts) + args.max_new_tokens + args.gamma + 1
     page = 64
@@ -74,7 +87,7 @@ def serve(model, prompts, method, slots, args, warm_prompt):
         allow_block_sharing=False,
     )
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1)
-    manager = model.init_continuous_batching(config, cache, **drafting(method, args.gamma))
+    manager = model.init_continuous_batching(config, cache, **drafting(method, args.gamma, draft_model))
     manager.start()
     try:
         warm = manager.add_request(warm_prompt, max_new_tokens=8)
@@ -131,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a few requests at B in (1, 2), one repeat")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
+    if args.memory_bound and any(method.startswith("model") for method in args.methods):
+        parser.error("--memory-bound serves a copier with no draft model: drop the `model` methods")
     if args.smoke:
         args.slots, args.requests_per_slot, args.min_requests, args.repeats = [1, 2], 1, 3, 1
         args.max_new_tokens, args.tasks = 12, ["editing"]
@@ -143,13 +158,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def zoo_workload(args):
-    target, _, tokenizer = zoo.load_default()
+    target, draft_model, tokenizer = zoo.load_default()
     prompts = load_prompts()
     pools = {
         task: [tokenizer(p["prompt"]).input_ids[-args.max_prompt_tokens :] for p in prompts[task]]
         for task in args.tasks
     }
-    return hf_specdec.enable(target), pools
+    return hf_specdec.enable(target), pools, draft_model
 
 
 def memory_bound_workload(args):
@@ -167,11 +182,11 @@ def memory_bound_workload(args):
         continuation = model.generate(seed, max_new_tokens=args.max_new_tokens, do_sample=False)[:, 24:]
         pools["copy"].append(torch.cat([seed, continuation, seed], dim=-1)[0].tolist())
         pools["no_match"].append(torch.randint(0, FULL_PAIR["vocab_size"], (64,), generator=generator).tolist())
-    return model, {task: pools[task] for task in ("copy", "no_match")}
+    return model, {task: pools[task] for task in ("copy", "no_match")}, None
 
 
 def run(args) -> None:
-    model, pools = memory_bound_workload(args) if args.memory_bound else zoo_workload(args)
+    model, pools, draft_model = memory_bound_workload(args) if args.memory_bound else zoo_workload(args)
     results = {}
     for task, pool in pools.items():
         for slots in args.slots:
@@ -180,7 +195,7 @@ def run(args) -> None:
             runs = {method: [] for method in args.methods}
             for repeat in range(args.repeats):
                 for method in rotated(args.methods, repeat):
-                    runs[method].append(serve(model, prompts, method, slots, args, pool[-1][:32]))
+                    runs[method].append(serve(model, prompts, method, slots, args, pool[-1][:32], draft_model))
             reference = runs["plain"][0]["tokens"] if "plain" in runs else None
             row = {"requests": count}
             for method, method_runs in runs.items():

@@ -1,15 +1,17 @@
 """Speculation inside transformers' continuous batching: `model.generate_batch(..., drafter=...)` and
 `model.init_continuous_batching(..., drafter=...)`.
 
-Each step, every decoding request gets up to γ drafts from its own copy of the drafter, and its query in the packed
-batch becomes `[last token, drafts...]`: the paged attention reads it like a chunk of prefill. The target's logits at
-each of these positions are processed like plain continuous batching's (per-request temperature, top-k, top-p) and
-verified per request (Algorithm 1; greedy: the agreeing prefix). The accepted drafts and the target's token go through
-the request's own completion check one by one, so EOS and `max_new_tokens` stop inside a block. The request's write
-position then moves back over the rejected drafts: their keys and values stay in its blocks until overwritten, are
-never read (a request reads its cache up to its position only) and never hashed for prefix sharing (only blocks
-completed by accepted tokens are marked). Drafts are trimmed to the step's token budget; a request's blocks are freed
-when it finishes or is cancelled, as in plain continuous batching.
+Each step, every decoding request gets up to γ drafts from its own copy of the drafter (a draft model's copy keeps
+the request's draft cache, a `DynamicCache` of its own, and drafts the request alone; a feature drafter's copy hears
+the target's hidden states of the request's kept positions, `hf_specdec.continuous_features`), and its query in the
+packed batch becomes `[last token, drafts...]`: the paged attention reads it like a chunk of prefill. The target's
+logits at each of these positions are processed like plain continuous batching's (per-request temperature, top-k,
+top-p) and verified per request (Algorithm 1; greedy: the agreeing prefix). The accepted drafts and the target's
+token go through the request's own completion check one by one, so EOS and `max_new_tokens` stop inside a block. The
+request's write position then moves back over the rejected drafts: their keys and values stay in its blocks until
+overwritten, are never read (a request reads its cache up to its position only) and never hashed for prefix sharing
+(only blocks completed by accepted tokens are marked). Drafts are trimmed to the step's token budget; a request's
+blocks are freed when it finishes or is cancelled, as in plain continuous batching.
 
 How many drafts each request verifies is chosen per step for the whole batch (`hf_specdec.policies.batch`: the
 default `auto` policy prices drafts on the step's total query tokens and decodes plainly when they do not pay;
@@ -31,6 +33,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 from .configuration import SpeculativeOptions, resolve_speculative_options
+from .continuous_features import feature_prototype
 from .continuous_steps import SpeculativeBatchProcessor, draft_trimming
 from .drafter_arguments import resolve_drafter
 from .drafters.base import Drafter
@@ -61,17 +64,17 @@ def check_transformers_release() -> None:
 def check_drafter(drafter: Drafter, options: SpeculativeOptions) -> None:
     """Refuses what continuous batching cannot serve exactly yet, naming the argument."""
     name = type(drafter).__name__
-    if drafter.reads_target_hidden_states or drafter.reads_target_cache:
-        what = "hidden states" if drafter.reads_target_hidden_states else "key/value cache"
+    if drafter.reads_target_cache:
         raise ValueError(
-            f"`drafter={name}` reads the target's {what}, which continuous batching does not hand to drafters yet. "
-            'Use a drafter that needs nothing from the target (`drafter="prompt_lookup"`, "ngram", "suffix"), or '
-            "`generate` with a left-padded batch."
+            f"`drafter={name}` reads the target's key/value cache, which continuous batching keeps in pages of its "
+            'own. Use a drafter that reads nothing or only hidden states from the target (`drafter="prompt_lookup"`, '
+            '"suffix", a draft model, an EAGLE-3 head, MTP layers), or `generate` with a left-padded batch.'
         )
-    if drafter.supports_padded_batches:
+    if getattr(drafter, "cache_implementation", None) == "static":
         raise ValueError(
-            f"`drafter={name}` drafts with a model of its own, whose cache continuous batching does not page yet. "
-            'Use `drafter="prompt_lookup"`, "ngram" or "suffix", or `generate` with a left-padded batch.'
+            f"`{name}(cache_implementation='static')`: in continuous batching each request drafts with a copy of "
+            "the draft model's cache of its own, grown as the request goes. Leave the drafter's cache dynamic "
+            "(`cache_implementation=None`)."
         )
     if options.speculative_tree_budget is not None:
         raise ValueError(
@@ -97,11 +100,20 @@ class SpeculativeContinuousBatchingManager(ContinuousBatchingManager):
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
         try:
             _check_continuous_batching_config(self.continuous_batching_config)
+            self.prototype = feature_prototype(model, drafter, self.generation_config)
         except ValueError:
             if self._original_attn_impl is not None:  # leave the model as it came
                 self.model.set_attn_implementation(self._original_attn_impl)
             raise
         self.drafter, self.options = drafter, options
+        self._processors: list[SpeculativeBatchProcessor] = []
+
+    def _run_generation_loop(self, use_inference_mode: bool) -> None:
+        try:
+            super()._run_generation_loop(use_inference_mode)
+        finally:  # a feature drafter's capture belongs to this loop's thread
+            for processor in self._processors:
+                processor.close_capture()
 
     def _create_batch_processor(self) -> SpeculativeBatchProcessor:
         processor = super()._create_batch_processor()
@@ -109,7 +121,8 @@ class SpeculativeContinuousBatchingManager(ContinuousBatchingManager):
             scheduler = processor.scheduler
             scheduler.__class__ = draft_trimming(type(scheduler))
             processor.__class__ = SpeculativeBatchProcessor
-            processor.setup_drafting(self.model, self.drafter, self.options, self.generation_config)
+            processor.setup_drafting(self.model, self.drafter, self.options, self.generation_config, self.prototype)
+            self._processors.append(processor)
         return processor
 
     def drafting_matches(self, drafter: Drafter, options: SpeculativeOptions) -> bool:
@@ -138,17 +151,22 @@ def _check_attention_layout(config) -> None:
 
 
 def _check_continuous_batching_config(config) -> None:
-    refused = {
-        "use_async_batching": bool(config.use_async_batching),
-        "varlen_compile_config": config.varlen_compile_config is not None,
-        "decode_compile_config": config.decode_compile_config is not None,
-        "use_cuda_graph": any(config.cuda_graph_booleans),
+    shapes = "verified positions change shape every step"
+    refused = {  # name: (set, why it is not served)
+        "use_async_batching": (bool(config.use_async_batching), shapes),
+        "varlen_compile_config": (config.varlen_compile_config is not None, shapes),
+        "decode_compile_config": (config.decode_compile_config is not None, shapes),
+        "use_cuda_graph": (any(config.cuda_graph_booleans), shapes),
+        "cpu_offload_space": (
+            bool(config.cpu_offload_space),
+            "a request offloaded to the CPU pool while decoding would re-process its queued drafts as its own tokens",
+        ),
     }
-    for name, set_ in refused.items():
+    for name, (set_, why) in refused.items():
         if set_:
             raise ValueError(
-                f"`ContinuousBatchingConfig({name}=...)` is set, which hf_specdec does not draft with yet (verified "
-                f"positions change shape every step). Leave `{name}` unset, or drop the drafter."
+                f"`ContinuousBatchingConfig({name}=...)` is set, which hf_specdec does not draft with yet ({why}). "
+                f"Leave `{name}` unset, or drop the drafter."
             )
 
 

@@ -20,6 +20,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.generation.continuous_batching.utils import stream_context
 
 from .configuration import SpeculativeOptions
+from .continuous_features import FeatureHandoff
 from .drafters.base import DraftContext, Drafter, DraftProposal
 from .modeling import logits_width
 from .policies.batch import BatchDraftAllocator
@@ -81,15 +82,20 @@ class _Scheduled:
         return 0 if self.proposal is None else self.proposal.tokens.shape[1]
 
 
-class SpeculativeBatchProcessor(ContinuousBatchProcessor):
+class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
     """transformers' batch processor with a drafting step before scheduling and a verifying update after it."""
 
-    def setup_drafting(self, target, drafter: Drafter, options: SpeculativeOptions, generation_config) -> None:
+    def setup_drafting(
+        self, target, drafter: Drafter, options: SpeculativeOptions, generation_config, prototype: Drafter
+    ) -> None:
+        """`prototype`: what each request's drafter copy is made from (`feature_prototype`)."""
         self.target, self.drafter, self.options = target, drafter, options
         self.gamma = options.speculative_gamma
         self.vocab_size = logits_width(target)
         self.drafter_processors = target._get_logits_processor(generation_config)
         self.drafting_config = generation_config
+        # a drafter with a model of its own (a draft model) reads each request's sequence on the target's device
+        self.draft_device = self.model_device if isinstance(getattr(drafter, "model", None), torch.nn.Module) else None
         runner = self.model_runner
         runner.__class__ = VerifyingModelRunner
         self.copies: dict[str, Drafter] = {}  # each request's own drafter
@@ -101,9 +107,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
         # drafts that cost next to nothing (copied from text) are always made: only their verification is priced
         self.rests = self.allocator is not None and not drafter.free_drafts
         self.step_start = 0.0
+        self._setup_features(prototype)
 
     def reset(self) -> None:
         super().reset()
+        self.close_capture()  # the next generation loop runs in a thread of its own
         self.copies, self.stats, self.proposals, self.drafted, self.scheduled = {}, {}, {}, {}, []
         if self.allocator is not None:
             self.allocator.forget_requests()  # the step cost fit stays: same model, same machine
@@ -111,6 +119,7 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
     # ----- drafting and scheduling -----------------------------------------------------------------------------
 
     def prepare_next_batch(self) -> bool:
+        self._open_capture()
         self._draft()
         if not super().prepare_next_batch():
             return False
@@ -134,9 +143,11 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             if num_tokens <= 0 or (self.rests and not self.allocator.should_draft(request_id, num_tokens)):
                 continue
             started = time.perf_counter()
-            # on the host: copy drafters read and answer there, and no request's draft waits for the device
-            sequence = torch.tensor([state.initial_tokens + state.generated_tokens])
-            proposal = self._copy_for(request_id, sequence).propose(sequence, num_tokens)
+            sequence = self._sequence(state)
+            copy_ = self._drafting_copy(state, sequence)
+            if copy_ is None:
+                continue
+            proposal = copy_.propose(sequence, num_tokens)
             drafts = proposal.tokens[0, :num_tokens].tolist()
             if self.allocator is not None:
                 self.allocator.observe_draft(time.perf_counter() - started)
@@ -168,17 +179,24 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             for request_id in self.allocator.requests() - active.keys() - waiting.keys():
                 self.allocator.forget(request_id)
 
-    def _copy_for(self, request_id: str, sequence: torch.LongTensor) -> Drafter:
+    def _copy_for(self, state, sequence: torch.LongTensor) -> Drafter:
+        """The request's own copy of the drafter (a draft model's copy keeps the request's draft cache), made at its
+        first draft with a generation config whose `max_length` is the request's own."""
+        request_id = state.request_id
         if request_id not in self.copies:
-            context = DraftContext(
-                target=self.target,
-                input_ids=sequence,
-                logits_processor=self.drafter_processors,
-                generation_config=self.drafting_config,
-                vocab_size=self.vocab_size,
-            )
-            self.copies[request_id] = self.drafter.for_call(context)
+            generation_config = copy.copy(self.drafting_config)
+            generation_config.max_length = len(state.initial_tokens) + state._new_tokens_limit
+            self.copies[request_id] = self.prototype.for_call(self._context(sequence, generation_config))
         return self.copies[request_id]
+
+    def _context(self, sequence: torch.LongTensor, generation_config) -> DraftContext:
+        return DraftContext(
+            target=self.target,
+            input_ids=sequence,
+            logits_processor=self.drafter_processors,
+            generation_config=generation_config,
+            vocab_size=self.vocab_size,
+        )
 
     def _plan_verification(self) -> None:
         """Where each request's verified positions lie in the packed batch: its last token and its scheduled drafts."""
@@ -253,6 +271,9 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
     @torch.no_grad()
     def update_batch(self) -> None:
         results = self._verify()
+        self._hand_out_features(
+            {item.future_state.state.request_id: (item.num_drafted, r[0]) for item, r in zip(self.scheduled, results)}
+        )
         outputs = []
         # a step of decoding requests only (no prompt chunk): the steps whose cost the `auto` policy fits
         decoding_only = len(self.scheduled) == len(self.inputs_and_outputs.requests_in_batch)
@@ -282,12 +303,8 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
                 self.allocator.observe_request(
                     state.request_id, self.drafted.get(state.request_id, []), state.generated_tokens[-emitted:]
                 )
-            copy_ = self.copies.get(state.request_id)
-            # also after the last step (a drafter may learn from the output); skipped where it is the base no-op
-            if copy_ is not None and type(copy_).on_verified is not Drafter.on_verified:
-                copy_.on_verified(
-                    torch.tensor([state.initial_tokens + state.generated_tokens]), torch.tensor([accepted])
-                )
+            # also after the last step (a drafter may learn from the output)
+            self._tell_copy(state, accepted)
             if finished:
                 self.copies.pop(state.request_id, None)
                 if self.allocator is not None:
@@ -307,7 +324,19 @@ class SpeculativeBatchProcessor(ContinuousBatchProcessor):
             query_tokens = sum(future_state.query_length for future_state in self.inputs_and_outputs.requests_in_batch)
             seconds = time.perf_counter() - self.step_start
             self.allocator.observe_step(query_tokens, seconds, self.model_runner.verifying)
+        verified = {item.future_state.state.request_id for item in self.scheduled}
+        active = self.scheduler.active_requests
+        for request_id in self.drafted.keys() - verified:  # drafted, then not scheduled or offloaded: none kept
+            if request_id in active:
+                self._tell_copy(active[request_id], 0)
         self._fork_requests()
+
+    def _tell_copy(self, state, accepted: int) -> None:
+        """The request's drafter copy hears that `accepted` of its drafts were kept (a draft model crops its cache to
+        the request's tokens); a feature drafter was told with its states already (`_hand_out_features`)."""
+        copy_ = self.copies.get(state.request_id)
+        if copy_ is not None and self._tells_copies(copy_):
+            copy_.on_verified(torch.tensor([state.initial_tokens + state.generated_tokens]), torch.tensor([accepted]))
 
     def _fork_requests(self) -> None:
         """`num_return_sequences > 1`: the requests whose prompt stopped one token short are forked now, as

@@ -19,3 +19,4 @@ def test_the_smoke_run_covers_every_method_and_checks_outputs(tmp_path):
         assert all(row[m]["identical_to_plain"] for m in methods)
         assert all(row[m]["tokens_per_s"] > 0 and row[m]["p95_s"] >= row[m]["p50_s"] for m in methods)
     assert results["editing"]["B=1"]["prompt_lookup_constant"]["tokens_per_call"] > 1.0
+    assert results["editing"]["B=1"]["model_constant"]["tokens_per_call"] > 1.0  # the distilled draft model drafted

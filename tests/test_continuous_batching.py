@@ -491,7 +491,7 @@ def test_block_verification_matches_the_target_distribution(model):
         (dict(use_mtp=True), "`use_mtp=True` is not served"),
         (
             dict(drafter=type("ReadsStates", (hf_specdec.Drafter,), {"reads_target_hidden_states": True})()),
-            "reads the target's hidden states",
+            "set no `target_hidden_layers`",
         ),
         (
             dict(drafter=type("ReadsCache", (hf_specdec.Drafter,), {"reads_target_cache": True})()),
@@ -505,15 +505,11 @@ def test_refusals_name_the_argument(model, kwargs, match):
         model.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache(), **kwargs)
 
 
-def test_a_draft_model_is_refused_naming_its_cache(model):
-    with pytest.raises(ValueError, match="drafts with a model of its own"):
-        model.generate_batch(PROMPTS, config(), assistant_model=tiny_model("llama", seed=1))
-
-
 @pytest.mark.parametrize(
     "setting, match",
     [
         (dict(use_async_batching=True), "use_async_batching"),
+        (dict(cpu_offload_space=1.0), "cpu_offload_space"),
     ],
 )
 def test_continuous_batching_settings_not_served_are_refused(model, setting, match):

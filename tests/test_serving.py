@@ -133,12 +133,36 @@ def test_other_model_names_are_refused(server):
     assert "pinned" in error.value.response.text
 
 
+def test_a_draft_model_serves_each_request_exactly(reference):
+    """A server whose continuous batching drafts with the zoo's distilled draft model (each request with a draft
+    cache of its own): concurrent completions equal plain continuous batching's, and the draft model ran."""
+    _, drafter, _ = zoo.load_default()
+    calls = []
+    hook = drafter.register_forward_hook(lambda *_: calls.append(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    drafting = {"assistant_model": drafter, "speculative_gamma": 4, "speculative_gamma_policy": "constant"}
+    app, model_manager, state = serving.build_server(
+        MODEL, drafting, device="cpu", dtype="float32", continuous_batching_config=ContinuousBatchingConfig(**CACHE)
+    )
+    try:
+        with run_server(app) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(reference)[:2]
+            assert list(pool.map(lambda text: complete(client, text), texts)) == [reference[t] for t in texts]
+    finally:
+        state.shutdown()
+        model_manager.shutdown()
+        hook.remove()
+        torch.set_num_threads(threads)
+    assert calls
+
+
 def test_build_server_refuses_drafting_it_cannot_serve():
     with pytest.raises(ValueError, match="needs a drafter"):
         serving.build_server(MODEL, {})
     _, drafter, _ = zoo.load_default()
-    with pytest.raises(ValueError, match="drafts with a model of its own"):
-        serving.build_server(MODEL, {"assistant_model": drafter})
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        serving.build_server(MODEL, {"drafter": hf_specdec.ModelDrafter(drafter, cache_implementation="static")})
     with pytest.raises(ValueError, match="speculative_tree_budget"):
         serving.build_server(MODEL, {"drafter": "prompt_lookup", "speculative_tree_budget": 8})
     with pytest.raises(ValueError, match="is not a registered drafter|Unknown drafter|unknown drafter"):
@@ -238,8 +262,10 @@ def test_pickle_only_directories_are_refused(tmp_path):
 def test_cli_refuses_drafters_continuous_batching_does_not_serve(capsys):
     from hf_specdec.cli import main
 
-    assert main(["serve", "--drafter", "model"]) == 2
-    assert "--drafter must be one of prompt_lookup, suffix, ngram" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "eagle"]) == 2
+    assert "--drafter must be one of prompt_lookup, suffix, ngram, model" in capsys.readouterr().err
+    assert main(["serve", "./my-model", "--drafter", "model"]) == 2
+    assert "--drafter model needs a PATH" in capsys.readouterr().err
     assert main(["serve", "--drafter", "suffix", "somewhere"]) == 2
     assert "takes no path" in capsys.readouterr().err
     assert main(["serve", "./my-model", "--drafter", "ngram"]) == 2
@@ -251,13 +277,16 @@ def test_cli_refuses_drafters_continuous_batching_does_not_serve(capsys):
     assert "must be a number in (0, 1], got 2.0" in capsys.readouterr().err
 
 
-def test_cli_serves_the_embedded_model_over_http(reference):
-    """`hf-specdec serve` as a user runs it (its own process), answering a real HTTP request with plain's text."""
+@pytest.mark.parametrize("drafter", [[], ["--drafter", "model"]], ids=["default", "draft_model"])
+def test_cli_serves_the_embedded_model_over_http(reference, drafter):
+    """`hf-specdec serve` as a user runs it (its own process), answering a real HTTP request with plain's text:
+    with the default drafter (prompt lookup) and with the embedded draft model."""
     with socket.socket() as probe:  # a free port (released just before the server binds it)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "hf_specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--threads", "1", "--cb-num-blocks", "96", "--cb-block-size", "16", "--cb-max-batch-tokens", "256"]
+    command += drafter
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -12,7 +12,7 @@ from . import loading
 from .arguments import add_threads, positive_int
 from .common import CLIError, set_threads
 
-DRAFTERS = ("prompt_lookup", "suffix", "ngram")
+DRAFTERS = ("prompt_lookup", "suffix", "ngram", "model")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -55,6 +55,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     for loaded in model_manager.loaded_models.values():  # the preloaded model: an n-gram table must fit its vocabulary
         loading.check_vocabulary(loaded.model, drafting)
+        if "assistant_model" in drafting:  # a draft model runs where the target runs, in its dtype
+            drafting["assistant_model"].to(device=loaded.model.device, dtype=loaded.model.dtype)
     import uvicorn
 
     batching = "continuous batching" if args.continuous_batching else "one request at a time"
@@ -79,8 +81,8 @@ def _drafting(args: argparse.Namespace) -> dict:
         if len(spec) > 1:
             raise CLIError("--drafter suffix takes no path")
         drafting = {"drafter": "suffix"}
-    elif spec[0] == "ngram" and len(spec) == 1 and args.model is not None:
-        raise CLIError("--drafter ngram needs a PATH (or Hub id) when MODEL is not the embedded default")
+    elif spec[0] in ("ngram", "model") and len(spec) == 1 and args.model is not None:
+        raise CLIError(f"--drafter {spec[0]} needs a PATH (or Hub id) when MODEL is not the embedded default")
     else:
         drafting = loading.load_drafter(spec, embedded_target=args.model is None)
     if args.gamma is not None:
@@ -124,8 +126,9 @@ def add_parser(command) -> None:
         nargs="+",
         metavar="KIND [PATH]",
         default=None,
-        help="prompt_lookup | suffix | ngram [PATH]: the drafter of every request (PATH: an n-gram table "
-        "directory or Hub id, optional with the embedded model; default: prompt_lookup)",
+        help="prompt_lookup | suffix | ngram [PATH] | model [PATH]: the drafter of every request (PATH: an n-gram "
+        "table, or a draft model sharing the target's tokenizer, as a directory or Hub id; optional with the embedded "
+        "model, whose distilled drafter `model` then loads; default: prompt_lookup)",
     )
     sub.add_argument(
         "--gamma",

@@ -338,6 +338,8 @@ class EagleDrafter(Drafter):
         target_hidden_states: torch.Tensor | None = None,
     ) -> None:
         require_hidden_states(self, target_hidden_states)
+        if not target_hidden_states.shape[1]:  # no position kept (drafts that were never verified)
+            return
         pending = (
             target_hidden_states if self.pending is None else torch.cat([self.pending, target_hidden_states], dim=1)
         )
