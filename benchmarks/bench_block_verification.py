@@ -20,11 +20,18 @@ checkpoints, in a folder named after the results file.
     OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 \\
         --output benchmarks/results/block_verification_zoo_cpu_1thread.json
     python benchmarks/bench_block_verification.py --smoke   # one short prompt, into a temporary folder
+
+The EAGLE rows of `results/block_verification_zoo_eagle_cpu_1thread.json` come from a head trained for 40 minutes
+on 2 threads (what `--eagle-minutes 40` runs: the whole train split, batches of 4, a 4-step unroll), then loaded:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --prompts 4 --eagle-head DIR \
+        --output benchmarks/results/block_verification_zoo_eagle_cpu_1thread.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -56,11 +63,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="one short prompt per task, one repeat")
     parser.add_argument("--eagle-minutes", type=float, default=0.0, help="train an EAGLE-3 head this long (0: none)")
     parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head to load instead of training")
-    parser.add_argument("--eagle-files", type=int, default=120, help="train-split files the head trains on")
+    parser.add_argument("--eagle-files", type=int, default=None, help="train-split files the head trains on (all)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.repeats, args.gammas = 1, 12, 1, [3]
-        args.eagle_files = min(args.eagle_files, 4)
+        args.eagle_files = 4
         args.output = args.output or Path(tempfile.mkdtemp(prefix="bench_block_")) / "block.json"
     threads = torch.get_num_threads()
     if args.threads:
@@ -88,10 +95,18 @@ def eagle_head(target, tokenizer, args) -> hf_specdec.EagleDrafter | None:
         texts=texts,
         tokenizer=tokenizer,
         max_minutes=args.eagle_minutes,
+        batch_size=4,  # more, smaller steps in a CPU budget: ~4k positions each
+        ttt_steps=4,  # the draft steps the rows use (γ 4); a longer unroll costs each step more
         output_dir=output_dir,
         seed=args.seed,
         show_progress=False,
     )
+
+
+def saved_training(head: Path | None) -> dict:
+    """What `train_eagle_drafter` recorded of a loaded head's training (its `training_log.json`), or {}."""
+    log = None if head is None else Path(head) / "training_log.json"
+    return json.loads(log.read_text()).get("info", {}) if log is not None and log.is_file() else {}
 
 
 def run(args) -> dict:
@@ -111,7 +126,9 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
-        "eagle_head": None if eagle is None else {"training": eagle.training_info, "files": args.eagle_files},
+        "eagle_head": None
+        if eagle is None
+        else {"training": eagle.training_info or saved_training(args.eagle_head), "files": args.eagle_files or "all"},
         "prompt_count": len(inputs),
         "runs": [],
     }

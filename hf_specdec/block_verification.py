@@ -72,11 +72,10 @@ def block_thresholds(
     q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: q_i(x_i)
     # p_i(x_i) / q_i(x_i); a draft the drafter gave no mass (never sampled) counts as certain, as in the ratio test
     ratio = torch.where(q_x > 0, p_x / q_x.clamp(min=tiny), torch.ones_like(p_x))
-    weights, w = [], torch.ones_like(p_x[:, 0])
-    for i in range(gamma):
-        w = torch.clamp(w * ratio[:, i], max=1.0)
-        weights.append(w)
-    w = torch.stack(weights, dim=1)  # [batch, gamma]: w_1..w_γ
+    # w_i = min(1, w_{i-1} r_i) in one pass: in logs, L_i = min(0, L_{i-1} + log r_i) = s_i - max(s_0..s_i) with
+    # s_i = log r_1 + ... + log r_i and s_0 = 0 (a ratio of 0 gives -inf: w stays 0 from there on, as the product)
+    s = torch.nn.functional.pad(ratio.log().cumsum(dim=-1), (1, 0))  # [batch, gamma + 1]: s_0..s_γ
+    w = (s - s.cummax(dim=-1).values)[:, 1:].exp()  # [batch, gamma]: w_1..w_γ (exactly 1 where s_i is the max)
     # m_i over the next position's rows, i = 1..γ - 1: p_{i+1} is target_probs[:, i], q_{i+1} is q[:, i]
     mass = (w[:, :-1, None] * p[:, 1:gamma] - q[:, 1:gamma]).clamp(min=0.0).sum(dim=-1)  # [batch, gamma - 1]
     denominator = mass + 1.0 - w[:, :-1]

@@ -1,6 +1,7 @@
 """The `auto` γ policy of continuous batching (`hf_specdec.policies.batch`): drafts allocated per step by goodput."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -115,10 +116,27 @@ def test_a_request_whose_drafts_cannot_pay_for_their_drafting_drafts_only_now_an
     allocator.observe_draft(1e-4)
     assert allocator.allocate({"r": 4}) == {"r": 4}
     assert allocator.should_draft("r", 4)
-    allocator.observe_draft(50.0)  # now drafting one request costs far more than the step it saves
-    allocator.draft_seconds = 50.0
-    drafts = [allocator.should_draft("r", 4) for _ in range(2 * allocator.explore_every)]
-    assert drafts.count(True) == 2 and drafts[allocator.explore_every - 1]
+    allocator.draft_seconds = 0.5  # now drafting one request costs more than the step it saves
+    drafts = [allocator.should_draft("r", 4) for _ in range(300)]
+    # it rests until an exploration (drafting, and the drafts' tokens in the verify) would cost at most
+    # `explore_budget` of the time rested, then twice as long each time: rarer the longer drafting does not pay
+    interval = math.ceil((0.5 + 0.001 * 4) * allocator.goodput / allocator.explore_budget)
+    assert interval > allocator.explore_every
+    assert [step for step, drafted in enumerate(drafts, 1) if drafted] == [interval, 3 * interval, 7 * interval, 300]
+    assert interval * 15 == 300
+
+
+def test_a_cheap_drafter_whose_drafts_are_never_kept_explores_after_a_few_steps():
+    allocator = BatchDraftAllocator()
+    for tokens in (4, 8, 16, 32):
+        allocator.observe_step(tokens, 1.0 + 0.001 * tokens)
+    for _ in range(200):
+        allocator.observe_request("r", [1], [2])  # its first draft is never kept
+    allocator.observe_draft(0.01)
+    allocator.allocate({"r": 4})
+    every = allocator.explore_every
+    drafts = [allocator.should_draft("r", 4) for _ in range(8 * every)]
+    assert [step for step, drafted in enumerate(drafts, 1) if drafted] == [every, 3 * every, 7 * every]
 
 
 def test_drafts_are_priced_with_the_jump_of_verifying_when_the_last_step_verified_none():

@@ -145,6 +145,29 @@ def expected_accepted(tables: Tables, gamma: int, block: bool) -> float:
     return total
 
 
+def test_prefix_weights_follow_their_recursion():
+    """w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)), w_0 = 1, computed in one pass, equals the recursion step by step:
+    ratios above and below 1, a draft the target gives no mass (w stays 0 after it), one the drafter gave none."""
+    generator = torch.Generator().manual_seed(0)
+    batch, gamma, vocab = 64, 6, 5
+    p = torch.rand(batch, gamma + 1, vocab, generator=generator, dtype=torch.float64) ** 4
+    q = torch.rand(batch, gamma, vocab, generator=generator, dtype=torch.float64) ** 4
+    p[:8, 2, 0], q[8:16, 1, 0] = 0.0, 0.0
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    drafts = torch.randint(0, vocab, (batch, gamma), generator=generator)
+    drafts[:16, :3] = 0
+    _, weights = block_thresholds(drafts, q, p)
+    p_x = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
+    q_x = q.gather(-1, drafts[..., None])[..., 0]
+    w, expected = torch.ones(batch, dtype=torch.float64), []
+    for i in range(gamma):
+        w = torch.clamp(w * torch.where(q_x[:, i] > 0, p_x[:, i] / q_x[:, i], 1.0), max=1.0)
+        expected.append(w)
+    expected = torch.stack(expected, dim=1)
+    assert (expected == 1).any() and (expected == 0).any() and ((expected > 0) & (expected < 1)).any()
+    torch.testing.assert_close(weights, expected, rtol=1e-12, atol=0)
+
+
 def test_block_verification_accepts_at_least_as_many_drafts_as_token_wise():
     gains = []
     for seed, gamma in itertools.product(range(12), [2, 3, 4]):

@@ -27,19 +27,22 @@ are right in runs (a copied span is kept whole or breaks early), which these con
 position with the tokens it then emitted (a verified draft is kept exactly when it equals the emitted token; a draft
 left unverified is a shadow draft).
 
-Drafting itself costs time (a table lookup, a search): with a drafter whose drafts are not free (`Drafter.free_drafts`
-unset), a request whose best drafts would not pay for their own drafting at the step's current tokens per second
-does not draft, but on every `explore_every`-th step, so that the drafter's cost is not paid for nothing and the
-estimates still follow the text. When the last step verified no drafts, the request's drafts are also priced with
-the jump of verifying at all (which some other request would otherwise share): drafts that the allocation would
-then leave unverified are not made. Free drafts (prompt lookup, suffix decoding) are made every step: a copy can start
-at any token, and only its verification is priced.
+Drafting itself costs time (a table lookup, a search): with a drafter whose drafts are not free
+(`Drafter.free_drafts` unset), a request whose best drafts would not pay for their own drafting at the step's
+current tokens per second does not draft, but to explore after `explore_every` steps of rest (more when an
+exploration would cost over `explore_budget` of the rest: a costly draft model), then after twice as many each time
+it still does not pay, so that the drafter's cost is not paid for nothing and the estimates still follow the text.
+When the last step verified no drafts, the request's drafts are also priced with the jump of verifying at all (which
+some other request would otherwise share): drafts that the allocation would then leave unverified are not made. Free
+drafts (prompt lookup, suffix decoding) are made every step: a copy can start at any token, and only its
+verification is priced.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
+import math
 
 __all__ = ["BatchDraftAllocator", "StepCostFit", "allocate_drafts"]
 
@@ -146,7 +149,13 @@ class BatchDraftAllocator:
     """Comparisons' worth of the batch's first-draft rate in a request's own."""
 
     explore_every = 8
-    """A request whose drafts did not pay drafts again only on every `explore_every`-th step."""
+    """A request whose drafts did not pay drafts again (explores) only after `explore_every` steps of rest, or more
+    (`explore_budget`), then after twice as many each time it still does not pay (steps 8, 24, 56, ... of its rest)."""
+
+    explore_budget = 0.05
+    """The most of a resting request's time its explorations may take: it rests at least as many steps as make its
+    share of them cost 1 / explore_budget times an exploration (the drafting, the jump of verifying at all, the
+    drafts' tokens in the verify)."""
 
     def __init__(self) -> None:
         self.cost = StepCostFit()
@@ -196,8 +205,8 @@ class BatchDraftAllocator:
     def should_draft(self, request_id: str, cap: int) -> bool:
         """Whether drafting up to `cap` tokens for `request_id` this step can pay for the drafting itself: some
         k <= cap gives more expected tokens per second of drafting and verifying, (E(k) - 1) / (c + b k), plus the
-        jump j of verifying at all when the last step verified nothing, than the last step's goodput; else only on
-        every `explore_every`-th step."""
+        jump j of verifying at all when the last step verified nothing, than the last step's goodput; else only to
+        explore, ever more rarely (`explore_every`)."""
         fit = self.cost.coefficients()
         if fit is None or self.goodput is None or self.draft_seconds is None:
             return True
@@ -207,8 +216,11 @@ class BatchDraftAllocator:
         if added and max(added) > self.goodput:
             self.resting.pop(request_id, None)
             return True
-        self.resting[request_id] = self.resting.get(request_id, 0) + 1
-        return self.resting[request_id] % self.explore_every == 0
+        rest = self.resting[request_id] = self.resting.get(request_id, 0) + 1
+        # a request's share of a plain step lasts 1 / goodput seconds
+        exploration = (self.draft_seconds + jump + b * cap) * self.goodput / self.explore_budget
+        explorations, left = divmod(rest, max(self.explore_every, math.ceil(exploration)))
+        return left == 0 and explorations & (explorations + 1) == 0  # rest = interval x (1, 3, 7, 15, ...)
 
     def observe_draft(self, seconds: float) -> None:
         """One request's drafting took `seconds`."""
