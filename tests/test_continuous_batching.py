@@ -397,8 +397,9 @@ class FreeScriptedRequests(ScriptedRequests):
 def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, free):
     """The default policy verifies no draft when the step is compute-bound (a = 0: no draft can pay) and every draft
     when a step's fixed cost dwarfs its per-token cost; outputs are identical either way, and the drafts it does not
-    verify still measure each request's acceptance: every step for free drafts, now and then for costly ones whose
-    drafting does not pay."""
+    verify still measure each request's acceptance: every step for free drafts; costly ones whose drafting does not
+    pay draft only until their drafting is timed, then rest (here an exploration, whose drafts' tokens cost the
+    verify as much as that many plain steps, would be due only after more steps of rest than a request lasts)."""
     drafter = (FreeScriptedRequests if free else ScriptedRequests)([p + out for p, out in zip(PROMPTS, plain)], 3)
     watched = []
 
@@ -414,7 +415,7 @@ def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, f
     if drafts == "none" and free:
         assert first_drafts_compared >= len(PROMPTS) * (NEW_TOKENS - 2)  # every step
     elif drafts == "none":
-        assert 2 * len(PROMPTS) <= first_drafts_compared < len(PROMPTS) * NEW_TOKENS // 2  # now and then
+        assert 1 <= first_drafts_compared <= 2 * len(PROMPTS)  # rarely
     else:
         assert first_drafts_compared >= len(PROMPTS) * (NEW_TOKENS // 4)
 
