@@ -78,6 +78,27 @@ def tokens(outputs):
     return [outputs[f"req_{i}"].generated_tokens for i in range(len(outputs))]
 
 
+def drafted_and_accepted(outputs) -> tuple[int, int]:
+    """The drafts verified and kept over `outputs` (finished `GenerationOutput`s)."""
+    stats = [output.speculative_stats for output in outputs]
+    return sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+
+
+def counting_offloads(offloads: list):
+    """A `serve` watch that appends to `offloads` each time transformers offloads requests."""
+
+    def watch(processor):
+        offload = processor.offloading_manager.offload_requests
+
+        def counted(*args, **kwargs):
+            offloads.append(1)
+            return offload(*args, **kwargs)
+
+        processor.offloading_manager.offload_requests = counted
+
+    return watch
+
+
 @pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_identity_with_plain_continuous_batching(model, plain, period, gamma):
@@ -344,17 +365,12 @@ def test_requests_offloaded_under_memory_pressure_come_back_exact(model, plain):
     output so far becomes prompt) and brings them back; they go on drafting and end as plain's."""
     drafter = ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
     offloads = []
-
-    def watch(processor):
-        offload = processor.offloading_manager.offload_requests
-        processor.offloading_manager.offload_requests = lambda *a, **k: offloads.append(1) or offload(*a, **k)
-
     cache = small_cache(num_blocks=14, max_requests_per_batch=5, max_batch_tokens=24)
     outputs = serve(
         model,
         [(p, {}) for p in PROMPTS],
         cache,
-        watch,
+        counting_offloads(offloads),
         drafter=drafter,
         speculative_gamma=4,
         speculative_gamma_policy="constant",

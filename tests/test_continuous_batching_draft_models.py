@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import noisy_copy, tiny_model
-from test_continuous_batching import PROMPTS, SAMPLING, config, serve, small_cache, tokens
+from test_continuous_batching import (
+    PROMPTS,
+    SAMPLING,
+    config,
+    counting_offloads,
+    drafted_and_accepted,
+    serve,
+    small_cache,
+    tokens,
+)
 from test_sampling_distribution import exact_distribution, goodness_of_fit
 from transformers import ContinuousBatchingConfig
 
@@ -37,11 +46,6 @@ def target():
 @pytest.fixture(scope="module")
 def plain(target):
     return tokens(target.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache()))
-
-
-def drafted_and_accepted(outputs) -> tuple[int, int]:
-    stats = [output.speculative_stats for output in outputs]
-    return sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
 
 
 @pytest.mark.parametrize("kind", ["always_right", "partly_right", "never_right"])
@@ -93,15 +97,10 @@ def test_offloaded_requests_draft_again_from_a_new_copy(target, plain):
     """Too few blocks for every request: offloaded requests lose their draft cache with their own and come back
     with a new copy of the draft model; every output ends as plain's."""
     offloads, copies = [], []
+    count = counting_offloads(offloads)
 
     def watch(processor):
-        offload = processor.offloading_manager.offload_requests
-
-        def counted(*args, **kwargs):
-            offloads.append(1)
-            return offload(*args, **kwargs)
-
-        processor.offloading_manager.offload_requests = counted
+        count(processor)
         copies.append(processor.copies)
 
     outputs = serve(

@@ -5,7 +5,16 @@ output is plain continuous batching's (greedy) or the target's distribution (sam
 
 import pytest
 import torch
-from test_continuous_batching import NEW_TOKENS, PROMPTS, config, serve, small_cache, tokens
+from test_continuous_batching import (
+    NEW_TOKENS,
+    PROMPTS,
+    config,
+    counting_offloads,
+    drafted_and_accepted,
+    serve,
+    small_cache,
+    tokens,
+)
 from test_dflash import block_drafter, llama, make_bigram
 from test_eagle import always_right, eagle_target, trained_head
 from test_sampling_distribution import exact_distribution, goodness_of_fit
@@ -69,8 +78,7 @@ def test_an_eagle_head_drafts_each_request_as_generate_does(eagle):
         PROMPTS, config(), continuous_batching_config=no_trimming(), drafter=head, **CONSTANT
     )
     assert tokens(outputs) == plain
-    drafted = sum(o.speculative_stats.drafted_tokens for o in outputs.values())
-    accepted = sum(o.speculative_stats.accepted_tokens for o in outputs.values())
+    drafted, accepted = drafted_and_accepted(outputs.values())
     assert 0 < accepted < drafted
     assert_rounds_are_generate_s(target, PROMPTS, outputs, head)
 
@@ -123,8 +131,7 @@ def test_eagle_heads_always_and_never_right(kind):
         PROMPTS, config(), continuous_batching_config=small_cache(), drafter=head, **CONSTANT
     )
     assert tokens(outputs) == plain
-    drafted = sum(o.speculative_stats.drafted_tokens for o in outputs.values())
-    accepted = sum(o.speculative_stats.accepted_tokens for o in outputs.values())
+    drafted, accepted = drafted_and_accepted(outputs.values())
     assert drafted > 0
     assert accepted == (drafted if kind == "always_right" else 0)
 
@@ -137,8 +144,7 @@ def test_mtp_layers_draft_each_request_as_generate_does(mtp):
         prompts, config(), continuous_batching_config=no_trimming(), drafter=drafter, **CONSTANT
     )
     assert tokens(outputs) == plain
-    drafted = sum(o.speculative_stats.drafted_tokens for o in outputs.values())
-    accepted = sum(o.speculative_stats.accepted_tokens for o in outputs.values())
+    drafted, accepted = drafted_and_accepted(outputs.values())
     assert 0 < accepted < drafted
     assert_rounds_are_generate_s(target, prompts, outputs, drafter)
 
@@ -154,8 +160,7 @@ def test_dflash_blocks_draft_each_request_as_generate_does(roughness):
         PROMPTS, config(), continuous_batching_config=no_trimming(), drafter=dflash, **CONSTANT
     )
     assert tokens(outputs) == plain
-    drafted = sum(o.speculative_stats.drafted_tokens for o in outputs.values())
-    accepted = sum(o.speculative_stats.accepted_tokens for o in outputs.values())
+    drafted, accepted = drafted_and_accepted(outputs.values())
     assert (accepted == drafted > 0) if roughness == 0 else (accepted < drafted)
     assert_rounds_are_generate_s(target, PROMPTS, outputs, dflash)
 
@@ -166,18 +171,10 @@ def test_trimmed_drafts_and_offloaded_requests_stay_exact(eagle):
     target, head = eagle
     plain = tokens(target.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache()))
     offloads = []
-
-    def watch(processor):
-        offload = processor.offloading_manager.offload_requests
-
-        def counted(*args, **kwargs):
-            offloads.append(1)
-            return offload(*args, **kwargs)
-
-        processor.offloading_manager.offload_requests = counted
-
     cache = small_cache(num_blocks=14, max_requests_per_batch=5, max_batch_tokens=24)
-    outputs = serve(target, [(p, {}) for p in PROMPTS], cache, watch, drafter=head, speculative_gamma=4)
+    outputs = serve(
+        target, [(p, {}) for p in PROMPTS], cache, counting_offloads(offloads), drafter=head, speculative_gamma=4
+    )
     assert offloads
     assert [output.generated_tokens for output in outputs] == plain
     assert sum(output.speculative_stats.drafted_tokens for output in outputs) > 0
@@ -216,8 +213,7 @@ def test_sampled_eagle_drafts_follow_the_target_distribution(eagle, lenience):
         speculative_gamma_policy="constant",
         speculative_lenience=lenience,
     )
-    stats = [output.speculative_stats for output in outputs.values()]
-    drafted, accepted = sum(s.drafted_tokens for s in stats), sum(s.accepted_tokens for s in stats)
+    drafted, accepted = drafted_and_accepted(outputs.values())
     assert drafted >= 1500 and 0 < accepted < drafted
     p_value = goodness_of_fit(table, [tuple(output.generated_tokens) for output in outputs.values()])
     if lenience == 1.0:
