@@ -120,8 +120,9 @@ def test_offloaded_requests_draft_again_from_a_new_copy(target, plain):
 @pytest.mark.parametrize("lenience", [1.0, 0.05], ids=["exact", "lossy_power_check"])
 def test_sampled_drafts_follow_the_target_distribution(target, lenience):
     """A draft model that samples its drafts (q from its own logits, far from the target's: the target's weights
-    with noise as large as themselves; about a third of its drafts are kept) under temperature and top-k: each request's three tokens follow the exactly enumerated target distribution; a
-    lossy verification (lenience 0.05) with the same drafter must fail."""
+    with noise as large as themselves; about a third of its drafts are kept) under temperature and top-k: each
+    request's three tokens follow the exactly enumerated target distribution; a lossy verification (lenience 0.05)
+    with the same drafter must fail."""
     prompt = PROMPTS[1]
     table = exact_distribution(target, torch.tensor([prompt]), dict(temperature=0.9, top_k=4), length=3)
     torch.manual_seed(0)

@@ -71,16 +71,23 @@ def mtp():
     return target, layers, [text[:8] for text in texts[:5]]
 
 
-def test_an_eagle_head_drafts_each_request_as_generate_does(eagle):
-    target, head = eagle
-    plain = tokens(target.generate_batch(PROMPTS, config(), continuous_batching_config=no_trimming()))
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_partly_right_feature_drafters_draft_each_request_as_generate_does(kind, request):
+    """An EAGLE-3 head and MTP layers, each trained briefly on its target's own text."""
+    if kind == "eagle":
+        target, head = request.getfixturevalue("eagle")
+        drafter, prompts = head, PROMPTS
+    else:
+        target, layers, prompts = request.getfixturevalue("mtp")
+        drafter = MtpDrafter(layers)
+    plain = tokens(target.generate_batch(prompts, config(), continuous_batching_config=no_trimming()))
     outputs = target.generate_batch(
-        PROMPTS, config(), continuous_batching_config=no_trimming(), drafter=head, **CONSTANT
+        prompts, config(), continuous_batching_config=no_trimming(), drafter=drafter, **CONSTANT
     )
     assert tokens(outputs) == plain
     drafted, accepted = drafted_and_accepted(outputs.values())
     assert 0 < accepted < drafted
-    assert_rounds_are_generate_s(target, PROMPTS, outputs, head)
+    assert_rounds_are_generate_s(target, prompts, outputs, drafter)
 
 
 class HeardStates(hf_specdec.EagleDrafter):
@@ -134,19 +141,6 @@ def test_eagle_heads_always_and_never_right(kind):
     drafted, accepted = drafted_and_accepted(outputs.values())
     assert drafted > 0
     assert accepted == (drafted if kind == "always_right" else 0)
-
-
-def test_mtp_layers_draft_each_request_as_generate_does(mtp):
-    target, layers, prompts = mtp
-    plain = tokens(target.generate_batch(prompts, config(), continuous_batching_config=no_trimming()))
-    drafter = MtpDrafter(layers)
-    outputs = target.generate_batch(
-        prompts, config(), continuous_batching_config=no_trimming(), drafter=drafter, **CONSTANT
-    )
-    assert tokens(outputs) == plain
-    drafted, accepted = drafted_and_accepted(outputs.values())
-    assert 0 < accepted < drafted
-    assert_rounds_are_generate_s(target, prompts, outputs, drafter)
 
 
 @pytest.mark.parametrize("roughness", [0.0, 0.5], ids=["always_right", "reads_the_hidden_states"])
