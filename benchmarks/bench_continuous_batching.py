@@ -28,6 +28,14 @@ prompt. Only copy drafters make sense there (`--methods plain prompt_lookup prom
     python benchmarks/bench_continuous_batching.py --memory-bound --threads 2 --slots 1 4 16 --repeats 2 \
         --methods plain prompt_lookup prompt_lookup_constant --output benchmarks/results/continuous_batching_memory_bound_cpu_bf16.json
 
+`--device cuda` serves on a GPU (the models are built there; `--threads` then only sets the host's threads), e.g.
+
+    python benchmarks/bench_continuous_batching.py --device cuda --memory-bound --slots 1 8 --repeats 2 \
+        --methods plain prompt_lookup prompt_lookup_constant \
+        --output benchmarks/results/continuous_batching_memory_bound_cuda_bf16.json
+
+With `--memory-bound`, `--tasks copy` or `--tasks no_match` keeps one of its two tasks.
+
 `--smoke` runs a few requests at B in (1, 2) so the script is checked in the test suite.
 """
 
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         help="with --memory-bound: the copier's dtype (in bfloat16 a verify over several tokens rounds differently "
         "from a one-token step, so near ties flip and copies break off; float32 keeps them)",
     )
+    parser.add_argument("--device", default="cpu", help="where the models are built and served (cpu, cuda)")
     parser.add_argument("--smoke", action="store_true", help="a few requests at B in (1, 2), one repeat")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def zoo_workload(args):
     target, draft_model, tokenizer = zoo.load_default()
+    target, draft_model = target.to(args.device), draft_model.to(args.device)
     prompts = load_prompts()
     pools = {
         task: [tokenizer(p["prompt"]).input_ids[-args.max_prompt_tokens :] for p in prompts[task]]
@@ -169,7 +179,8 @@ def zoo_workload(args):
 
 def memory_bound_workload(args):
     dtype = getattr(torch, args.dtype)
-    target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=10.0, dtype=dtype)
+    with torch.device(args.device):  # built where it is served: no pass of the weights through the host
+        target, drafter = build_early_exit_pair(**FULL_PAIR, head_logit_std=10.0, dtype=dtype)
     del drafter
     if dtype == torch.bfloat16:
         float32_head(target)
@@ -179,10 +190,11 @@ def memory_bound_workload(args):
     pools = {"copy": [], "no_match": []}
     for _ in range(args.prompts):
         seed = torch.randint(0, FULL_PAIR["vocab_size"], (1, 24), generator=generator)
-        continuation = model.generate(seed, max_new_tokens=args.max_new_tokens, do_sample=False)[:, 24:]
-        pools["copy"].append(torch.cat([seed, continuation, seed], dim=-1)[0].tolist())
+        continuation = model.generate(seed.to(model.device), max_new_tokens=args.max_new_tokens, do_sample=False)
+        pools["copy"].append(seed[0].tolist() + continuation[0, 24:].tolist() + seed[0].tolist())
         pools["no_match"].append(torch.randint(0, FULL_PAIR["vocab_size"], (64,), generator=generator).tolist())
-    return model, {task: pools[task] for task in ("copy", "no_match")}, None
+    tasks = [task for task in ("copy", "no_match") if task in args.tasks] or ["copy", "no_match"]
+    return model, {task: pools[task] for task in tasks}, None
 
 
 def run(args) -> None:

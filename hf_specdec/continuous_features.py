@@ -55,6 +55,7 @@ class FeatureHandoff:
 
     def _setup_features(self, prototype: Drafter) -> None:
         """`prototype` (`feature_prototype`): what each request's copy is made from."""
+        self.sequences: dict[str, _Tokens] = {}  # each request's tokens, where `_sequence` reads them
         self.capture: HiddenStateCapture | None = None
         self.prototype = prototype
         self.feature_layers = list(prototype.target_hidden_layers) if prototype.reads_target_hidden_states else None
@@ -111,10 +112,34 @@ class FeatureHandoff:
                 copy_.on_verified(self._sequence(state), torch.tensor([0]), target_hidden_states=states[:, :0])
 
     def _sequence(self, state) -> torch.LongTensor:
-        """The request's tokens so far, `[1, n]`, where its drafter reads them."""
-        return torch.tensor([state.initial_tokens + state.generated_tokens], device=self.draft_device)
+        """The request's tokens so far, `[1, n]`, where its drafter reads them: a view of a host buffer the request
+        keeps (each token is written into it once, not the whole sequence converted every step), moved to
+        `draft_device` when the drafter reads there."""
+        prompt, generated = state.initial_tokens, state.generated_tokens
+        length = len(prompt) + len(generated)
+        tokens = self.sequences.get(state.request_id)
+        if tokens is None or tokens.prompt is not prompt or not tokens.filled <= length <= tokens.buffer.shape[1]:
+            tokens = self.sequences[state.request_id] = _Tokens(prompt, length + state._new_tokens_limit + 1)
+        if length > tokens.filled:
+            tokens.array[tokens.filled : length] = generated[tokens.filled - len(prompt) :]
+            tokens.filled = length
+        view = tokens.buffer[:, :length]
+        return view if self.draft_device is None else view.to(self.draft_device)
 
     def _tells_copies(self, copy_: Drafter) -> bool:
         """Whether the emission step itself tells `copy_` of its verdict (a feature drafter is told here, with its
         states; a drafter whose `on_verified` is the base no-op is not told)."""
         return self.feature_layers is None and type(copy_).on_verified is not Drafter.on_verified
+
+
+class _Tokens:
+    """One request's tokens on the host: `buffer` `[1, capacity]` (its first `filled` written), `array` its numpy
+    view; `prompt` is the request's prompt list it was made for (offloading may give the request a new one)."""
+
+    __slots__ = ("array", "buffer", "filled", "prompt")
+
+    def __init__(self, prompt: list[int], capacity: int):
+        self.prompt, self.filled = prompt, len(prompt)
+        self.buffer = torch.empty(1, max(capacity, len(prompt)), dtype=torch.long)
+        self.array = self.buffer.numpy()[0]
+        self.array[: len(prompt)] = prompt

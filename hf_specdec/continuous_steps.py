@@ -113,6 +113,7 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
         super().reset()
         self.close_capture()  # the next generation loop runs in a thread of its own
         self.copies, self.stats, self.proposals, self.drafted, self.scheduled = {}, {}, {}, {}, []
+        self.sequences = {}
         if self.allocator is not None:
             self.allocator.forget_requests()  # the step cost fit stays: same model, same machine
 
@@ -129,7 +130,6 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
     def _draft(self) -> None:
         """Every decoding request's drafts (up to γ and its room), of which the `auto` policy keeps a count per
         request priced on the whole step; the others stay shadow drafts, compared with what the request emits."""
-        self.step_start = time.perf_counter()
         active = self.scheduler.active_requests
         self._drop_departed(active)
         self.proposals, self.drafted = {}, {}
@@ -144,13 +144,14 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
                 continue
             started = time.perf_counter()
             sequence = self._sequence(state)
+            first = request_id not in self.copies
             copy_ = self._drafting_copy(state, sequence)
             if copy_ is None:
                 continue
             proposal = copy_.propose(sequence, num_tokens)
             drafts = proposal.tokens[0, :num_tokens].tolist()
-            if self.allocator is not None:
-                self.allocator.observe_draft(time.perf_counter() - started)
+            if self.allocator is not None:  # a first draft holds a draft model's prefill of the prompt: provisional
+                self.allocator.observe_draft(time.perf_counter() - started, provisional=first)
             if any(not 0 <= token < self.vocab_size for token in drafts):
                 raise ValueError(
                     f"{type(self.drafter).__name__}.propose returned token ids outside [0, {self.vocab_size}) for "
@@ -166,12 +167,16 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
                 del self.proposals[request_id]
             state = active[request_id]
             state.tokens_to_process = state.tokens_to_process + drafts[:count]
+        # the step's seconds (fitted by the `auto` policy) start after drafting: drafting is priced per request
+        self.step_start = time.perf_counter()
 
     def _drop_departed(self, active) -> None:
         """Drafter copies of requests no longer active (finished, cancelled, or offloaded: those get a new copy when
         they come back), and the statistics and acceptance counts of requests gone for good (cancelled)."""
         for request_id in [r for r in self.copies if r not in active]:
             del self.copies[request_id]
+        for request_id in [r for r in self.sequences if r not in active]:
+            del self.sequences[request_id]
         waiting = self.scheduler.waiting_requests
         for request_id in [r for r in self.stats if r not in active and r not in waiting]:
             del self.stats[request_id]
@@ -320,10 +325,12 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
                 self.cache.mark_complete_blocks(future_state.state, future_state.complete_blocks)
         if outputs:
             self.output_router.deliver_batch(outputs)
-        if self.allocator is not None and decoding_only:
-            query_tokens = sum(future_state.query_length for future_state in self.inputs_and_outputs.requests_in_batch)
+        if self.allocator is not None and self.scheduled:
             seconds = time.perf_counter() - self.step_start
-            self.allocator.observe_step(query_tokens, seconds, self.model_runner.verifying)
+            self.allocator.observe_share(seconds / len(self.scheduled))
+            if decoding_only:
+                query_tokens = sum(f.query_length for f in self.inputs_and_outputs.requests_in_batch)
+                self.allocator.observe_step(query_tokens, seconds, self.model_runner.verifying)
         verified = {item.future_state.state.request_id for item in self.scheduled}
         active = self.scheduler.active_requests
         for request_id in self.drafted.keys() - verified:  # drafted, then not scheduled or offloaded: none kept
@@ -336,7 +343,7 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
         the request's tokens); a feature drafter was told with its states already (`_hand_out_features`)."""
         copy_ = self.copies.get(state.request_id)
         if copy_ is not None and self._tells_copies(copy_):
-            copy_.on_verified(torch.tensor([state.initial_tokens + state.generated_tokens]), torch.tensor([accepted]))
+            copy_.on_verified(self._sequence(state), torch.tensor([accepted]))
 
     def _fork_requests(self) -> None:
         """`num_return_sequences > 1`: the requests whose prompt stopped one token short are forked now, as

@@ -61,7 +61,7 @@ def build_early_exit_pair(
             layer.self_attn.o_proj.weight.mul_(deep_layer_scale)
             layer.mlp.down_proj.weight.mul_(deep_layer_scale)
         if head_logit_std is not None:
-            probe = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed))
+            probe = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(seed), device="cpu")
             logit_std = target(probe.to(target.device), use_cache=False).logits.float().std()
             target.lm_head.weight.mul_(head_logit_std / float(logit_std))
     drafter_config = copy.deepcopy(config)

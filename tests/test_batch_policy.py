@@ -73,6 +73,34 @@ def test_the_cost_fit_tells_the_jump_of_a_verifying_step_from_the_slope():
     assert a + b == pytest.approx(0.3) and b == pytest.approx(0.02) and jump == pytest.approx(0.5 + 0.02)
 
 
+def fit_of(samples):
+    """(a, b, j) fitted from scratch (numpy's least squares) to `(tokens, verifying, seconds)` samples."""
+    import numpy
+
+    rows = numpy.array([[1.0, t, float(v)] for t, v, _ in samples])
+    return numpy.linalg.lstsq(rows, numpy.array([s for *_, s in samples]), rcond=None)[0]
+
+
+def test_the_cost_fit_kept_as_steps_come_and_go_equals_a_fit_of_the_window():
+    """The normal equations' sums follow the window (steps leaving it are taken out, and the sums are rebuilt every
+    `window` steps): at every step the fit equals one computed from scratch on the window's steps."""
+    rng = random.Random(0)
+    fit = StepCostFit(window=16)
+    samples, compared = [], 0
+    for step in range(200):
+        tokens, verifying = rng.randint(1, 40), rng.random() < 0.5
+        seconds = 0.2 + 0.003 * tokens + 0.05 * verifying + rng.gauss(0, 0.01)
+        fit.observe(tokens, seconds, verifying)
+        samples = (samples + [(tokens, verifying, seconds)])[-16:]
+        if step >= 8:
+            a, b, jump = fit.coefficients()
+            expected = fit_of(samples)
+            if jump > 0 and a > 0:  # not clamped: the least-squares solution itself
+                assert (a, b, jump) == pytest.approx(tuple(expected), rel=1e-6, abs=1e-9), step
+                compared += 1
+    assert compared > 150
+
+
 def test_allocation_with_a_jump_is_the_best_one():
     """Against every allocation of small batches, with a step costing a + b T, plus j when any draft is verified."""
     rng = random.Random(1)
@@ -151,3 +179,32 @@ def test_drafts_are_priced_with_the_jump_of_verifying_when_the_last_step_verifie
     assert not allocator.should_draft("r", 4)
     allocator.verifies = True
     assert allocator.should_draft("r", 4)
+
+
+def test_before_the_step_cost_is_fitted_a_request_drafts_when_its_share_of_a_step_pays_for_it():
+    """No step cost fit yet (a busy manager may run steps with prompt chunks for a while): a request drafts when its
+    expected extra tokens, at the recent steps' seconds per request, are worth its drafting time."""
+    allocator = BatchDraftAllocator()
+    assert allocator.should_draft("r", 4)  # nothing timed yet
+    allocator.observe_draft(0.05)
+    allocator.observe_share(0.01)  # a request's share of a step: 10 ms
+    gains = sum(allocator.gains("r", 4))  # expected extra tokens at the prior rates: worth about 10 ms
+    assert 0.5 < gains < 2.0 and not allocator.should_draft("r", 4)
+    allocator.observe_draft(0.001)  # cheaper drafting now pays
+    for _ in range(40):
+        allocator.observe_draft(0.001)
+    assert allocator.should_draft("r", 4)
+
+
+def test_a_first_draft_counts_only_until_another_is_timed():
+    """A request's first draft holds a draft model's prefill of its prompt: counted while nothing else was timed,
+    replaced by the first other draft, then ignored."""
+    allocator = BatchDraftAllocator()
+    allocator.observe_draft(1.0, provisional=True)
+    assert allocator.draft_seconds == 1.0
+    allocator.observe_draft(0.01)
+    assert allocator.draft_seconds == 0.01
+    allocator.observe_draft(5.0, provisional=True)
+    assert allocator.draft_seconds == 0.01
+    allocator.observe_draft(0.02)
+    assert allocator.draft_seconds == pytest.approx(0.011)

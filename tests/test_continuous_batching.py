@@ -2,6 +2,8 @@
 cache_implementation="paged")`): every request's output equals plain continuous batching's, token for token when
 greedy, in distribution when sampling; what is not served is refused by name, never dropped."""
 
+import time
+
 import pytest
 import torch
 from conftest import VOCAB, tiny_model
@@ -434,6 +436,71 @@ def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, f
         assert 1 <= first_drafts_compared <= 2 * len(PROMPTS)  # rarely
     else:
         assert first_drafts_compared >= len(PROMPTS) * (NEW_TOKENS // 4)
+
+
+class SlowScriptedRequests(ScriptedRequests):
+    """Scripted drafts that take `first` seconds at a request's first draft (as a draft model prefills the prompt)
+    and `each` seconds after."""
+
+    first, each = 0.3, 0.05
+
+    def reset(self, context):
+        self.started = False
+
+    def propose(self, input_ids, num_tokens):
+        time.sleep(self.each if self.started else self.first)
+        self.started = True
+        return super().propose(input_ids, num_tokens)
+
+
+def test_the_auto_policy_times_verification_apart_from_drafting(model, plain):
+    """A step's seconds, which the policy fits to price verification, start after drafting (drafts already made
+    must not look dearer to verify); drafting is priced per request by its own time, a request's first draft (a draft
+    model's one-off prefill) only until another draft is timed. Steps are priced so that every draft pays."""
+    steps, drafts, allocators = [], [], []
+
+    def watch(processor):
+        allocator = processor.allocator
+        allocator.cost.coefficients = lambda: (1.0, 1e-6, 0.0)
+        observe_step, observe_draft = allocator.observe_step, allocator.observe_draft
+        allocator.observe_step = lambda tokens, seconds, verifying=False: (
+            steps.append(seconds),
+            observe_step(tokens, seconds, verifying),
+        )
+        allocator.observe_draft = lambda seconds, provisional=False: (
+            drafts.append((seconds, provisional)),
+            observe_draft(seconds, provisional),
+        )
+        allocators.append(allocator)
+
+    drafter = SlowScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    outputs = serve(model, [(p, {}) for p in PROMPTS], small_cache(max_batch_tokens=64), watch, drafter=drafter)
+    assert [output.generated_tokens for output in outputs] == plain
+    assert steps and max(steps) < SlowScriptedRequests.each
+    first, each = SlowScriptedRequests.first, SlowScriptedRequests.each
+    assert sum(provisional for _, provisional in drafts) == len(PROMPTS)  # each request's first draft
+    assert all((s >= first) if provisional else (each <= s < first) for s, provisional in drafts)
+    assert each <= allocators[0].draft_seconds < first
+
+
+def test_a_drafter_slower_than_a_step_stops_before_the_step_cost_is_fitted(model, plain):
+    """A fresh manager has no step cost fit yet: once one request's drafting is timed, the other requests weigh it
+    against their share of the recent steps and do not draft (a slow draft model must not draft for every request
+    of a busy manager until the fit exists)."""
+    drafted = []
+
+    def watch(processor):
+        observe_draft = processor.allocator.observe_draft
+        processor.allocator.observe_draft = lambda seconds, provisional=False: (
+            drafted.append(seconds),
+            observe_draft(seconds, provisional),
+        )
+
+    drafter = SlowScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    outputs = serve(model, [(p, {}) for p in PROMPTS], small_cache(max_batch_tokens=64), watch, drafter=drafter)
+    assert [output.generated_tokens for output in outputs] == plain
+    assert len(drafted) == 1
+    assert sum(output.speculative_stats.drafted_tokens > 0 for output in outputs) == 1
 
 
 def test_the_auto_policy_is_exact_with_its_own_fit(model, plain):

@@ -27,7 +27,13 @@ are right in runs (a copied span is kept whole or breaks early), which these con
 position with the tokens it then emitted (a verified draft is kept exactly when it equals the emitted token; a draft
 left unverified is a shadow draft).
 
-Drafting itself costs time (a table lookup, a search): with a drafter whose drafts are not free
+Drafting itself costs time (a table lookup, a search, a draft model's forwards). A step is timed from after its
+drafting, so the fit prices verification alone (drafting that has already happened must not make its drafts look
+dearer to verify), and drafting is priced per request by a running mean of one request's drafting seconds, leaving
+out a request's first draft (a draft model's prefill of the whole prompt, paid once) once any other was timed. Until
+the step cost is fitted (steps of prompt chunks do not count, and a busy manager may run few others for a while), a
+request drafts when its expected extra tokens, at the recent steps' seconds per request that got a token (chunks
+included: a lenient price), are worth its drafting time. With a drafter whose drafts are not free
 (`Drafter.free_drafts` unset), a request whose best drafts would not pay for their own drafting at the step's
 current tokens per second does not draft, but to explore after `explore_every` steps of rest (more when an
 exploration would cost over `explore_budget` of the rest: a costly draft model), then after twice as many each time
@@ -71,16 +77,41 @@ def allocate_drafts(gains: list[list[float]], a: float, b: float) -> tuple[list[
 
 class StepCostFit:
     """A step's seconds as a + b * (query tokens) + j * (whether it verifies drafts), fitted by least squares on the
-    last `window` steps."""
+    last `window` steps. The sums of the normal equations are kept as steps come and go (a fit costs the same at
+    any window, which a step of continuous batching pays for), rebuilt from the window every `window` steps so that
+    rounding does not build up."""
 
     def __init__(self, window: int = 64, min_steps: int = 4):
         self.samples: collections.deque[tuple[int, bool, float]] = collections.deque(maxlen=window)
         self.min_steps = min_steps
         self._fit: tuple[float, float, float] | None = None
         self._fitted = True  # whether `_fit` holds the fit of the current samples
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._sizes: collections.Counter[tuple[int, bool]] = collections.Counter()
+        self._sums = [0.0] * 8  # n, Σt, Σv, Σt², Σtv, Σs, Σts, Σvs
+        self._since_rebuild = 0
+        for sample in self.samples:
+            self._add(sample, 1)
+
+    def _add(self, sample: tuple[int, bool, float], sign: int) -> None:
+        t, v, s = sample
+        self._sizes[(t, v)] += sign
+        if not self._sizes[(t, v)]:
+            del self._sizes[(t, v)]
+        for i, term in enumerate((1.0, t, v, t * t, t * v, s, t * s, v * s)):
+            self._sums[i] += sign * term
 
     def observe(self, tokens: int, seconds: float, verifying: bool = False) -> None:
-        self.samples.append((tokens, bool(verifying), seconds))
+        sample = (tokens, bool(verifying), seconds)
+        if len(self.samples) == self.samples.maxlen:
+            self._add(self.samples[0], -1)
+        self.samples.append(sample)
+        self._add(sample, 1)
+        self._since_rebuild += 1
+        if self._since_rebuild >= self.samples.maxlen:
+            self._rebuild()
         self._fitted = False
 
     def coefficients(self) -> tuple[float, float, float] | None:
@@ -92,35 +123,24 @@ class StepCostFit:
         return self._fit
 
     def _coefficients(self) -> tuple[float, float, float] | None:
-        if len(self.samples) < self.min_steps or len({t for t, _, _ in self.samples}) < 2:
+        if len(self.samples) < self.min_steps or len({t for t, _ in self._sizes}) < 2:
             return None
-        sizes = [{t for t, v, _ in self.samples if v is kind} for kind in (False, True)]
-        if all(sizes) and max(len(s) for s in sizes) >= 2:
-            fit = _least_squares([(1.0, float(t), float(v)) for t, v, _ in self.samples], [s for *_, s in self.samples])
+        n, st, sv, stt, stv, ss, sts, svs = self._sums
+        sizes = [sum(1 for _, v in self._sizes if v is kind) for kind in (False, True)]
+        if all(sizes) and max(sizes) >= 2:
+            fit = _solve([[n, st, sv], [st, stt, stv], [sv, stv, sv]], [ss, sts, svs])
             if fit is not None and fit[2] >= 0:
                 a, b, j = fit
                 return max(a, 0.0), max(b, 1e-12), j
-        a, b = _line([(t, s) for t, _, s in self.samples])
-        return a, b, 0.0
+        mean_t, mean_s = st / n, ss / n
+        b = max((sts - n * mean_t * mean_s) / (stt - n * mean_t * mean_t), 1e-12)
+        return max(mean_s - b * mean_t, 0.0), b, 0.0
 
 
-def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(a, b) of the least-squares line s = a + b * t (b > 0: a step never gets cheaper with more tokens)."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_s = sum(s for _, s in points) / n
-    var = sum((t - mean_t) ** 2 for t, _ in points)
-    cov = sum((t - mean_t) * (s - mean_s) for t, s in points)
-    b = max(cov / var, 1e-12)
-    return max(mean_s - b * mean_t, 0.0), b
-
-
-def _least_squares(rows: list[tuple[float, ...]], values: list[float]) -> list[float] | None:
-    """The least-squares solution x of rows @ x = values (three unknowns: the normal equations, by elimination with
-    partial pivoting); None when they are singular."""
-    size = len(rows[0])
-    matrix = [[sum(r[i] * r[k] for r in rows) for k in range(size)] for i in range(size)]
-    vector = [sum(r[i] * v for r, v in zip(rows, values)) for i in range(size)]
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """The solution x of matrix @ x = vector (the normal equations of a least-squares fit), by elimination with
+    partial pivoting; None when they are singular. `matrix` and `vector` are changed in place."""
+    size = len(vector)
     scale = max(abs(x) for row in matrix for x in row)
     for col in range(size):
         pivot = max(range(col, size), key=lambda r: abs(matrix[r][col]))
@@ -160,6 +180,8 @@ class BatchDraftAllocator:
     def __init__(self) -> None:
         self.cost = StepCostFit()
         self.draft_seconds: float | None = None  # a running mean of one request's drafting time
+        self.provisional = False  # whether `draft_seconds` holds only first drafts (with a draft model's prefill)
+        self.share_seconds: float | None = None  # a running mean of a step's seconds per request that got a token
         self.goodput: float | None = None  # the last allocation's predicted tokens per second
         self.verifies = False  # whether the last allocation verified drafts (the step paid the jump of verifying)
         self.forget_requests()
@@ -208,8 +230,12 @@ class BatchDraftAllocator:
         jump j of verifying at all when the last step verified nothing, than the last step's goodput; else only to
         explore, ever more rarely (`explore_every`)."""
         fit = self.cost.coefficients()
-        if fit is None or self.goodput is None or self.draft_seconds is None:
+        if self.draft_seconds is None:
             return True
+        if fit is None or self.goodput is None:  # no step cost yet: drafting against a step's share per request
+            return self.share_seconds is None or sum(self.gains(request_id, cap)) * self.share_seconds > (
+                self.draft_seconds
+            )
         _, b, jump = fit
         fixed, gains = self.draft_seconds + (0.0 if self.verifies else jump), self.gains(request_id, cap)
         added = [sum(gains[:k]) / (fixed + b * k) for k in range(1, cap + 1)]
@@ -222,9 +248,19 @@ class BatchDraftAllocator:
         explorations, left = divmod(rest, max(self.explore_every, math.ceil(exploration)))
         return left == 0 and explorations & (explorations + 1) == 0  # rest = interval x (1, 3, 7, 15, ...)
 
-    def observe_draft(self, seconds: float) -> None:
-        """One request's drafting took `seconds`."""
-        self.draft_seconds = seconds if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * seconds
+    def observe_draft(self, seconds: float, provisional: bool = False) -> None:
+        """One request's drafting took `seconds`; `provisional`: its first draft (with a draft model's prefill of the
+        prompt), counted only until another draft is timed."""
+        if provisional and not (self.draft_seconds is None or self.provisional):
+            return
+        if self.draft_seconds is None or self.provisional != provisional:
+            self.draft_seconds, self.provisional = seconds, provisional
+        else:
+            self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * seconds
+
+    def observe_share(self, seconds: float) -> None:
+        """A step took `seconds` per request that got a token (any step, prompt chunks included)."""
+        self.share_seconds = seconds if self.share_seconds is None else 0.8 * self.share_seconds + 0.2 * seconds
 
     def observe_step(self, query_tokens: int, seconds: float, verifying: bool = False) -> None:
         """A step without prompt chunks took `seconds` for `query_tokens`; `verifying`: some request verified drafts."""
