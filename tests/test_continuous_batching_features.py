@@ -62,6 +62,10 @@ def eagle():
 
 @pytest.fixture(scope="module")
 def mtp():
+    return trained_mtp()
+
+
+def trained_mtp():
     """A small Llama and two MTP layers trained briefly on its own greedy texts (partly right), with prompts."""
     target, _ = build_early_exit_pair(num_layers=4, hidden_size=128, vocab_size=256, seed=0)
     target = hf_specdec.enable(target)

@@ -19,13 +19,11 @@ from test_continuous_batching import (
     small_cache,
     tokens,
 )
+from test_continuous_batching_features import trained_mtp
 from test_eagle import trained_head
-from transformers import GenerationMixin
 
 import hf_specdec
 from hf_specdec.drafters.mtp import MtpDrafter
-from hf_specdec.mtp_training import train_mtp_layers
-from hf_specdec.toy import build_early_exit_pair
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -73,13 +71,9 @@ def eagle_on_cuda():
 
 
 def mtp_on_cuda():
-    target, _ = build_early_exit_pair(num_layers=4, hidden_size=128, vocab_size=256, seed=0)
-    target = hf_specdec.enable(target)
-    prompts = torch.randint(0, 256, (48, 8), generator=torch.Generator().manual_seed(1))
-    texts = GenerationMixin.generate(target, prompts, max_new_tokens=40, min_new_tokens=40, do_sample=False).tolist()
-    layers = train_mtp_layers(target, texts=texts, num_mtp_layers=2, num_steps=20, show_progress=False)
+    target, layers, prompts = trained_mtp()
     target.to(CUDA)
-    return target, MtpDrafter(layers.to(CUDA)), [text[:8] for text in texts[:5]]
+    return target, MtpDrafter(layers.to(CUDA)), prompts
 
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
