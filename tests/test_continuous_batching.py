@@ -440,23 +440,43 @@ def test_the_auto_policy_prices_drafts_on_the_step(model, plain, cost, drafts, f
 
 class SlowScriptedRequests(ScriptedRequests):
     """Scripted drafts that take `first` seconds at a request's first draft (as a draft model prefills the prompt)
-    and `each` seconds after."""
+    and `each` seconds after: slept, or with `clock` (a `FakeClock`) added to it."""
 
     first, each = 0.3, 0.05
+    clock = None
 
     def reset(self, context):
         self.started = False
 
     def propose(self, input_ids, num_tokens):
-        time.sleep(self.each if self.started else self.first)
+        seconds = self.each if self.started else self.first
+        if self.clock is None:
+            time.sleep(seconds)
+        else:
+            self.clock.now += seconds
         self.started = True
         return super().propose(input_ids, num_tokens)
 
 
-def test_the_auto_policy_times_verification_apart_from_drafting(model, plain):
+class FakeClock:
+    """A `time` stand-in whose `perf_counter` moves only when a drafter says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_the_auto_policy_times_verification_apart_from_drafting(model, plain, monkeypatch):
     """A step's seconds, which the policy fits to price verification, start after drafting (drafts already made
     must not look dearer to verify); drafting is priced per request by its own time, a request's first draft (a draft
-    model's one-off prefill) only until another draft is timed. Steps are priced so that every draft pays."""
+    model's one-off prefill) only until another draft is timed. Steps are priced so that every draft pays; the loop's
+    clock moves only while drafting, so the times it books are exact."""
+    from hf_specdec import continuous_steps
+
+    clock = FakeClock()
+    monkeypatch.setattr(continuous_steps, "time", clock)
     steps, drafts, allocators = [], [], []
 
     def watch(processor):
@@ -474,13 +494,14 @@ def test_the_auto_policy_times_verification_apart_from_drafting(model, plain):
         allocators.append(allocator)
 
     drafter = SlowScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], 3)
+    drafter.clock = clock
     outputs = serve(model, [(p, {}) for p in PROMPTS], small_cache(max_batch_tokens=64), watch, drafter=drafter)
     assert [output.generated_tokens for output in outputs] == plain
-    assert steps and max(steps) < SlowScriptedRequests.each
     first, each = SlowScriptedRequests.first, SlowScriptedRequests.each
-    assert sum(provisional for _, provisional in drafts) == len(PROMPTS)  # each request's first draft
-    assert all((s >= first) if provisional else (each <= s < first) for s, provisional in drafts)
-    assert each <= allocators[0].draft_seconds < first
+    assert steps and set(steps) == {0.0}  # no drafting inside a step's time
+    assert sorted(provisional for _, provisional in drafts).count(True) == len(PROMPTS)  # each request's first
+    assert all(s == pytest.approx(first if provisional else each) for s, provisional in drafts)
+    assert allocators[0].draft_seconds == pytest.approx(each)
 
 
 def test_a_drafter_slower_than_a_step_stops_before_the_step_cost_is_fitted(model, plain):
