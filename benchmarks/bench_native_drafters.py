@@ -12,15 +12,16 @@ repeated in one process, greedy:
 - `ours`: `generate(assistant_early_exit=1)` on the enabled model, default settings;
 - `ours_tree`: the same with `speculative_tree_budget=8`.
 
-`--family mtp`: one MTP layer trained for the target by `hf_specdec.distill.train_mtp_layers` (`--mtp-steps` steps on
-its own greedy continuations of `--mtp-texts` random prompts, starting from its first layer), then
+`--family mtp`: `--mtp-layers` MTP layers (default 1) trained for the target by `hf_specdec.distill.train_mtp_layers`
+(`--mtp-steps` steps on its own greedy continuations of `--mtp-texts` random prompts, starting from its first layer),
+then
 - `plain`;
 - `transformers`: transformers' own `generate(use_mtp=True)` when it can serve the target (transformers 5.24 serves
   MTP only for model types whose config declares `num_mtp_layers` and whose class registers MTP key patterns; a
   Llama does neither, so the row records its error);
 - `ours`: `generate(drafter=MtpDrafter(layers))`, default settings;
 - `ours_constant_3`: the same with `speculative_gamma=3, speculative_gamma_policy="constant"`;
-- `ours_tree`: the same with `speculative_tree_budget=8` (a dynamic tree from one MTP layer);
+- `ours_tree`: the same with `speculative_tree_budget=8` (a dynamic tree grown with the MTP layers);
 - `ours_use_mtp` (DeepSeek-V3): transformers' own request `use_mtp=True` on the enabled model;
 - `early_exit`: ours with `assistant_early_exit=1` on the same target, for reference.
 
@@ -39,7 +40,7 @@ exactly enumerated target (chi-square p-value), on the family's target at the sm
 
     python benchmarks/bench_native_drafters.py [--family early_exit|mtp] [--quick] [--repeats 3] [--prompts 3]
         [--batch 1] [--max-new-tokens 64] [--threads 2] [--memory] [--target llama|deepseek_v3] [--mtp-steps 30]
-        [--mtp-texts 32] [--goodness-of-fit 1000]
+        [--mtp-texts 32] [--mtp-layers 1] [--goodness-of-fit 1000]
         [--output benchmarks/results/native_drafters_cpu_bf16.json]
 """
 
@@ -88,10 +89,10 @@ def build(quick: bool, dtype: torch.dtype = torch.bfloat16):
     return hf_specdec.enable(target), shape["vocab_size"]
 
 
-def deepseek_config(quick: bool):
-    """DeepSeek-V3 (transformers serves its MTP layer with `use_mtp=True`): 61 dense decoder layers (its MTP keys are
-    found under `model.layers.61.*`), about 1.1B parameters (a smoke-test size with `quick`), one MoE MTP layer whose
-    shared expert has the dense layers' MLP shape."""
+def deepseek_config(quick: bool, mtp_layers: int = 1):
+    """DeepSeek-V3 (transformers serves its MTP layers with `use_mtp=True`): 61 dense decoder layers (its MTP keys are
+    found under `model.layers.61.*`, `model.layers.62.*`, ...), about 1.1B parameters (a smoke-test size with
+    `quick`), `mtp_layers` MoE MTP layers whose shared expert has the dense layers' MLP shape."""
     size = (
         dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, vocab_size=2048, kv_lora_rank=64)
         if quick
@@ -112,7 +113,7 @@ def deepseek_config(quick: bool):
         qk_rope_head_dim=32,
         qk_nope_head_dim=32,
         v_head_dim=64,
-        num_mtp_layers=1,
+        num_mtp_layers=mtp_layers,
         max_position_embeddings=4096,
         bos_token_id=None,
         eos_token_id=None,
@@ -127,11 +128,13 @@ def build_deepseek(
     dtype: torch.dtype = torch.bfloat16,
     deep_layer_scale: float = 0.05 * 21 / 60,
     head_logit_std: float = 4.0,
+    mtp_layers: int = 1,
 ):
     """A DeepSeek-V3 target built as `build_early_exit_pair` builds its Llama: the layers after the first add little
     (their output projections scaled by `deep_layer_scale`; by default so that its 60 later layers add what the
-    1.1B Llama's 21 do at 0.05), the head rescaled to logits of std `head_logit_std`."""
-    config = deepseek_config(quick)
+    1.1B Llama's 21 do at 0.05), the head rescaled to logits of std `head_logit_std`; its config declares
+    `mtp_layers` MTP layers."""
+    config = deepseek_config(quick, mtp_layers)
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
@@ -193,8 +196,14 @@ def mtp_target(args, folder: str, quick: bool, dtype: torch.dtype = torch.bfloat
     from hf_specdec.drafters.mtp import MtpDrafter
     from hf_specdec.drafters.mtp_checkpoint import save_mtp_layers
 
-    target, vocab = build_deepseek(quick, dtype) if args.target == "deepseek_v3" else build(quick, dtype)
-    layers = trained_mtp_layers(target, args.mtp_steps, args.mtp_texts, args.prompt_length, args.max_new_tokens)
+    target, vocab = (
+        build_deepseek(quick, dtype, mtp_layers=args.mtp_layers)
+        if args.target == "deepseek_v3"
+        else build(quick, dtype)
+    )
+    layers = trained_mtp_layers(
+        target, args.mtp_steps, args.mtp_texts, args.prompt_length, args.max_new_tokens, layers=args.mtp_layers
+    )
     training = layers.training_summary
     if args.target == "deepseek_v3":
         save_mtp_layers(target, layers, folder)
@@ -280,6 +289,7 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--mtp-steps", type=int, default=30, help="training steps of the MTP layer")
     parser.add_argument("--mtp-texts", type=int, default=32, help="continuations the MTP layer trains on")
+    parser.add_argument("--mtp-layers", type=int, default=1, help="MTP layers to train (`--family mtp`)")
     parser.add_argument(
         "--goodness-of-fit",
         type=int,
@@ -400,7 +410,7 @@ def measure(args, target, vocab: int, methods: dict, refused, training, exactnes
         "mtp_training": training,
         "shape": (QUICK_PAIR if args.quick else FULL_PAIR)
         if args.target == "llama" or args.family != "mtp"
-        else deepseek_config(args.quick).to_diff_dict(),
+        else deepseek_config(args.quick, args.mtp_layers).to_diff_dict(),
         "dtype": "bfloat16",
         "prompts": args.prompts,
         "batch": args.batch,
@@ -413,6 +423,7 @@ def measure(args, target, vocab: int, methods: dict, refused, training, exactnes
     output = args.output
     if output is None:
         name = "cpu_bf16" if args.family == "early_exit" else f"mtp_{args.target}_cpu_bf16"
+        name += f"_{args.mtp_layers}layers" if args.family == "mtp" and args.mtp_layers > 1 else ""
         name += f"_batch{args.batch}" if args.batch > 1 else ""
         output = DEFAULT_OUTPUT.with_name(f"native_drafters_{name}.json")
     write_results(output, payload)

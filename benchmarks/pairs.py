@@ -61,10 +61,12 @@ def padded_prompts(batch: int, vocab: int, seed: int = 0, shortest: int = 16, lo
     return ids, mask
 
 
-def trained_mtp_layers(target, steps: int, texts: int, prompt_length: int, new_tokens: int, generation_batch: int = 16):
-    """MTP layers for `target` (`hf_specdec.distill.train_mtp_layers`, `steps` steps of 4 sequences), fitted on its own
-    greedy continuations (`new_tokens` long) of `texts` seeded random prompts, generated `generation_batch` at a
-    time."""
+def trained_mtp_layers(
+    target, steps: int, texts: int, prompt_length: int, new_tokens: int, generation_batch: int = 16, layers: int = 1
+):
+    """`layers` MTP layers for `target` (`hf_specdec.distill.train_mtp_layers`, `steps` steps of 4 sequences), fitted
+    on its own greedy continuations (`new_tokens` long) of `texts` seeded random prompts, generated `generation_batch`
+    at a time."""
     from transformers import GenerationMixin
 
     from hf_specdec.distill import train_mtp_layers
@@ -81,7 +83,9 @@ def trained_mtp_layers(target, steps: int, texts: int, prompt_length: int, new_t
             do_sample=False,
         )
         sequences += out.tolist()
-    return train_mtp_layers(target, texts=sequences, num_steps=steps, batch_size=4, show_progress=False)
+    return train_mtp_layers(
+        target, texts=sequences, num_mtp_layers=layers, num_steps=steps, batch_size=4, show_progress=False
+    )
 
 
 def early_exit(target, layers: int = 6):

@@ -130,6 +130,13 @@ def test_published_layout_loads_and_drafts_as_transformers_use_mtp(family, tmp_p
     # longer chains (the layer reused), by name, and transformers' own request on the enabled model
     for request in (dict(drafter="mtp", speculative_gamma=3), dict(use_mtp=True)):
         assert torch.equal(target.generate(ids, **request, **GREEDY, max_new_tokens=24), plain)
+    # a tree: GLM-4 MoE's MTP layer grows one; Mellum's sliding-window target cache cannot hold one, refused by name
+    trees = dict(drafter="mtp", speculative_gamma=3, speculative_tree_budget=8, **GREEDY, max_new_tokens=24)
+    if family == "glm4_moe":
+        assert torch.equal(target.generate(ids, **trees), plain)
+    else:
+        with pytest.raises(ValueError, match=r"Token trees need a cache .* MellumForCausalLM .* sliding-window"):
+            target.generate(ids, **trees)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "mellum"])

@@ -34,9 +34,17 @@ with `generate(use_mtp=True)` (`MTPCandidateGenerator`). This drafter runs the s
   the previous step's output and the token it drafted, one slot further on; those keys are cropped after the round. A
   shorter chain still runs every layer over the new slots, so that their caches stay complete.
 
-**Trees.** With one full-attention MTP layer, `speculative_tree_budget` grows EAGLE-2's dynamic tree: each expanded
-node is the step a chain through it would take (its token, the output that predicted it, position len - 1 + depth),
-attending to the context and its own ancestors through an additive mask over the layer's cache.
+**Trees.** With full-attention MTP layers (L of them), `speculative_tree_budget` grows EAGLE-2's dynamic tree, in
+which every node is computed as the chain through it would be. In a chain, layer k's last k slots read this round's
+drafts 1..k, so with a tree those slots depend on the path: each layer is first run over its slots that read the
+context only (exact .. len - 2 - k; the step (k, 0) is its last one), and an expanded node at depth d then runs the
+steps (k, d) a chain through it takes, for k = d .. L - 1 while d < L (the slot that reads the node's token in each
+deeper layer), and k = d mod L past the last layer. Step (k, d) reads the node's token at position len - 1 + d and
+the parent's step (k - 1 mod L, d - 1) (the root's: (k - 1, 0)), and attends to layer k's context slots and to its
+steps of the node's ancestors and itself (an additive mask over the layer's cache); step (d mod L, d)'s output gives
+the node's children. After the round each layer keeps its context slots only (the tree's steps are not in slot
+order): the next round feeds the kept tokens again, as after a rejected draft. A context shorter than the layers
+(a prompt of fewer than L tokens) drafts a chain until each layer has a context slot.
 
 Like EAGLE, the first round is the prompt's prefill and drafts nothing: the target's hidden states are not known
 before its first forward.
@@ -122,8 +130,8 @@ class MtpDrafter(Drafter):
 
     Greedy and sampled decoding are both exact. It drafts chains, and with `speculative_tree_budget` dynamic token
     trees (EAGLE-2: each depth expands the `tree_top_k` best nodes by cumulative log q, each with its `tree_top_k` most
-    likely tokens) when the target has one full-attention MTP layer (DeepSeek-V3's, GLM-4 MoE's; with more layers, or
-    a sliding-window one, it drafts chains). One sequence per copy: in a left-padded batch each row has a copy of
+    likely tokens) when the target's MTP layers use full attention (DeepSeek-V3's, GLM-4 MoE's, one or several; a
+    sliding-window MTP layer drafts chains). One sequence per copy: in a left-padded batch each row has a copy of
     its own, fed its row's hidden states from the batch's one verify forward (trees need one sequence).
 
     Args:
@@ -235,10 +243,11 @@ class MtpDrafter(Drafter):
         self.vocab_size = context.vocab_size
         self.logits_processor = context.logits_processor
         self.do_sample = context.do_sample
-        layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
-        # trees with one full-attention MTP layer: each node's step attends to the context and its own ancestors
-        single = num_layers == 1 and layer_types[0] == "full_attention"
-        self.tree_budget = context.tree_budget if single and context.input_ids.shape[0] == 1 else None
+        layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * num_layers
+        # trees with full-attention MTP layers: each node's steps attend to the context and their own ancestors'
+        full = all(kind == "full_attention" for kind in layer_types[:num_layers])
+        self.tree_budget = context.tree_budget if full and context.input_ids.shape[0] == 1 else None
+        self.tree_round = False  # whether the last proposal was a tree (its steps' keys are all cropped)
         self.exact = 0  # leading slots whose keys are exact in every MTP layer's cache
         self.pending: torch.Tensor | None = None  # [1, n, hidden]: the target's last hidden state at slots exact, ...
         self.proposed_at: int | None = None  # the sequence length at which the layers last ran
@@ -302,13 +311,15 @@ class MtpDrafter(Drafter):
         ids = input_ids
         probs, usable = [], []  # per draft: its q (sampling) and whether the processors left any token
         hidden = self.pending.to(device=self.device, dtype=self.dtype)  # stage 0: slots exact .. length - 2
+        # a tree needs every layer to have a slot that reads only the context (a prompt of num_layers tokens or more)
+        self.tree_round = self.tree_budget is not None and length - self.num_layers - self.exact >= 1
+        if self.tree_round:
+            self.proposed_at, self.drafted = length, num_tokens  # a path is at most `num_tokens` deep
+            return self._propose_tree(input_ids, num_tokens, self._context_stages(input_ids, hidden))
         for index in range(self.num_layers):
             # layer `index` reads token x_{i+1+index} at slot i: the last `index` of them are this round's drafts
             tokens = ids[:, self.exact + 1 + index : length + index]
             hidden = self._run_layer(index, hidden, tokens, self.exact + 1 + index)
-            if self.tree_budget is not None:
-                self.proposed_at, self.drafted = length, num_tokens  # a path is at most `num_tokens` deep
-                return self._propose_tree(input_ids, num_tokens, hidden[:, -1])
             if len(usable) < max(num_tokens, self.num_layers - 1):  # the next layer reads this draft
                 ids = self._draft_into(hidden, ids, probs, usable)
         while len(usable) < num_tokens:  # past the last layer: the layers again, one slot further each step
@@ -319,44 +330,87 @@ class MtpDrafter(Drafter):
         self.proposed_at, self.drafted = length, proposal.tokens.shape[1]
         return proposal
 
-    def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, hidden: torch.Tensor) -> DraftProposal:
-        """EAGLE-2's dynamic tree ([`DynamicTree`]) over the one MTP layer's outputs; `hidden` (`[1, hidden]`) is its
-        output at the last slot. Each expanded node at depth d is the step a chain through it takes: the layer reads
-        the node's token at position len - 1 + d and the output that predicted it, and attends to the context's
-        slots and to its own ancestors' (an additive 4D mask over the layer's cache); the nodes' keys are cropped
-        next round, as a chain's reused steps are."""
-        length, device, model = input_ids.shape[1], self.device, self.model
+    def _context_stages(self, input_ids: torch.LongTensor, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Runs each MTP layer k over its slots that read context tokens only (exact .. length - 2 - k; the slots
+        after them read drafts, which a tree's nodes feed), from stage 0's `hidden` (`[1, slots, hidden]`), and
+        returns each layer's output at its last such slot (`[1, hidden]` each): the step (k, 0) of the module
+        docstring's tree, which reads the last token of the context."""
+        length, stages = input_ids.shape[1], []
+        for index in range(self.num_layers):
+            count = length - 1 - index - self.exact  # slots exact .. length - 2 - index
+            tokens = input_ids[:, self.exact + 1 + index : length]
+            hidden = self._run_layer(index, hidden[:, :count], tokens, self.exact + 1 + index)
+            stages.append(hidden[:, -1])
+        return stages
+
+    def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, stages: list[torch.Tensor]) -> DraftProposal:
+        """EAGLE-2's dynamic tree ([`DynamicTree`]) over the MTP layers' outputs; `stages[k]` (`[1, hidden]`) is layer
+        k's output at its last context slot (`_context_stages`). An expanded node at depth d runs, for each layer k it
+        has a step in (k = d .. L - 1 while d < L, else k = d mod L), the step a chain through it takes: the layer
+        reads the node's token at position len - 1 + d and the parent's output of layer k - 1 (mod L; the root's:
+        `stages[k - 1]`), attending to the layer's context slots and to its steps of the node's ancestors (an
+        additive 4D mask over the layer's cache). Layer d mod L's output gives the node's children. The steps' keys
+        are cropped next round, as a chain's reused steps are."""
+        length, device, model, num_layers = input_ids.shape[1], self.device, self.model, self.num_layers
         tree = DynamicTree(
-            self._scores(hidden, input_ids).log_softmax(dim=-1), self.tree_budget, self.tree_top_k, device
+            self._scores(stages[0], input_ids).log_softmax(dim=-1), self.tree_budget, self.tree_top_k, device
         )
         if not len(tree):
             return tree.proposal()
-        node_hidden = hidden.expand(len(tree), -1)  # [n, hidden]: the output that predicted each node
-        context = self.cache.layers[0].get_seq_length()
-        rope = {"layer_type": model.config.layer_types[0]} if getattr(model, "has_per_layer_rope", False) else {}
+        contexts = [layer.get_seq_length() for layer in self.cache.layers]
+        columns: list[list[int]] = [[] for _ in range(num_layers)]  # each layer's steps, as rows of expanded nodes
+        outputs: list[torch.Tensor | None] = [None] * num_layers  # layer k's output per tree node, [nodes, hidden]
+        expanded = 0
         for depth in range(1, num_tokens):
             expansion = tree.expand()
             if expansion is None:
                 break
             size = expansion.tokens.shape[0]
-            allowed = torch.cat([torch.ones(size, context, dtype=torch.bool, device=device), expansion.mask], dim=1)
+            nodes, parents = expansion.nodes.to(device), tree.parents[expansion.nodes].to(device)
             positions = torch.full((1, size), length - 1 + depth, device=device)
             embeds = model.embed_tokens(expansion.tokens[None].to(self.embed_device)).to(device)
-            rotary = model.rotary_emb(embeds, position_ids=positions, **rope) if model.rotary_emb is not None else None
-            out = model.layers[0](
-                embeds,
-                node_hidden[expansion.nodes.to(device)][None],
-                position_embeddings=rotary,
-                attention_mask=additive_bias(allowed[None, None], self.dtype),
-                position_ids=positions,
-                cache=self.cache,
-            )
-            if model.use_shared_post_norm:
-                out = model.shared_post_norm(out)
+            rows = list(range(expanded, expanded + size))
+            expanded += size
+            for index in range(depth, num_layers) if depth < num_layers else [depth % num_layers]:
+                previous = (index - 1) % num_layers
+                if depth == 1:  # the root's step in the previous layer
+                    node_hidden = stages[previous].expand(size, -1)
+                else:
+                    node_hidden = outputs[previous][parents]
+                columns[index] += rows
+                visible = expansion.mask[:, torch.tensor(columns[index], device=device)]  # ancestors and itself
+                allowed = torch.cat([torch.ones(size, contexts[index], dtype=torch.bool, device=device), visible], 1)
+                out = self._tree_step(index, embeds, node_hidden, positions, allowed)
+                if outputs[index] is None or outputs[index].shape[0] < len(tree):
+                    grown = out.new_zeros(len(tree), out.shape[-1])
+                    if outputs[index] is not None:
+                        grown[: outputs[index].shape[0]] = outputs[index]
+                    outputs[index] = grown
+                outputs[index][nodes] = out[0]
             prefixes = torch.cat([input_ids.expand(size, -1), expansion.paths], dim=-1)  # [f, len + depth]
-            tree.grow(self._scores(out[0], prefixes).log_softmax(dim=-1))
-            node_hidden = torch.cat([node_hidden, out[0].repeat_interleave(tree.top_k, dim=0)])
+            tree.grow(self._scores(outputs[depth % num_layers][nodes], prefixes).log_softmax(dim=-1))
         return tree.proposal()
+
+    def _tree_step(self, index: int, embeds, hidden, positions, allowed) -> torch.Tensor:
+        """MTP layer `index` over tree nodes (`embeds` `[1, f, hidden]` of their tokens, the previous step's `hidden`
+        `[f, hidden]`, at `positions` `[1, f]`), attending where `allowed` (`[f, cached + f]`) says; appends their keys
+        to the layer's cache and returns its output `[1, f, hidden]`, as `MtpModel.forward_layer` computes it."""
+        model = self.model
+        rotary = None
+        if model.rotary_emb is not None:
+            rope = (
+                {"layer_type": model.config.layer_types[index]} if getattr(model, "has_per_layer_rope", False) else {}
+            )
+            rotary = model.rotary_emb(embeds, position_ids=positions, **rope)
+        out = model.layers[index](
+            embeds,
+            hidden[None],
+            position_embeddings=rotary,
+            attention_mask=additive_bias(allowed[None, None], self.dtype),
+            position_ids=positions,
+            cache=self.cache,
+        )
+        return model.shared_post_norm(out) if model.use_shared_post_norm else out
 
     def on_verified(
         self,
@@ -378,6 +432,8 @@ class MtpDrafter(Drafter):
         length = self.proposed_at
         # never more than were drafted: in a padded batch a row that drafted fewer may also keep filler tokens
         accepted = min(max(0, input_ids.shape[1] - length - 1), self.drafted)
+        if self.tree_round:  # a tree's steps are not in slot order: each layer keeps its context slots only
+            accepted = 0
         exact = max(self.exact, length - 1 - max(0, self.num_layers - 1 - accepted))
         self.pending = self.pending[:, exact - self.exact :]
         self.exact, self.proposed_at = exact, None
