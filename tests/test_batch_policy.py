@@ -101,6 +101,33 @@ def test_the_cost_fit_kept_as_steps_come_and_go_equals_a_fit_of_the_window():
     assert compared > 150
 
 
+def test_a_capped_allocation_is_the_best_one_under_its_cap():
+    rng = random.Random(5)
+    for _ in range(300):
+        rows = [random_gains(rng, rng.randint(0, 3)) for _ in range(rng.randint(1, 3))]
+        a, b, limit = rng.choice([0.0, 0.5, 5.0]), rng.uniform(0.05, 1.0), rng.randint(0, 4)
+        counts, _ = allocate_drafts(rows, a, b, limit)
+        allowed = [c for c in itertools.product(*(range(len(r) + 1) for r in rows)) if sum(c) <= limit]
+        assert sum(counts) <= limit
+        assert goodput(rows, counts, a, b) == pytest.approx(max(goodput(rows, c, a, b) for c in allowed), rel=1e-12)
+
+
+def test_the_fit_is_trusted_only_near_the_sizes_it_has_seen():
+    """A full batch of 32 whose steps had 32 or 33 tokens, fitted (noise-free here) as nearly free per token: the
+    next step verifies only 8 drafts beyond the largest size seen (a quarter of the requests), not all 192 the fit
+    would pay for; each larger step seen widens what the next may verify."""
+    allocator = BatchDraftAllocator()
+    for tokens in (32, 33, 32, 33):
+        allocator.observe_step(tokens, 0.06 + 1e-6 * tokens)
+    allocator.gains = lambda request, cap: [0.5**j for j in range(1, cap + 1)]
+    available = {f"r{i}": 6 for i in range(32)}
+    assert sum(allocator.allocate(available).values()) == 33 - 32 + 8
+    allocator.observe_step(41, 0.06 + 1e-6 * 41, verifying=True)
+    assert sum(allocator.allocate(available).values()) == 41 - 32 + 8
+    allocator.blind_share = 10.0  # no cap to speak of: every draft the fit pays for
+    assert sum(allocator.allocate(available).values()) > 64
+
+
 def test_allocation_with_a_jump_is_the_best_one():
     """Against every allocation of small batches, with a step costing a + b T, plus j when any draft is verified."""
     rng = random.Random(1)
@@ -109,6 +136,7 @@ def test_allocation_with_a_jump_is_the_best_one():
         a, b, jump = rng.choice([0.1, 1.0, 10.0]), rng.uniform(0.05, 1.0), rng.choice([0.0, 0.5, 2.0, 20.0])
         allocator = BatchDraftAllocator()
         allocator.cost.coefficients = lambda: (a, b, jump)
+        allocator.cost.largest = lambda: 100  # the fit has seen steps of any size here: no cap
         allocator.gains = lambda request, cap: gains[request][:cap]
         counts = allocator.allocate({r: len(g) for r, g in gains.items()})
         rows = list(gains.values())
@@ -132,9 +160,27 @@ def test_rates_are_per_request_first_and_batch_wide_deeper():
     assert copying[0] > 0.8 > new[0] > open_[0]
     # deeper drafts are kept at the batch's conditional rate once the one before was (here: always)
     assert copying[2] / copying[1] == pytest.approx(open_[2] / open_[1]) and copying[2] / copying[1] > 0.8
-    assert allocator.allocate({"copying": 4, "open": 4}) == {"copying": 4, "open": 4}  # no cost fit yet: explore
+    # no cost fit yet: the best drafts, as many as one request's
+    assert allocator.allocate({"copying": 4, "open": 4}) == {"copying": 4, "open": 0}
     allocator.forget("copying")
     assert allocator.gains("copying", 1) == allocator.gains("new", 1)
+
+
+def test_before_the_step_cost_is_fitted_a_full_batch_verifies_a_few_of_its_best_drafts():
+    """No fit yet (slots filling with prompts: no decoding-only step): 32 requests with 6 drafts each verify 8 drafts
+    in all (a quarter of the requests), the best by gain, each request's a prefix of its drafts; a lone request
+    verifies all of its own."""
+    allocator = BatchDraftAllocator()
+    for i in range(32):
+        kept = 3 if i < 2 else 0  # two requests copy well, the others' drafts are not kept
+        allocator.observe_request(f"r{i}", [1, 2, 3, 4, 5, 6], [1, 2, 3, 4][:kept] + [9])
+    counts = allocator.allocate({f"r{i}": 6 for i in range(32)})
+    # the copiers' three kept depths come first; then first drafts of others (0.07) before a copier's 4th (0.04)
+    assert sum(counts.values()) == 8 and counts["r0"] == counts["r1"] == 3 and allocator.verifies
+    assert sorted(counts.values())[-4:] == [1, 1, 3, 3]
+    assert allocator.allocate({"r5": 6}) == {"r5": 6}
+    assert allocator.allocate({f"r{i}": 2 for i in range(3)}) == {"r0": 1, "r1": 1, "r2": 0}  # first drafts first
+    assert allocator.allocate({}) == {} and not allocator.verifies
 
 
 def test_a_request_whose_drafts_cannot_pay_for_their_drafting_drafts_only_now_and_then():

@@ -358,7 +358,7 @@ class MtpDrafter(Drafter):
         if not len(tree):
             return tree.proposal()
         contexts = [layer.get_seq_length() for layer in self.cache.layers]
-        columns: list[list[int]] = [[] for _ in range(num_layers)]  # each layer's steps, as rows of expanded nodes
+        columns: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # each layer's steps: expanded rows
         outputs: list[torch.Tensor | None] = [None] * num_layers  # layer k's output per tree node, [nodes, hidden]
         expanded = 0
         for depth in range(1, num_tokens):
@@ -369,7 +369,7 @@ class MtpDrafter(Drafter):
             nodes, parents = expansion.nodes.to(device), tree.parents[expansion.nodes].to(device)
             positions = torch.full((1, size), length - 1 + depth, device=device)
             embeds = model.embed_tokens(expansion.tokens[None].to(self.embed_device)).to(device)
-            rows = list(range(expanded, expanded + size))
+            rows = torch.arange(expanded, expanded + size, device=device)  # no host-to-device copy
             expanded += size
             for index in range(depth, num_layers) if depth < num_layers else [depth % num_layers]:
                 previous = (index - 1) % num_layers
@@ -377,8 +377,8 @@ class MtpDrafter(Drafter):
                     node_hidden = stages[previous].expand(size, -1)
                 else:
                     node_hidden = outputs[previous][parents]
-                columns[index] += rows
-                visible = expansion.mask[:, torch.tensor(columns[index], device=device)]  # ancestors and itself
+                columns[index].append(rows)
+                visible = expansion.mask[:, torch.cat(columns[index])]  # ancestors and itself
                 allowed = torch.cat([torch.ones(size, contexts[index], dtype=torch.bool, device=device), visible], 1)
                 out = self._tree_step(index, embeds, node_hidden, positions, allowed)
                 if outputs[index] is None or outputs[index].shape[0] < len(tree):

@@ -11,14 +11,21 @@ per step, choose each request's draft count k_i to maximize
 with E_i(k) = 1 + g_i1 + ... + g_ik, where g_ij is the probability that request i's first j drafts are all kept,
 and a + b * T (+ j when any draft is verified) the step's seconds for T query tokens, fitted online by least squares
 on the recent steps that held no prompt chunk (a chunk of hundreds of tokens costs less per token than a few drafts,
-and would flatten the slope where drafts are priced); the number of requests and of drafts make T vary, and until it
-has varied every draft is verified. The jump j is what a step pays for leaving the one-token-per-request shape (on a
-CPU a single request's step is a matrix-vector product and its verify a matrix product; on a GPU, transformers'
-decode-only attention path): fitted beside the slope when both kinds of step were seen, so the slope prices one more
-draft, not the switch. The k_i are chosen greedily with the fixed cost a + j: request i's next draft adds g_i(k_i+1)
-expected tokens and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each
-request's gains shrink with depth); the result is kept when it beats decoding plainly at a + b * T. When no draft
-pays (a compute-bound step, a ~ 0), every request decodes plainly.
+and would flatten the slope where drafts are priced); the number of requests and of drafts make T vary. Until it has
+varied (and whenever the window holds steps of one size only), a step verifies the drafts with the best gains, up to
+a quarter as many as it has requests (at least one request's drafts): enough for the fit to see steps of several
+sizes, too few to slow a full batch down (a verify of every request's drafts can cost twice a plain step on a
+compute-bound device, and while slots fill with prompts, drafts take the token budget's room from prompt chunks).
+The jump j is what a step pays for leaving the one-token-per-request shape (on a CPU a single request's step is a
+matrix-vector product and its verify a matrix product; on a GPU, transformers' decode-only attention path): fitted
+beside the slope when both kinds of step were seen, so the slope prices one more draft, not the switch. The fit is
+trusted only near the sizes it has seen: a step verifies at most as many drafts as take it to the window's largest
+size, plus the same margin as before the fit (a full batch that verifies little runs steps of nearly one size, whose
+noise alone can make the least-squares slope near zero and every draft look free; a step a little larger then tells
+the slope). The k_i are chosen greedily with the fixed cost a + j: request i's next draft adds g_i(k_i+1) expected
+tokens and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each request's
+gains shrink with depth, also under the cap); the result is kept when it beats decoding plainly at a + b * T. When no
+draft pays (a compute-bound step, a ~ 0), every request decodes plainly.
 
 g_ij = r_i1 * r_2 * ... * r_j: the request's own rate of keeping its first draft r_i1 (shrunk towards the batch's
 while it has few comparisons) times the batch's rates of keeping draft j once draft j - 1 was kept. Copy drafters
@@ -53,17 +60,18 @@ import math
 __all__ = ["BatchDraftAllocator", "StepCostFit", "allocate_drafts"]
 
 
-def allocate_drafts(gains: list[list[float]], a: float, b: float) -> tuple[list[int], float]:
-    """Each request's draft count (at most `len(gains[i])`) maximizing sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)),
-    greedily, with `gains[i][j]` the expected tokens request i's draft j + 1 adds (non-increasing in j); `a` >= 0 and
-    `b` > 0 are the step's fixed and per-token seconds. Returns the counts and the predicted tokens per second."""
+def allocate_drafts(gains: list[list[float]], a: float, b: float, limit: int | None = None) -> tuple[list[int], float]:
+    """Each request's draft count (at most `len(gains[i])`, and at most `limit` in all) maximizing
+    sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)), greedily, with `gains[i][j]` the expected tokens request i's draft
+    j + 1 adds (non-increasing in j); `a` >= 0 and `b` > 0 are the step's fixed and per-token seconds. Returns the
+    counts and the predicted tokens per second."""
     if not gains:
         return [], 0.0
     counts = [0] * len(gains)
     expected = tokens = float(len(gains))  # every request emits one token from one query token
     candidates = [(-row[0], i) for i, row in enumerate(gains) if row and row[0] > 0]
     heapq.heapify(candidates)
-    while candidates:
+    while candidates and (limit is None or tokens - len(gains) < limit):
         gain, i = -candidates[0][0], candidates[0][1]
         if gain * (a + b * tokens) <= b * expected:  # (expected + gain) / (seconds + b) <= expected / seconds
             break
@@ -113,6 +121,10 @@ class StepCostFit:
         if self._since_rebuild >= self.samples.maxlen:
             self._rebuild()
         self._fitted = False
+
+    def largest(self) -> int:
+        """The most query tokens of a step in the window (0 when empty)."""
+        return max((t for t, _ in self._sizes), default=0)
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, b, j), or None until `min_steps` steps of at least two different sizes were seen. j is 0 unless steps
@@ -177,6 +189,11 @@ class BatchDraftAllocator:
     share of them cost 1 / explore_budget times an exploration (the drafting, the jump of verifying at all, the
     drafts' tokens in the verify)."""
 
+    blind_share = 0.25
+    """Until the step cost is fitted, a step verifies at most `blind_share` x its requests drafts (at least as many as
+    one request may verify), the best by gain; once it is, at most that many more than take the step to the largest
+    size the fit has seen."""
+
     def __init__(self) -> None:
         self.cost = StepCostFit()
         self.draft_seconds: float | None = None  # a running mean of one request's drafting time
@@ -209,20 +226,44 @@ class BatchDraftAllocator:
         return gains
 
     def allocate(self, available: dict[str, int]) -> dict[str, int]:
-        """Each request's draft count this step, out of the drafts `available` to it (all of them until the cost
-        fit has seen enough steps)."""
+        """Each request's draft count this step, out of the drafts `available` to it (until the cost fit has seen
+        enough steps, the best by gain up to `blind_share` x the requests)."""
         fit = self.cost.coefficients()
         if fit is None or not available:
-            self.verifies = bool(available)
-            return dict(available)
+            counts = self._blind(available)
+            self.verifies = any(counts.values())
+            return counts
         a, b, jump = fit
         requests = list(available)
-        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], a + jump, b)
+        limit = max(self.cost.largest() - len(requests), 0) + self._margin(available)
+        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], a + jump, b, limit)
         plain = len(requests) / (a + b * len(requests))  # every request decoding plainly: no jump
         if plain >= self.goodput:
             counts, self.goodput = [0] * len(requests), plain
         self.verifies = any(counts)
         return dict(zip(requests, counts))
+
+    def _blind(self, available: dict[str, int]) -> dict[str, int]:
+        """The drafts with the best gains, at most `blind_share` x the requests (at least one request's `available`);
+        shallower first among equal gains, so each request's count is a prefix of its drafts."""
+        if not available:
+            return {}
+        budget = self._margin(available)
+        ranked = sorted(
+            (-gain, depth, request_id)
+            for request_id, cap in available.items()
+            for depth, gain in enumerate(self.gains(request_id, cap))
+            if gain > 0
+        )
+        counts = dict.fromkeys(available, 0)
+        for _, _, request_id in ranked[:budget]:
+            counts[request_id] += 1
+        return counts
+
+    def _margin(self, available: dict[str, int]) -> int:
+        """Drafts a step may verify beyond the sizes the cost fit has seen: `blind_share` x the requests, at least
+        one request's drafts."""
+        return max(max(available.values()), math.ceil(self.blind_share * len(available)))
 
     def should_draft(self, request_id: str, cap: int) -> bool:
         """Whether drafting up to `cap` tokens for `request_id` this step can pay for the drafting itself: some
