@@ -244,21 +244,13 @@ class BatchDraftAllocator:
         return dict(zip(requests, counts))
 
     def _blind(self, available: dict[str, int]) -> dict[str, int]:
-        """The drafts with the best gains, at most `blind_share` x the requests (at least one request's `available`);
-        shallower first among equal gains, so each request's count is a prefix of its drafts."""
+        """The drafts with the best gains, at most `_margin` of them: `allocate_drafts` with every draft paying."""
         if not available:
             return {}
-        budget = self._margin(available)
-        ranked = sorted(
-            (-gain, depth, request_id)
-            for request_id, cap in available.items()
-            for depth, gain in enumerate(self.gains(request_id, cap))
-            if gain > 0
-        )
-        counts = dict.fromkeys(available, 0)
-        for _, _, request_id in ranked[:budget]:
-            counts[request_id] += 1
-        return counts
+        requests = list(available)
+        gains = [self.gains(r, available[r]) for r in requests]
+        counts, _ = allocate_drafts(gains, math.inf, 1.0, self._margin(available))
+        return dict(zip(requests, counts))
 
     def _margin(self, available: dict[str, int]) -> int:
         """Drafts a step may verify beyond the sizes the cost fit has seen: `blind_share` x the requests, at least
