@@ -132,10 +132,11 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
         request priced on the whole step; the others stay shadow drafts, compared with what the request emits."""
         active = self.scheduler.active_requests
         self._drop_departed(active)
-        self.proposals, self.drafted = {}, {}
+        self.proposals, self.drafted, decoding = {}, {}, 0
         for request_id, state in active.items():
             if state.status != RequestStatus.DECODING or not state.generated_tokens:
                 continue
+            decoding += 1
             last = state.tokens_to_process[:1]
             room = state._new_tokens_limit - state.generated_len() - 1  # the target's own token comes last
             num_tokens = min(self.gamma, room)
@@ -158,7 +159,8 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
                     f"request {request_id!r}: {drafts}. A drafter must propose ids of the target's vocabulary."
                 )
             self.proposals[request_id], self.drafted[request_id] = proposal, drafts
-        counts = self.allocator.allocate({r: len(d) for r, d in self.drafted.items()}) if self.allocator else {}
+        drafted = {r: len(d) for r, d in self.drafted.items()}
+        counts = self.allocator.allocate(drafted, others=decoding - len(drafted)) if self.allocator else {}
         for request_id, drafts in self.drafted.items():
             count = counts.get(request_id, len(drafts))
             if count:

@@ -114,36 +114,55 @@ def test_a_capped_allocation_is_the_best_one_under_its_cap():
 
 def test_the_fit_is_trusted_only_near_the_sizes_it_has_seen():
     """A full batch of 32 whose steps had 32 or 33 tokens, fitted (noise-free here) as nearly free per token: the
-    next step verifies only 8 drafts beyond the largest size seen (a quarter of the requests), not all 192 the fit
-    would pay for; each larger step seen widens what the next may verify."""
+    next step holds at most twice the largest size seen (66 tokens: 34 drafts), not all 192 drafts the fit would pay
+    for; each larger step seen widens what the next may verify (doubling), and a small batch may always go the blind
+    margin (one request's drafts, or a quarter of the requests) beyond the largest size seen."""
     allocator = BatchDraftAllocator()
     for tokens in (32, 33, 32, 33):
         allocator.observe_step(tokens, 0.06 + 1e-6 * tokens)
     allocator.gains = lambda request, cap: [0.5**j for j in range(1, cap + 1)]
     available = {f"r{i}": 6 for i in range(32)}
-    assert sum(allocator.allocate(available).values()) == 33 - 32 + 8
-    allocator.observe_step(41, 0.06 + 1e-6 * 41, verifying=True)
-    assert sum(allocator.allocate(available).values()) == 41 - 32 + 8
-    allocator.blind_share = 10.0  # no cap to speak of: every draft the fit pays for
-    assert sum(allocator.allocate(available).values()) > 64
+    assert sum(allocator.allocate(available).values()) == 2 * 33 - 32
+    allocator.observe_step(66, 0.06 + 1e-6 * 66, verifying=True)
+    assert sum(allocator.allocate(available).values()) == 2 * 66 - 32
+    allocator.observe_step(132, 0.06 + 1e-6 * 132, verifying=True)
+    assert sum(allocator.allocate(available).values()) == 192  # every draft: the fit has seen the sizes near it
+    # two requests whose steps had 2 or 3 tokens: the margin (6, one request's drafts) beyond the largest size
+    small = BatchDraftAllocator()
+    for tokens in (2, 3, 2, 3):
+        small.observe_step(tokens, 0.06 + 1e-6 * tokens)
+    small.gains = allocator.gains
+    assert sum(small.allocate({"a": 6, "b": 6}).values()) == 3 + 6 - 2
+    # more requests than any step the fit has seen: the margin beyond the requests' own tokens
+    assert sum(small.allocate({f"r{i}": 6 for i in range(8)}).values()) == 6
+    # requests that do not draft count in the step's size: 8 drafting beside 24 that do not, after steps of 32 or 33
+    # tokens, verify 34 of their 48 drafts (66 tokens in all)
+    mixed = BatchDraftAllocator()
+    for tokens in (32, 33, 32, 33):
+        mixed.observe_step(tokens, 0.06 + 1e-6 * tokens)
+    mixed.gains = allocator.gains
+    assert sum(mixed.allocate({f"r{i}": 6 for i in range(8)}, others=24).values()) == 2 * 33 - 32
 
 
 def test_allocation_with_a_jump_is_the_best_one():
-    """Against every allocation of small batches, with a step costing a + b T, plus j when any draft is verified."""
+    """Against every allocation of small batches, with a step costing a + b T, plus j when any draft is verified;
+    the step's requests that do not draft (`others`) count in its tokens and its seconds."""
     rng = random.Random(1)
     for _ in range(300):
         gains = {f"r{i}": random_gains(rng, rng.randint(0, 3)) for i in range(rng.randint(1, 3))}
         a, b, jump = rng.choice([0.1, 1.0, 10.0]), rng.uniform(0.05, 1.0), rng.choice([0.0, 0.5, 2.0, 20.0])
+        others = rng.choice([0, 0, 2, 30])
         allocator = BatchDraftAllocator()
         allocator.cost.coefficients = lambda: (a, b, jump)
         allocator.cost.largest = lambda: 100  # the fit has seen steps of any size here: no cap
         allocator.gains = lambda request, cap: gains[request][:cap]
-        counts = allocator.allocate({r: len(g) for r, g in gains.items()})
+        counts = allocator.allocate({r: len(g) for r, g in gains.items()}, others=others)
         rows = list(gains.values())
 
         def value(allocation):
-            expected = sum(1 + sum(row[:k]) for row, k in zip(rows, allocation))
-            return expected / (a + b * sum(1 + k for k in allocation) + (jump if any(allocation) else 0.0))
+            expected = others + sum(1 + sum(row[:k]) for row, k in zip(rows, allocation))
+            tokens = others + sum(1 + k for k in allocation)
+            return expected / (a + b * tokens + (jump if any(allocation) else 0.0))
 
         best = max(value(c) for c in itertools.product(*(range(len(row) + 1) for row in rows)))
         assert value([counts[r] for r in gains]) == pytest.approx(best, rel=1e-12)
@@ -240,6 +259,30 @@ def test_before_the_step_cost_is_fitted_a_request_drafts_when_its_share_of_a_ste
     for _ in range(40):
         allocator.observe_draft(0.001)
     assert allocator.should_draft("r", 4)
+
+
+def test_a_batch_in_lockstep_varies_its_step_size_until_the_cost_is_fitted():
+    """A full batch whose requests all have drafts verifies the same number every step (a quarter of the requests):
+    steps of one size, which the fit cannot price. The next step tries twice that size, or decodes plainly when no
+    larger step can be made; with two sizes seen the quarter applies again, and four steps give a fit."""
+    allocator = BatchDraftAllocator()
+    allocator.gains = lambda request, cap: [0.5**j for j in range(1, cap + 1)]
+    full = {f"r{i}": 6 for i in range(32)}
+    assert sum(allocator.allocate(full).values()) == 8  # nothing seen: the quarter
+    allocator.observe_step(40, 0.05, verifying=True)
+    assert sum(allocator.allocate(full).values()) == 2 * 40 - 32  # one size seen: twice it
+    allocator.observe_step(80, 0.09, verifying=True)
+    assert sum(allocator.allocate(full).values()) == 8  # two sizes: the quarter again
+    for tokens in (40, 40):
+        allocator.observe_step(tokens, 0.05, verifying=True)
+    assert allocator.cost.coefficients() is not None
+    # two requests with one draft each, after steps of 4 tokens: no larger step exists, so a plain one (2 tokens)
+    small = BatchDraftAllocator()
+    small.gains = allocator.gains
+    small.observe_step(4, 0.05, verifying=True)
+    assert small.allocate({"a": 1, "b": 1}) == {"a": 0, "b": 0}
+    small.observe_step(2, 0.04)
+    assert small.allocate({"a": 1, "b": 1}) == {"a": 1, "b": 0}  # two sizes: the margin, one request's drafts
 
 
 def test_a_first_draft_counts_only_until_another_is_timed():

@@ -1,5 +1,6 @@
 """The built-in drafters: prompt lookup and n-gram tables (matching, exactness, Hub format, bad input)."""
 
+import copy
 import json
 
 import pytest
@@ -301,9 +302,12 @@ def self_table(target, n=3, seeds=range(6), **kwargs):
     return hf_specdec.NGramDrafter.from_corpus(corpus, n=n, vocab_size=VOCAB, **kwargs)
 
 
+@pytest.mark.parametrize("processors", [{"no_repeat_ngram_size": 3}, {}], ids=["processors", "none"])
 @pytest.mark.parametrize("gamma", [1, 3, 7, 12])
 @pytest.mark.parametrize("table_kind", ["own_outputs", "random_corpus", "unigram"])
-def test_ngram_greedy_identity(table_kind, gamma):
+def test_ngram_greedy_identity(table_kind, gamma, processors):
+    """Always / partly right (the target's own outputs), never right (a random corpus), a unigram table; with logits
+    processors (q standardized through them) and without (drafts read from the table alone)."""
     target = hf_specdec.enable(tiny_model("llama", seed=0))
     if table_kind == "own_outputs":
         table = self_table(target)
@@ -312,18 +316,44 @@ def test_ngram_greedy_identity(table_kind, gamma):
     else:
         table = self_table(target, n=1)
     ids = prompt(6, seed=2)
-    plain = target.generate(ids, max_new_tokens=24, no_repeat_ngram_size=3)
+    plain = target.generate(ids, max_new_tokens=24, **processors)
     out = target.generate(
         ids,
         drafter=table,
         speculative_gamma=gamma,
         max_new_tokens=24,
-        no_repeat_ngram_size=3,
         return_dict_in_generate=True,
+        **processors,
     )
     assert torch.equal(out.sequences, plain)
     if table_kind == "own_outputs":
         assert out.speculative_stats.acceptance_rate > 0.3
+
+
+def test_ngram_greedy_drafts_without_processors_are_the_general_paths():
+    """Greedy drafts without logits processors come from the table alone (no vocabulary-sized tensor): the same
+    chains as the general path, which standardizes q through the processors (here one that changes nothing), ties
+    going to the lowest id as `argmax` does; rows of a batch each their own; orders 1 and 3."""
+
+    class Unchanged:
+        def __call__(self, input_ids, scores):
+            return scores
+
+    tied = [[5, 9, 4], [5, 2, 4], [7, 3, 3], [7, 1, 3]]  # after 5: 9 and 2 once each; after 7: 3 and 1
+    corpus = [*tied, prompt(300, seed=5)[0].tolist()]
+    for n in (3, 1):
+        table = hf_specdec.NGramDrafter.from_corpus(corpus, n=n, vocab_size=VOCAB)
+        general = copy.copy(table)
+        general.logits_processor, general.sample, general.tree_budget = LogitsProcessorList([Unchanged()]), False, None
+        for seed in range(12):
+            ids = torch.cat([prompt(7, seed=seed), prompt(7, seed=seed + 50), prompt(7, seed=seed + 99)])
+            for num_tokens in (1, 4, 9):
+                fast = table.propose_for(ids, num_tokens)
+                assert fast.probs is None
+                assert torch.equal(fast.tokens, general.propose(ids, num_tokens).tokens), (n, seed, num_tokens)
+    table = hf_specdec.NGramDrafter.from_corpus(tied, n=3, vocab_size=VOCAB)
+    assert table.propose_for([[0, 5]], 1).tokens.tolist() == [[2]]
+    assert table.propose_for([[0, 7]], 1).tokens.tolist() == [[1]]
 
 
 def test_prompt_lookup_sampling_follows_target():

@@ -119,6 +119,7 @@ class NGramDrafter(
             {tuple(context): row for row, context in enumerate(self.tables[f"order_{k}.contexts"].tolist())}
             for k in range(1, n + 1)
         ]
+        self._best: dict[tuple[int, int], int] = {}  # (order, row) -> its most probable token, filled on first use
 
     # ----- building -----------------------------------------------------------------------------------------
 
@@ -318,15 +319,33 @@ class NGramDrafter(
 
     def distribution(self, context_tokens: Sequence[int]) -> tuple[torch.LongTensor, torch.FloatTensor]:
         """The continuations and their probabilities (renormalized) after the longest known suffix of the context."""
+        return self._continuations(*self._row_of(context_tokens))
+
+    def _row_of(self, context_tokens: Sequence[int]) -> tuple[int, int]:
+        """(order, row) of the longest suffix of the context that the table knows."""
         for k in range(min(self.n, len(context_tokens) + 1), 0, -1):
             key = tuple(context_tokens[len(context_tokens) - k + 1 :]) if k > 1 else ()
             row = self._rows[k - 1].get(key)
             if row is not None:
-                tokens = self.tables[f"order_{k}.tokens"][row]
-                probs = self.tables[f"order_{k}.probs"][row].float()
-                keep = tokens >= 0
-                return tokens[keep], probs[keep] / probs[keep].sum()
+                return k, row
         raise AssertionError("the unigram row always exists")
+
+    def _continuations(self, k: int, row: int) -> tuple[torch.LongTensor, torch.FloatTensor]:
+        tokens = self.tables[f"order_{k}.tokens"][row]
+        probs = self.tables[f"order_{k}.probs"][row].float()
+        keep = tokens >= 0
+        return tokens[keep], probs[keep] / probs[keep].sum()
+
+    def _most_probable(self, context_tokens: Sequence[int]) -> int:
+        """The token a greedy draft takes after the context without logits processors: the argmax of its row's
+        log q (ties: the lowest id, as `argmax` over the vocabulary picks), computed once per row."""
+        found = self._row_of(context_tokens)
+        best = self._best.get(found)
+        if best is None:
+            tokens, probs = self._continuations(*found)
+            scores = probs.log()
+            best = self._best[found] = int(tokens[scores == scores.max()].min())
+        return best
 
     def propose(self, input_ids: torch.LongTensor, num_tokens: int, attention_mask=None) -> DraftProposal:
         batch = input_ids.shape[0]
@@ -336,6 +355,8 @@ class NGramDrafter(
             return self._propose_tree(input_ids, num_tokens, self.tree_budget)
         ids = input_ids
         contexts = input_ids[:, max(0, input_ids.shape[1] - self.n + 1) :].tolist() if self.n > 1 else [[]] * batch
+        if not self.sample and not self.logits_processor:  # nothing to standardize q with: the rows' best tokens
+            return DraftProposal(tokens=self._greedy_drafts(contexts, num_tokens, input_ids.device), probs=None)
         drafted, probs = [], []
         for _ in range(num_tokens):
             q_logits = torch.full((batch, self.vocab_size), float("-inf"), device=input_ids.device)
@@ -360,6 +381,18 @@ class NGramDrafter(
         if not drafted:
             return DraftProposal.empty(batch, input_ids.device)
         return DraftProposal(tokens=torch.cat(drafted, dim=-1), probs=torch.stack(probs, 1) if probs else None)
+
+    def _greedy_drafts(self, contexts: list[list[int]], num_tokens: int, device) -> torch.LongTensor:
+        """Each row's greedy chain from its last n - 1 tokens, table lookups only (no vocabulary-sized tensor): what
+        the general path drafts when there are no logits processors."""
+        drafted = []
+        for context in contexts:
+            row = []
+            for _ in range(num_tokens):
+                row.append(self._most_probable(context))
+                context = (context + row[-1:])[-(self.n - 1) :] if self.n > 1 else []
+            drafted.append(row)
+        return torch.tensor(drafted, dtype=torch.long, device=device)
 
     def _propose_tree(self, input_ids: torch.LongTensor, num_tokens: int, budget: int) -> DraftProposal:
         """Best-first by the sum of log q along the path (ties: the earlier candidate). A node's children are

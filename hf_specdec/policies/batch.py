@@ -8,24 +8,28 @@ per step, choose each request's draft count k_i to maximize
 
     expected emitted tokens / predicted step seconds = sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)),
 
-with E_i(k) = 1 + g_i1 + ... + g_ik, where g_ij is the probability that request i's first j drafts are all kept,
-and a + b * T (+ j when any draft is verified) the step's seconds for T query tokens, fitted online by least squares
-on the recent steps that held no prompt chunk (a chunk of hundreds of tokens costs less per token than a few drafts,
-and would flatten the slope where drafts are priced); the number of requests and of drafts make T vary. Until it has
-varied (and whenever the window holds steps of one size only), a step verifies the drafts with the best gains, up to
-a quarter as many as it has requests (at least one request's drafts): enough for the fit to see steps of several
-sizes, too few to slow a full batch down (a verify of every request's drafts can cost twice a plain step on a
-compute-bound device, and while slots fill with prompts, drafts take the token budget's room from prompt chunks).
-The jump j is what a step pays for leaving the one-token-per-request shape (on a CPU a single request's step is a
-matrix-vector product and its verify a matrix product; on a GPU, transformers' decode-only attention path): fitted
-beside the slope when both kinds of step were seen, so the slope prices one more draft, not the switch. The fit is
-trusted only near the sizes it has seen: a step verifies at most as many drafts as take it to the window's largest
-size, plus the same margin as before the fit (a full batch that verifies little runs steps of nearly one size, whose
-noise alone can make the least-squares slope near zero and every draft look free; a step a little larger then tells
-the slope). The k_i are chosen greedily with the fixed cost a + j: request i's next draft adds g_i(k_i+1) expected
-tokens and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each request's
-gains shrink with depth, also under the cap); the result is kept when it beats decoding plainly at a + b * T. When no
-draft pays (a compute-bound step, a ~ 0), every request decodes plainly.
+over every decoding request i of the step (one with nothing drafted has k_i = 0), with E_i(k) = 1 + g_i1 + ... + g_ik,
+where g_ij is the probability that request i's first j drafts are all kept, and a + b * T (+ j when any draft is
+verified) the step's seconds for T query tokens, fitted online by least squares on the recent steps that held no prompt
+chunk (a chunk of hundreds of tokens costs less per token than a few drafts, and would flatten the slope where drafts
+are priced); the number of requests and of drafts make T vary. Until it has varied (and whenever the window holds steps
+of one size only), a step verifies the drafts with the best gains, up to a quarter as many as it has requests (at least
+one request's drafts), or up to twice the size of the window's steps when they all had one size (a full batch in
+lockstep would otherwise verify the same number of drafts every step and never be fitted; when no larger step can be
+made, it decodes plainly, a size of its own): enough for the fit to see steps of several sizes, too few to slow a full
+batch down (a verify of every request's drafts can cost twice a plain step on a compute-bound device, and while slots
+fill with prompts, drafts take the token budget's room from prompt chunks). The jump j is what a step pays for leaving
+the one-token-per-request shape (on a CPU a single request's step is a matrix-vector product and its verify a matrix
+product; on a GPU, transformers' decode-only attention path): fitted beside the slope when both kinds of step were seen,
+so the slope prices one more draft, not the switch. The fit is trusted only near the sizes it has seen: a step verifies
+at most as many drafts as take it to twice the window's largest size, or to that size plus the same margin as before the
+fit, whichever is more (a full batch that verifies little runs steps of nearly one size, whose noise alone can make the
+least-squares slope near zero and every draft look free; a larger step then tells the slope, and the sizes tried double
+rather than grow by a margin, so that where drafts are nearly free, as on a GPU, a batch reaches its full drafts within
+a few steps). The k_i are chosen greedily with the fixed cost a + j: request i's next draft adds g_i(k_i+1) expected
+tokens and b seconds, and drafts are added, best first, while they raise the ratio (optimal, since each request's gains
+shrink with depth, also under the cap); the result is kept when it beats decoding plainly at a + b * T. When no draft
+pays (a compute-bound step, a ~ 0), every request decodes plainly.
 
 g_ij = r_i1 * r_2 * ... * r_j: the request's own rate of keeping its first draft r_i1 (shrunk towards the batch's
 while it has few comparisons) times the batch's rates of keeping draft j once draft j - 1 was kept. Copy drafters
@@ -60,18 +64,21 @@ import math
 __all__ = ["BatchDraftAllocator", "StepCostFit", "allocate_drafts"]
 
 
-def allocate_drafts(gains: list[list[float]], a: float, b: float, limit: int | None = None) -> tuple[list[int], float]:
+def allocate_drafts(
+    gains: list[list[float]], a: float, b: float, limit: int | None = None, others: int = 0
+) -> tuple[list[int], float]:
     """Each request's draft count (at most `len(gains[i])`, and at most `limit` in all) maximizing
-    sum_i E_i(k_i) / (a + b * sum_i (1 + k_i)), greedily, with `gains[i][j]` the expected tokens request i's draft
-    j + 1 adds (non-increasing in j); `a` >= 0 and `b` > 0 are the step's fixed and per-token seconds. Returns the
-    counts and the predicted tokens per second."""
+    (others + sum_i E_i(k_i)) / (a + b * (others + sum_i (1 + k_i))), greedily, with `gains[i][j]` the expected tokens
+    request i's draft j + 1 adds (non-increasing in j); `a` >= 0 and `b` > 0 are the step's fixed and per-token
+    seconds, and `others` the step's requests that decode without drafts (one query token, one token emitted each).
+    Returns the counts and the predicted tokens per second."""
     if not gains:
         return [], 0.0
     counts = [0] * len(gains)
-    expected = tokens = float(len(gains))  # every request emits one token from one query token
+    expected = tokens = float(len(gains) + others)  # every request emits one token from one query token
     candidates = [(-row[0], i) for i, row in enumerate(gains) if row and row[0] > 0]
     heapq.heapify(candidates)
-    while candidates and (limit is None or tokens - len(gains) < limit):
+    while candidates and (limit is None or tokens - len(gains) - others < limit):
         gain, i = -candidates[0][0], candidates[0][1]
         if gain * (a + b * tokens) <= b * expected:  # (expected + gain) / (seconds + b) <= expected / seconds
             break
@@ -122,9 +129,13 @@ class StepCostFit:
             self._rebuild()
         self._fitted = False
 
+    def sizes(self) -> set[int]:
+        """The query tokens of the window's steps (each size once)."""
+        return {t for t, _ in self._sizes}
+
     def largest(self) -> int:
         """The most query tokens of a step in the window (0 when empty)."""
-        return max((t for t, _ in self._sizes), default=0)
+        return max(self.sizes(), default=0)
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(a, b, j), or None until `min_steps` steps of at least two different sizes were seen. j is 0 unless steps
@@ -192,7 +203,11 @@ class BatchDraftAllocator:
     blind_share = 0.25
     """Until the step cost is fitted, a step verifies at most `blind_share` x its requests drafts (at least as many as
     one request may verify), the best by gain; once it is, at most that many more than take the step to the largest
-    size the fit has seen."""
+    size the fit has seen, or `trust_growth` x that size if more."""
+
+    trust_growth = 2.0
+    """Once the step cost is fitted, a step may hold up to this many times the query tokens of the largest step the
+    fit has seen (or that size plus the blind margin, if more)."""
 
     def __init__(self) -> None:
         self.cost = StepCostFit()
@@ -225,37 +240,49 @@ class BatchDraftAllocator:
             gains.append(product)
         return gains
 
-    def allocate(self, available: dict[str, int]) -> dict[str, int]:
+    def allocate(self, available: dict[str, int], others: int = 0) -> dict[str, int]:
         """Each request's draft count this step, out of the drafts `available` to it (until the cost fit has seen
-        enough steps, the best by gain up to `blind_share` x the requests)."""
+        enough steps, the best by gain up to `blind_share` x the requests); `others`: the step's requests that
+        decode without drafts (each one query token)."""
         fit = self.cost.coefficients()
         if fit is None or not available:
-            counts = self._blind(available)
+            counts = self._blind(available, others)
             self.verifies = any(counts.values())
             return counts
         a, b, jump = fit
         requests = list(available)
-        limit = max(self.cost.largest() - len(requests), 0) + self._margin(available)
-        counts, self.goodput = allocate_drafts([self.gains(r, available[r]) for r in requests], a + jump, b, limit)
-        plain = len(requests) / (a + b * len(requests))  # every request decoding plainly: no jump
+        largest, size = self.cost.largest(), len(requests) + others
+        limit = max(max(largest, size) + self._margin(available, size), math.floor(self.trust_growth * largest)) - size
+        gains = [self.gains(r, available[r]) for r in requests]
+        counts, self.goodput = allocate_drafts(gains, a + jump, b, limit, others)
+        plain = size / (a + b * size)  # every request decoding plainly: no jump
         if plain >= self.goodput:
             counts, self.goodput = [0] * len(requests), plain
         self.verifies = any(counts)
         return dict(zip(requests, counts))
 
-    def _blind(self, available: dict[str, int]) -> dict[str, int]:
-        """The drafts with the best gains, at most `_margin` of them: `allocate_drafts` with every draft paying."""
+    def _blind(self, available: dict[str, int], others: int = 0) -> dict[str, int]:
+        """The drafts with the best gains, at most `_margin` of them: `allocate_drafts` with every draft paying. When
+        the window holds steps of one size only (a full batch in lockstep verifies the same number of drafts every
+        step, and the fit needs two sizes), up to `trust_growth` x that size instead, and a plain step when that
+        would be the same size again."""
         if not available:
             return {}
-        requests = list(available)
+        requests, sizes = list(available), self.cost.sizes()
+        size = len(requests) + others
+        limit = self._margin(available, size)
+        if len(sizes) == 1:
+            limit = max(limit, math.floor(self.trust_growth * min(sizes)) - size)
         gains = [self.gains(r, available[r]) for r in requests]
-        counts, _ = allocate_drafts(gains, math.inf, 1.0, self._margin(available))
+        counts, _ = allocate_drafts(gains, math.inf, 1.0, limit)
+        if sizes == {size + sum(counts)} and sum(counts):
+            counts = [0] * len(requests)
         return dict(zip(requests, counts))
 
-    def _margin(self, available: dict[str, int]) -> int:
-        """Drafts a step may verify beyond the sizes the cost fit has seen: `blind_share` x the requests, at least
-        one request's drafts."""
-        return max(max(available.values()), math.ceil(self.blind_share * len(available)))
+    def _margin(self, available: dict[str, int], size: int) -> int:
+        """Drafts a step may verify beyond the sizes the cost fit has seen: `blind_share` x the step's `size`
+        requests, at least one request's drafts."""
+        return max(max(available.values()), math.ceil(self.blind_share * size))
 
     def should_draft(self, request_id: str, cap: int) -> bool:
         """Whether drafting up to `cap` tokens for `request_id` this step can pay for the drafting itself: some
