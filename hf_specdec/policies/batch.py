@@ -244,40 +244,37 @@ class BatchDraftAllocator:
         """Each request's draft count this step, out of the drafts `available` to it (until the cost fit has seen
         enough steps, the best by gain up to `blind_share` x the requests); `others`: the step's requests that
         decode without drafts (each one query token)."""
-        fit = self.cost.coefficients()
-        if fit is None or not available:
-            counts = self._blind(available, others)
-            self.verifies = any(counts.values())
-            return counts
-        a, b, jump = fit
-        requests = list(available)
-        largest, size = self.cost.largest(), len(requests) + others
-        limit = max(max(largest, size) + self._margin(available, size), math.floor(self.trust_growth * largest)) - size
+        if not available:
+            self.verifies = False
+            return {}
+        requests, size = list(available), len(available) + others
         gains = [self.gains(r, available[r]) for r in requests]
-        counts, self.goodput = allocate_drafts(gains, a + jump, b, limit, others)
-        plain = size / (a + b * size)  # every request decoding plainly: no jump
-        if plain >= self.goodput:
-            counts, self.goodput = [0] * len(requests), plain
+        margin = self._margin(available, size)
+        fit = self.cost.coefficients()
+        if fit is None:
+            counts = self._blind(gains, size, margin)
+        else:
+            a, b, jump = fit
+            largest = self.cost.largest()
+            limit = max(max(largest, size) + margin, math.floor(self.trust_growth * largest)) - size
+            counts, self.goodput = allocate_drafts(gains, a + jump, b, limit, others)
+            plain = size / (a + b * size)  # every request decoding plainly: no jump
+            if plain >= self.goodput:
+                counts, self.goodput = [0] * len(requests), plain
         self.verifies = any(counts)
         return dict(zip(requests, counts))
 
-    def _blind(self, available: dict[str, int], others: int = 0) -> dict[str, int]:
-        """The drafts with the best gains, at most `_margin` of them: `allocate_drafts` with every draft paying. When
+    def _blind(self, gains: list[list[float]], size: int, margin: int) -> list[int]:
+        """The drafts with the best gains, at most `margin` of them: `allocate_drafts` with every draft paying. When
         the window holds steps of one size only (a full batch in lockstep verifies the same number of drafts every
         step, and the fit needs two sizes), up to `trust_growth` x that size instead, and a plain step when that
-        would be the same size again."""
-        if not available:
-            return {}
-        requests, sizes = list(available), self.cost.sizes()
-        size = len(requests) + others
-        limit = self._margin(available, size)
-        if len(sizes) == 1:
-            limit = max(limit, math.floor(self.trust_growth * min(sizes)) - size)
-        gains = [self.gains(r, available[r]) for r in requests]
+        would be the same size again (`size`: the step's requests)."""
+        sizes = self.cost.sizes()
+        limit = max(margin, math.floor(self.trust_growth * min(sizes)) - size) if len(sizes) == 1 else margin
         counts, _ = allocate_drafts(gains, math.inf, 1.0, limit)
         if sizes == {size + sum(counts)} and sum(counts):
-            counts = [0] * len(requests)
-        return dict(zip(requests, counts))
+            counts = [0] * len(gains)
+        return counts
 
     def _margin(self, available: dict[str, int], size: int) -> int:
         """Drafts a step may verify beyond the sizes the cost fit has seen: `blind_share` x the step's `size`
