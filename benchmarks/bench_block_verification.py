@@ -10,19 +10,22 @@ Reported per temperature, γ and method, over all prompts and repeats: tokens pe
 forwards, the bonus or recovered token included), the accepted drafts per round, α (the mean β), generated tokens per
 second (summed over the prompts, median over repeats) and the speedup over plain in tokens per second (sampled texts
 differ in length, so wall-clock time alone would compare different amounts of work); block's gain over token-wise in
-tokens per call and in speed.
+tokens per call and in speed. Sampled texts differ between the two rules, so those ratios carry the texts' noise too:
+`expected_accepted_block_over_token` compares the rules on the same rounds instead, in an untimed pass that runs each
+block row once more per prompt and sums, over its rounds, the expected accepted drafts under each rule given the round's
+drafts, q and p (block: sum_i i P(τ = i) from the thresholds h; token-wise: sum_i prod_{j <= i} min(1, p_j / q_j)).
 
 With `--eagle-minutes M` (or `--eagle-head DIR`, a head saved in the EAGLE-3 layout) an EAGLE-3 head drafts too,
 rows `eagle_token_g<γ>` / `eagle_block_g<γ>`: trained here for M minutes on the zoo corpus's train split as it is
 (`hf_specdec.distill.train_eagle_drafter` with `texts=`, no answers generated), and saved, with its training data and
 checkpoints, in a folder named after the results file.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 \\
-        --output benchmarks/results/block_verification_zoo_cpu_1thread.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --output /tmp/block.json
     python benchmarks/bench_block_verification.py --smoke   # one short prompt, into a temporary folder
 
-The EAGLE rows of `results/block_verification_zoo_eagle_cpu_1thread.json` come from a head trained for 40 minutes
-on 2 threads (what `--eagle-minutes 40` runs: the whole train split, batches of 4, a 4-step unroll), then loaded:
+`results/block_verification_zoo_eagle_cpu_1thread.json` holds the distilled drafter's rows and an EAGLE-3 head's, a
+head trained for 40 minutes on 2 threads (what `--eagle-minutes 40` runs: the whole train split, batches of 4, a 4-step
+unroll), then loaded:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --prompts 4 --eagle-head DIR \
         --output benchmarks/results/block_verification_zoo_eagle_cpu_1thread.json
@@ -41,7 +44,8 @@ from harness import interleaved, parse_ints, write_results  # run from the repos
 from transformers import GenerationMixin
 
 import hf_specdec
-from hf_specdec import zoo
+from hf_specdec import verdicts, zoo
+from hf_specdec.block_verification import block_thresholds
 from hf_specdec.zoo.tasks import TASKS, load_prompts
 
 RESULTS = Path(__file__).parent / "results"
@@ -107,6 +111,40 @@ def saved_training(head: Path | None) -> dict:
     """What `train_eagle_drafter` recorded of a loaded head's training (its `training_log.json`), or {}."""
     log = None if head is None else Path(head) / "training_log.json"
     return json.loads(log.read_text()).get("info", {}) if log is not None and log.is_file() else {}
+
+
+def expected_accepted(tokens, probs, target_probs) -> tuple[float, float]:
+    """The expected accepted drafts of one round (summed over its rows) under block and under token-wise
+    verification, given its drafts, q (`probs`, None for point masses) and p."""
+    h, _ = block_thresholds(tokens, probs, target_probs)  # [batch, gamma]
+    # P(τ = i) = h_i prod_{j > i} (1 - h_j): the last passing test is i's
+    after = torch.cat([(1 - h).flip(1).cumprod(1).flip(1)[:, 1:], torch.ones_like(h[:, :1])], dim=1)
+    positions = torch.arange(1, h.shape[1] + 1, dtype=h.dtype)
+    block = (positions * h * after).sum()
+    p_x = target_probs[:, : tokens.shape[1]].gather(-1, tokens[..., None]).squeeze(-1)
+    q_x = torch.ones_like(p_x) if probs is None else probs.gather(-1, tokens[..., None]).squeeze(-1)
+    token = (p_x / q_x).clamp(max=1.0).cumprod(1).sum()
+    return float(block), float(token)
+
+
+def paired_acceptance(generate, inputs) -> float:
+    """Block's over token-wise verification's expected accepted drafts on the rounds `generate` (a block row) runs on
+    `inputs`, untimed: each block round is also scored under both rules."""
+    totals = [0.0, 0.0]
+    original = verdicts.verify_block
+
+    def scored(tokens, probs, target_probs, *args, **kwargs):
+        block, token = expected_accepted(tokens, probs, target_probs)
+        totals[0], totals[1] = totals[0] + block, totals[1] + token
+        return original(tokens, probs, target_probs, *args, **kwargs)
+
+    verdicts.verify_block = scored
+    try:
+        for ids in inputs:
+            generate(ids)
+    finally:
+        verdicts.verify_block = original
+    return totals[0] / totals[1]
 
 
 def run(args) -> dict:
@@ -190,6 +228,7 @@ def run(args) -> dict:
                 rows[f"{prefix}block_over_token_g{gamma}"] = {
                     "tokens_per_target_call": block["tokens_per_target_call"] / token["tokens_per_target_call"],
                     "speed": block["tokens_per_second"] / token["tokens_per_second"],
+                    "expected_accepted_block_over_token": paired_acceptance(methods[f"{prefix}block_g{gamma}"], inputs),
                 }
         results["runs"].append({"temperature": temperature, "methods": rows})
         print(f"T = {temperature}")

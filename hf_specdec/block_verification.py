@@ -48,13 +48,50 @@ from .sampling import sample_tokens
 __all__ = ["block_next_distribution", "block_thresholds", "verify_block"]
 
 
-def _draft_rows(
-    draft_tokens: torch.LongTensor, draft_probs: torch.FloatTensor | None, like: torch.Tensor
-) -> torch.Tensor:
-    """q_1..q_γ as `[batch, gamma, vocab]` in `like`'s dtype: the drafter's rows, or point masses on the drafts."""
-    if draft_probs is not None:
-        return draft_probs.to(like.dtype)
-    return torch.nn.functional.one_hot(draft_tokens, like.shape[-1]).to(like.dtype)
+def _prefix_weights(
+    draft_tokens: torch.LongTensor,  # [batch, gamma]
+    draft_probs: torch.FloatTensor | None,  # [batch, gamma, vocab], or None for point masses
+    target_probs: torch.FloatTensor,  # [batch, gamma + 1, vocab]
+) -> tuple[torch.FloatTensor, torch.FloatTensor]:
+    """`(w, p_x)`: the prefix weights w_0 = 1..w_γ (`[batch, gamma + 1]`) and p_i(x_i) (`[batch, gamma]`)."""
+    gamma = draft_tokens.shape[1]
+    p = target_probs  # float32 from the loop (float64 in the exact tests)
+    p_x = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: p_i(x_i)
+    if draft_probs is None:  # q_i(x_i) = 1: the ratio is p_i(x_i)
+        ratio = p_x
+    else:
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).to(p.dtype)  # [batch, gamma]: q_i(x_i)
+        # p_i(x_i) / q_i(x_i); a draft the drafter gave no mass (never sampled) counts as certain, as in the ratio test
+        ratio = torch.where(q_x > 0, p_x / q_x.clamp(min=torch.finfo(p.dtype).tiny), 1.0)
+    # w_i = min(1, w_{i-1} r_i) in one pass: in logs, L_i = min(0, L_{i-1} + log r_i) = s_i - max(s_0..s_i) with
+    # s_i = log r_1 + ... + log r_i and s_0 = 0 (a ratio of 0 gives -inf: w stays 0 from there on, as the product)
+    s = torch.nn.functional.pad(ratio.log().cumsum(dim=-1), (1, 0))  # [batch, gamma + 1]: s_0..s_γ
+    return (s - s.cummax(dim=-1).values).exp(), p_x  # w exactly 1 where s_i is the max
+
+
+def _residuals(
+    w: torch.FloatTensor,  # [batch, gamma + 1]: w_0..w_γ
+    p_x: torch.FloatTensor,  # [batch, gamma]: p_i(x_i)
+    draft_probs: torch.FloatTensor | None,  # [batch, gamma, vocab], or None for point masses
+    target_probs: torch.FloatTensor,  # [batch, gamma + 1, vocab]
+) -> tuple[torch.FloatTensor, torch.FloatTensor | None]:
+    """The block residual's mass m_i after each i = 0..γ - 1 accepted drafts (`[batch, gamma]`) and, for sampled
+    drafts, the residuals max(0, w_i p_{i+1} - q_{i+1}) themselves (`[batch, gamma, vocab]`; None for point masses,
+    whose residual is p_{i+1} with x_{i+1} taken out, scaled by w_i). After i drafts the next position's rows are
+    p_{i+1} = target_probs[:, i] and q_{i+1} = q[:, i]."""
+    gamma = p_x.shape[1]
+    if draft_probs is None:  # w_i p_{i+1}(x_{i+1}) <= 1 = q_{i+1}(x_{i+1}): nothing is left at x_{i+1}
+        return w[:, :gamma] * (1.0 - p_x), None
+    residuals = (w[:, :gamma, None] * target_probs[:, :gamma] - draft_probs.to(target_probs.dtype)).clamp(min=0.0)
+    return residuals.sum(dim=-1), residuals
+
+
+def _thresholds(w: torch.FloatTensor, masses: torch.FloatTensor) -> torch.FloatTensor:
+    """h_i = m_i / (m_i + 1 - w_i), i = 1..γ - 1 (1 where the denominator is 0), and h_γ = w_γ: `[batch, gamma]`."""
+    gamma = masses.shape[1]
+    denominator = masses[:, 1:] + 1.0 - w[:, 1:gamma]
+    inner = torch.where(denominator > 0, masses[:, 1:] / denominator.clamp(min=torch.finfo(w.dtype).tiny), 1.0)
+    return torch.cat([inner, w[:, gamma:]], dim=1)
 
 
 def block_thresholds(
@@ -64,23 +101,32 @@ def block_thresholds(
 ) -> tuple[torch.FloatTensor, torch.FloatTensor]:
     """`(h, w)`, both `[batch, gamma]`: the acceptance threshold h_i of accepting exactly i drafts and the prefix
     weight w_i, i = 1..γ (column i - 1)."""
-    gamma = draft_tokens.shape[1]
-    p = target_probs  # float32 from the loop (float64 in the exact tests)
-    q = _draft_rows(draft_tokens, draft_probs, p)  # [batch, gamma, vocab]
-    tiny = torch.finfo(p.dtype).tiny
-    p_x = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: p_i(x_i)
-    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, gamma]: q_i(x_i)
-    # p_i(x_i) / q_i(x_i); a draft the drafter gave no mass (never sampled) counts as certain, as in the ratio test
-    ratio = torch.where(q_x > 0, p_x / q_x.clamp(min=tiny), torch.ones_like(p_x))
-    # w_i = min(1, w_{i-1} r_i) in one pass: in logs, L_i = min(0, L_{i-1} + log r_i) = s_i - max(s_0..s_i) with
-    # s_i = log r_1 + ... + log r_i and s_0 = 0 (a ratio of 0 gives -inf: w stays 0 from there on, as the product)
-    s = torch.nn.functional.pad(ratio.log().cumsum(dim=-1), (1, 0))  # [batch, gamma + 1]: s_0..s_γ
-    w = (s - s.cummax(dim=-1).values)[:, 1:].exp()  # [batch, gamma]: w_1..w_γ (exactly 1 where s_i is the max)
-    # m_i over the next position's rows, i = 1..γ - 1: p_{i+1} is target_probs[:, i], q_{i+1} is q[:, i]
-    mass = (w[:, :-1, None] * p[:, 1:gamma] - q[:, 1:gamma]).clamp(min=0.0).sum(dim=-1)  # [batch, gamma - 1]
-    denominator = mass + 1.0 - w[:, :-1]
-    h_inner = torch.where(denominator > 0, mass / denominator.clamp(min=tiny), 1.0)
-    return torch.cat([h_inner, w[:, -1:]], dim=1), w
+    w, p_x = _prefix_weights(draft_tokens, draft_probs, target_probs)
+    masses, _ = _residuals(w, p_x, draft_probs, target_probs)
+    return _thresholds(w, masses), w[:, 1:]
+
+
+def _next_rows(
+    accepted: torch.LongTensor,  # [batch]: τ
+    draft_tokens: torch.LongTensor,  # [batch, gamma]
+    target_probs: torch.FloatTensor,  # [batch, gamma + 1, vocab]
+    masses: torch.FloatTensor,  # [batch, gamma]: m_0..m_{γ-1}
+    residuals: torch.FloatTensor | None,  # [batch, gamma, vocab], or None for point masses
+) -> torch.FloatTensor:
+    """The next token's distribution after τ accepted drafts, unnormalized, `[batch, vocab]`: p_{γ+1} when τ = γ, else
+    the block residual after τ (p_{τ+1} itself where it has no mass: p = q there)."""
+    batch, gamma = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    p_next = target_probs[rows, accepted]  # [batch, vocab]: p_{τ+1}
+    at = accepted.clamp(max=gamma - 1)  # the residual's index (ignored where τ = γ)
+    residual = (accepted < gamma) & (masses[rows, at] > 0)  # [batch]: rows drawn from their residual
+    if residuals is not None:
+        return torch.where(residual[:, None], residuals[rows, at], p_next)
+    # a point mass on x_{τ+1}: p_{τ+1} with x_{τ+1} taken out (w_τ only scales it; it is > 0 wherever the residual has
+    # mass)
+    drafted = draft_tokens[rows, at][:, None]  # [batch, 1]: x_{τ+1}
+    kept = torch.where(residual[:, None], 0.0, p_next.gather(-1, drafted))  # [batch, 1]: what stays there
+    return p_next.scatter(-1, drafted, kept)
 
 
 def block_next_distribution(
@@ -92,16 +138,12 @@ def block_next_distribution(
 ) -> torch.FloatTensor:
     """The next token's distribution after τ accepted drafts, `[batch, vocab]`: p_{γ+1} when τ = γ, else the block
     residual norm(max(0, w_τ p_{τ+1} - q_{τ+1})) (p_{τ+1} itself where the residual has no mass: p = q there)."""
-    batch, gamma = draft_tokens.shape
-    rows = torch.arange(batch, device=draft_tokens.device)
-    p_next = target_probs[rows, accepted]  # [batch, vocab]: p_{τ+1}
-    at = accepted.clamp(max=gamma - 1)  # q_{τ+1}'s index (ignored where τ = γ)
-    q_next = _draft_rows(draft_tokens[rows, at], None if draft_probs is None else draft_probs[rows, at], p_next)
-    w_prev = torch.cat([torch.ones_like(weights[:, :1]), weights], dim=1)[rows, accepted]  # [batch]: w_τ, w_0 = 1
-    residual = (w_prev[:, None] * p_next - q_next).clamp(min=0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    recovered = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p_next)
-    return torch.where((accepted < gamma)[:, None], recovered, p_next)
+    gamma = draft_tokens.shape[1]
+    w = torch.cat([torch.ones_like(weights[:, :1]), weights], dim=1)  # [batch, gamma + 1]: w_0 = 1..w_γ
+    p_x = target_probs[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    masses, residuals = _residuals(w, p_x, draft_probs, target_probs)
+    rows = _next_rows(accepted, draft_tokens, target_probs, masses, residuals)
+    return rows / rows.sum(dim=-1, keepdim=True)
 
 
 def verify_block(
@@ -116,9 +158,11 @@ def verify_block(
     if gamma == 0:
         accepted = torch.zeros(batch, dtype=torch.long, device=draft_tokens.device)
         return accepted, sample_tokens(target_probs[:, 0], generator)
-    h, weights = block_thresholds(draft_tokens, draft_probs, target_probs)
+    w, p_x = _prefix_weights(draft_tokens, draft_probs, target_probs)
+    masses, residuals = _residuals(w, p_x, draft_probs, target_probs)
+    h = _thresholds(w, masses)  # [batch, gamma]
     eta = torch.rand(h.shape, device=h.device, dtype=h.dtype, generator=generator)  # [batch, gamma]
     positions = torch.arange(1, gamma + 1, device=h.device)
     accepted = torch.where(eta < h, positions, 0).amax(dim=-1)  # [batch]: τ, the last passing position
-    next_dist = block_next_distribution(accepted, draft_tokens, draft_probs, target_probs, weights)
-    return accepted, sample_tokens(next_dist, generator)
+    # the sampler takes unnormalized rows
+    return accepted, sample_tokens(_next_rows(accepted, draft_tokens, target_probs, masses, residuals), generator)

@@ -19,7 +19,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
@@ -1157,4 +1156,8 @@ def write_to_folder(files: dict[str, str | bytes], folder: Path) -> None:
 if __name__ == "<run_path>":  # mkdocs-gen-files: runpy.run_path(script)
     write_with_gen_files(build_pages())
 elif __name__ == "__main__":
-    write_to_folder(build_pages(), Path(sys.argv[1] if len(sys.argv) > 1 else "site_pages"))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", nargs="?", default="site_pages", type=Path, help="where the pages are written")
+    write_to_folder(build_pages(), parser.parse_args().folder)

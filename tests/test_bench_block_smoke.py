@@ -1,7 +1,9 @@
 """`benchmarks/bench_block_verification.py --smoke` runs (so that the script cannot rot); its timings mean nothing."""
 
+import itertools
 import json
 
+import torch
 from conftest import benchmark_script
 
 
@@ -16,7 +18,38 @@ def test_the_smoke_run_compares_both_verifications(tmp_path):
     for name in ("token_g3", "block_g3"):
         assert run["methods"][name]["tokens_per_target_call"] >= 1.0
         assert 0.0 <= run["methods"][name]["alpha"] <= 1.0
+    assert run["methods"]["block_over_token_g3"]["expected_accepted_block_over_token"] > 0
     assert results["machine"]  # written by the shared harness
+
+
+def test_the_paired_expectations_are_each_rules_accepted_drafts():
+    """`expected_accepted` against each rule's outcomes enumerated: every pass/fail pattern of the γ tests, with
+    block's thresholds (τ the last pass) and token-wise ratios (n the first fail), sampled drafts and point masses."""
+    generator = torch.Generator().manual_seed(0)
+    gamma, vocab = 3, 6
+    p = torch.rand(2, gamma + 1, vocab, generator=generator, dtype=torch.float64) ** 3
+    q = torch.rand(2, gamma, vocab, generator=generator, dtype=torch.float64) ** 3
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    tokens = torch.randint(0, vocab, (2, gamma), generator=generator)
+    with benchmark_script("bench_block_verification") as bench:
+        from hf_specdec.block_verification import block_thresholds
+
+        for probs in (q, None):
+            h, _ = block_thresholds(tokens, probs, p)
+            p_x = p[:, :gamma].gather(-1, tokens[..., None])[..., 0]
+            q_x = torch.ones_like(p_x) if probs is None else probs.gather(-1, tokens[..., None])[..., 0]
+            ratio = (p_x / q_x).clamp(max=1.0)
+            block = token = 0.0
+            for row in range(2):
+                for passes in itertools.product([False, True], repeat=gamma):
+                    chance_block = chance_token = 1.0
+                    for i, passed in enumerate(passes):
+                        chance_block *= float(h[row, i] if passed else 1 - h[row, i])
+                        chance_token *= float(ratio[row, i] if passed else 1 - ratio[row, i])
+                    block += chance_block * max((i + 1 for i, passed in enumerate(passes) if passed), default=0)
+                    token += chance_token * next((i for i, passed in enumerate(passes) if not passed), gamma)
+            got = bench.expected_accepted(tokens, probs, p)
+            assert abs(got[0] - block) < 1e-12 and abs(got[1] - token) < 1e-12
 
 
 def test_the_smoke_run_adds_an_eagle_heads_rows(tmp_path):

@@ -178,10 +178,12 @@ def test_block_verification_accepts_at_least_as_many_drafts_as_token_wise():
     assert max(gains) > 1e-3  # strictly more on some pairs
 
 
-def test_verify_block_samples_follow_the_target():
-    """`verify_block` itself, with its own randomness: 200 000 rows of one round (drafts sampled from q), continued by
-    the target to γ + 1 tokens, against the exact table; a drafter that lies about its q must fail."""
-    tables, gamma, rows = Tables(5), 3, 200_000
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampled_drafts", "point_mass_drafts"])
+def test_verify_block_samples_follow_the_target(deterministic):
+    """`verify_block` itself, with its own randomness: 200 000 rows of one round (drafts from the drafter), continued
+    by the target to γ + 1 tokens, against the exact table. Power: a drafter that claims a uniform q for its drafts
+    must fail. (A point mass may be claimed for drafts chosen any way: that is exact, only less often accepted.)"""
+    gamma, rows = 3, 200_000
     generator = torch.Generator().manual_seed(0)
 
     def sample(prefixes, rows_of):
@@ -190,7 +192,8 @@ def test_verify_block_samples_follow_the_target():
             out.append(torch.multinomial(rows_of(prefix).float(), 1, generator=generator).item())
         return out
 
-    def run(claimed_q) -> dict:
+    def run(tables, claimed_q) -> dict:
+        """`claimed_q(prefix)`: the q row passed for the draft after `prefix`, or None for point masses."""
         counts = {}
         blocks = {}
         for drafts, probability, tokens, _, target_probs in drafted_blocks(tables, gamma):
@@ -201,10 +204,11 @@ def test_verify_block_samples_follow_the_target():
         for index, number in zip(*torch.unique(chosen, return_counts=True)):
             drafts = keys[int(index)]
             _, tokens, target_probs = blocks[drafts]
-            q_rows = torch.stack([claimed_q(drafts[:i]) for i in range(gamma)])[None].float()
             n = int(number)
+            q_rows = [claimed_q(drafts[:i]) for i in range(gamma)]
+            draft_probs = None if q_rows[0] is None else torch.stack(q_rows)[None].float().expand(n, -1, -1)
             accepted, next_tokens = verify_block(
-                tokens.expand(n, -1), q_rows.expand(n, -1, -1), target_probs.float().expand(n, -1, -1), generator
+                tokens.expand(n, -1), draft_probs, target_probs.float().expand(n, -1, -1), generator
             )
             for tau, y in zip(accepted.tolist(), next_tokens.tolist()):
                 emitted = drafts[:tau] + (y,)
@@ -215,6 +219,7 @@ def test_verify_block_samples_follow_the_target():
                 counts[sequence] = counts.get(sequence, 0) + 1
         return counts
 
+    tables = Tables(5, deterministic=deterministic)
     exact = target_distribution(tables, gamma + 1)
     outcomes = sorted(exact)
 
@@ -222,8 +227,11 @@ def test_verify_block_samples_follow_the_target():
         observed = [counts.get(s, 0) for s in outcomes]
         return chisquare(observed, [exact[s] * rows for s in outcomes]).pvalue
 
-    assert p_value(run(tables.drafter)) > P_THRESHOLD
-    assert p_value(run(lambda prefix: torch.full((V,), 1.0 / V, dtype=torch.float64))) < P_THRESHOLD
+    if deterministic:
+        assert p_value(run(tables, lambda prefix: None)) > P_THRESHOLD
+    else:
+        assert p_value(run(tables, tables.drafter)) > P_THRESHOLD
+    assert p_value(run(tables, lambda prefix: torch.full((V,), 1.0 / V, dtype=torch.float64))) < P_THRESHOLD
 
 
 @pytest.fixture(scope="module")
