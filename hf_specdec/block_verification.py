@@ -34,9 +34,10 @@ drafts, and that near misses of the rule fail it.
 **Why it accepts at least as much** (the paper's Theorem 2, optimality among valid verifiers for a chain): token-wise
 verification stops at the first failed test, so its accepted length is at most τ for coupled randomness; the
 expected number of accepted drafts is never lower, and is strictly higher when some later prefix recovers the mass
-an earlier ratio lost (p_i(x_i) < q_i(x_i) followed by p_j(x_j) > q_j(x_j)). Greedy decoding is unaffected (there is
-no ratio to compensate); token trees keep SpecInfer's multi-candidate rejection (`hf_specdec.sampling`), for which
-the paper gives no block rule. Lenience (Appendix A.5 of Leviathan et al.) is defined for the token-wise rule only.
+an earlier ratio lost (p_i(x_i) < q_i(x_i) followed by p_j(x_j) > q_j(x_j)). With point-mass drafts no ratio
+exceeds 1 and the two rules accept equally many in expectation (tested), so only sampled drafts gain. Greedy decoding
+is unaffected (there is no ratio to compensate); token trees keep SpecInfer's multi-candidate rejection
+(`hf_specdec.sampling`), for which the paper gives no block rule. Lenience (Appendix A.5 of Leviathan et al.) is defined for the token-wise rule only.
 """
 
 from __future__ import annotations

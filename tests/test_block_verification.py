@@ -178,6 +178,19 @@ def test_block_verification_accepts_at_least_as_many_drafts_as_token_wise():
     assert max(gains) > 1e-3  # strictly more on some pairs
 
 
+def test_with_point_mass_drafts_block_accepts_as_many_drafts_as_token_wise():
+    """Deterministic drafts (prompt lookup, n-gram tables, greedy draft models): every ratio p / q is p <= 1, so no
+    later position recovers mass an earlier one lost, and block verification's expected accepted drafts equal
+    Algorithm 1's for every draft block (its gain needs drafts sampled from q)."""
+    for seed, gamma in itertools.product(range(6), [2, 3, 4]):
+        tables = Tables(seed, deterministic=True)
+        for _, _, tokens, draft_probs, target_probs in drafted_blocks(tables, gamma):
+            h, _ = block_thresholds(tokens, draft_probs, target_probs)
+            block = sum(i * p for i, p in enumerate(accepted_distribution(h[0].tolist())))
+            token = float(target_probs[0, :gamma].gather(-1, tokens[0, :, None])[:, 0].cumprod(0).sum())
+            assert block == pytest.approx(token, abs=1e-12), (seed, gamma)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["sampled_drafts", "point_mass_drafts"])
 def test_verify_block_samples_follow_the_target(deterministic):
     """`verify_block` itself, with its own randomness: 200 000 rows of one round (drafts from the drafter), continued
