@@ -20,6 +20,10 @@ rows `eagle_token_g<γ>` / `eagle_block_g<γ>`: trained here for M minutes on th
 (`hf_specdec.distill.train_eagle_drafter` with `texts=`, no answers generated), and saved, with its training data and
 checkpoints, in a folder named after the results file.
 
+With `--gguf FILE` the target is the real model (SmolLM2-135M-Instruct in float32, located as in
+`bench_real_model.py`) and only its EAGLE-3 head (`--eagle-head DIR`, required) drafts, on `--prompts` chat prompts of
+each kind of `real_model_prompts.EVAL_PROMPTS` (`--tasks` and `--max-prompt-tokens` are the zoo's).
+
     OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --output /tmp/block.json
     python benchmarks/bench_block_verification.py --smoke   # one short prompt, into a temporary folder
 
@@ -68,7 +72,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--eagle-minutes", type=float, default=0.0, help="train an EAGLE-3 head this long (0: none)")
     parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head to load instead of training")
     parser.add_argument("--eagle-files", type=int, default=None, help="train-split files the head trains on (all)")
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        help="the real model's GGUF file (SmolLM2-135M-Instruct): its EAGLE-3 head (--eagle-head) drafts on the "
+        "prompts of real_model_prompts.py instead of the zoo pair on the zoo's",
+    )
     args = parser.parse_args(argv)
+    if args.gguf and args.eagle_head is None:
+        parser.error("--gguf needs --eagle-head DIR (an EAGLE-3 head trained for that model; the zoo has none)")
     if args.smoke:
         args.prompts, args.max_new_tokens, args.repeats, args.gammas = 1, 12, 1, [3]
         args.eagle_files = 4
@@ -147,23 +159,42 @@ def paired_acceptance(generate, inputs) -> float:
     return totals[0] / totals[1]
 
 
-def run(args) -> dict:
+def target_and_inputs(args) -> tuple:
+    """`(target, zoo drafter or None, tokenizer, inputs)`: the zoo pair on `--prompts` held-out prompts of each of
+    `--tasks`, or with `--gguf` the real model (no distilled drafter) on `--prompts` chat prompts of each kind of
+    `real_model_prompts.EVAL_PROMPTS`."""
+    if args.gguf:
+        from bench_suffix import encode
+        from pairs import load_target
+        from real_model_prompts import EVAL_PROMPTS
+
+        target, tokenizer = load_target(args.gguf)
+        texts = [text for prompts in EVAL_PROMPTS.values() for text in prompts[: args.prompts]]
+        return target, None, tokenizer, [encode(tokenizer, text) for text in texts]
     target, drafter, tokenizer = zoo.load_default()
-    target = hf_specdec.enable(target)
-    eagle = eagle_head(target, tokenizer, args)
-    drafters = {"": dict(assistant_model=drafter)} | ({"eagle_": dict(drafter=eagle)} if eagle is not None else {})
     prompts = load_prompts()
     inputs = [
         tokenizer(item["prompt"], return_tensors="pt").input_ids[:, -args.max_prompt_tokens :]
         for task in args.tasks
         for item in prompts[task][: args.prompts]
     ]
+    return target, drafter, tokenizer, inputs
+
+
+def run(args) -> dict:
+    target, drafter, tokenizer, inputs = target_and_inputs(args)
+    target = hf_specdec.enable(target)
+    eagle = eagle_head(target, tokenizer, args)
+    drafters = ({"": dict(assistant_model=drafter)} if drafter is not None else {}) | (
+        {"eagle_": dict(drafter=eagle)} if eagle is not None else {}
+    )
     results = {
         "benchmark": "block_verification",
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "threads": torch.get_num_threads(),
+        "target": type(target).__name__,
         "target_parameters": sum(p.numel() for p in target.parameters()),
-        "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
+        "drafter_parameters": None if drafter is None else sum(p.numel() for p in drafter.parameters()),
         "eagle_head": None
         if eagle is None
         else {"training": eagle.training_info or saved_training(args.eagle_head), "files": args.eagle_files or "all"},

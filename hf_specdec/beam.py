@@ -240,11 +240,10 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             f"`speculative_lenience={options.speculative_lenience}` cannot be combined with `num_beams` > 1: "
             "speculative beam search is exact only. Use `speculative_lenience=1.0`."
         )
-    if options.speculative_verification != "token":
+    if options.speculative_verification == "block":
         raise ValueError(
-            f"`speculative_verification={options.speculative_verification!r}` cannot be combined with `num_beams` > 1: "
-            "speculative beam search verifies the drafter's beams by the target's own beam scores. Use "
-            '`speculative_verification="token"` (the default).'
+            "`speculative_verification='block'` cannot be combined with `num_beams` > 1: speculative beam search "
+            "verifies the drafter's beams by the target's own beam scores. Leave it at \"auto\" (the default)."
         )
     if options.speculative_tree_budget is not None:
         raise ValueError(

@@ -1,6 +1,7 @@
 """Block verification (Sun, Mendlovic, Leviathan, Aharoni, Beirami, Ro & Suresh, "Block Verification Accelerates
 Speculative Decoding", ICLR 2025): the γ drafts of a chain verified jointly rather than token by token, as pure tensor
-functions (`speculative_verification="block"`; `hf_specdec.sampling.verify_sampling` is the token-wise rule).
+functions (`speculative_verification="block"`, and `"auto"`, the default, for sampled drafts;
+`hf_specdec.sampling.verify_sampling` is the token-wise rule).
 
 Notation as in `hf_specdec.sampling`: drafts x_1..x_γ, the drafter's q_i (x_i was drawn from q_i given x_1..x_{i-1};
 a point mass for deterministic drafters) and the target's p_i (given x_1..x_{i-1}), i = 1..γ + 1.
@@ -35,7 +36,8 @@ drafts, and that near misses of the rule fail it.
 verification stops at the first failed test, so its accepted length is at most τ for coupled randomness; the
 expected number of accepted drafts is never lower, and is strictly higher when some later prefix recovers the mass
 an earlier ratio lost (p_i(x_i) < q_i(x_i) followed by p_j(x_j) > q_j(x_j)). With point-mass drafts no ratio
-exceeds 1 and the two rules accept equally many in expectation (tested), so only sampled drafts gain. Greedy decoding
+exceeds 1 and the two rules accept equally many in expectation (tested), so only sampled drafts gain (`"auto"`
+verifies point masses token-wise, `hf_specdec.verdicts.uses_block_verification`). Greedy decoding
 is unaffected (there is no ratio to compensate); token trees keep SpecInfer's multi-candidate rejection
 (`hf_specdec.sampling`), for which the paper gives no block rule. Lenience (Appendix A.5 of Leviathan et al.) is defined for the token-wise rule only.
 """

@@ -19,7 +19,7 @@ MAX_DRAFT_BEAMS = 256  # the drafter's beam width: the target scores every beam 
 
 MAX_GAMMA = 256  # drafts per round: a verify forward over more tokens costs more than any draft saves
 
-VERIFICATIONS = ("token", "block")  # `speculative_verification`: Algorithm 1, or block verification (chains)
+VERIFICATIONS = ("auto", "token", "block")  # `speculative_verification`: block where it gains, Algorithm 1, block
 
 
 def _check_int(name: str, value, high: int, example: str) -> None:
@@ -51,9 +51,10 @@ class SpeculativeOptions:
     """The most draft nodes one round may verify as a token tree (γ stays its depth); None: chains only."""
     speculative_draft_beams: int | None = None
     """Beam search (`num_beams` > 1): the drafter's beam width u ≥ num_beams (Appendix A.4); None: 2 x num_beams."""
-    speculative_verification: str = "token"
-    """How a sampled chain of drafts is verified: "token" (Algorithm 1, each draft on its own) or "block" (Sun et
-    al., ICLR 2025: the drafts jointly, never fewer accepted in expectation; `hf_specdec.block_verification`)."""
+    speculative_verification: str = "auto"
+    """How a sampled chain of drafts is verified: "token" (Algorithm 1, each draft on its own), "block" (Sun et al.,
+    ICLR 2025: the drafts jointly, never fewer accepted in expectation; `hf_specdec.block_verification`) or "auto"
+    (block for sampled drafts, where it can gain; token-wise for deterministic ones, where it cannot)."""
     given: frozenset = frozenset()
     """The fields set by the call or a config rather than left at their defaults (beam search, whose drafts are
     accepted less often, drafts fewer steps by default: `hf_specdec.beam`)."""
@@ -104,9 +105,8 @@ class SpeculativeOptions:
         verification = self.speculative_verification
         if verification not in VERIFICATIONS:
             raise ValueError(
-                f"`speculative_verification` must be one of {list(VERIFICATIONS)}, got {verification!r}. Use "
-                '`speculative_verification="block"` to verify a sampled chain of drafts jointly, or leave it at '
-                '"token" (the default).'
+                f"`speculative_verification` must be one of {list(VERIFICATIONS)}, got {verification!r}. Leave it "
+                'at "auto" (the default: block verification for sampled drafts), or force "token" or "block".'
             )
         if verification == "block" and self.speculative_lenience != 1.0:
             raise ValueError(
@@ -186,13 +186,17 @@ class SpeculativeGenerationConfig(GenerationConfig):
             target scores all of them in one forward, and the target's beam search takes every step whose beams
             the drafter kept; the output is plain beam search's. `None` (the default) uses `2 * num_beams`. With
             beam search, `speculative_gamma` left unset drafts 2 steps (`hf_specdec.beam.DEFAULT_BEAM_GAMMA`).
-        speculative_verification (`str`, *optional*, defaults to `"token"`):
+        speculative_verification (`str`, *optional*, defaults to `"auto"`):
             How a chain of drafts is verified when sampling. `"token"` is the paper's Algorithm 1: each draft passes
             its own ratio test and the round stops at the first failure. `"block"` is block verification (Sun et al.,
             "Block Verification Accelerates Speculative Decoding", ICLR 2025): the drafts are verified jointly, the
             output is still exactly the target's distribution, and the expected number of accepted drafts is never
-            lower. Greedy decoding is unaffected; token trees (`speculative_tree_budget`) and `speculative_lenience`
-            are defined for token-wise verification and refuse `"block"`.
+            lower. `"auto"` verifies jointly when the drafts were sampled (draft models, EAGLE-3 heads, MTP layers,
+            ...: q is a distribution) and token by token when they are deterministic (prompt lookup, n-gram tables,
+            suffix decoding: q is a point mass, and both rules accept the same number in expectation, so block's
+            extra work would buy nothing). Greedy decoding is unaffected; token trees (`speculative_tree_budget`),
+            `speculative_lenience` < 1 and beam search are verified token-wise under `"auto"` and refuse
+            `"block"`.
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 

@@ -88,16 +88,26 @@ def first_stops(stopping_criteria, rows: list[tuple[torch.LongTensor, int, int]]
     return stops
 
 
+def uses_block_verification(options: SpeculativeOptions, probs: torch.Tensor | None) -> bool:
+    """Whether a sampled chain is verified jointly: always with `"block"`; with `"auto"` when its drafts were sampled
+    (`probs` given: with point masses block accepts no more in expectation, `hf_specdec.block_verification`) and no
+    lenience is asked for (defined for token-wise verification)."""
+    verification = options.speculative_verification
+    return verification == "block" or (
+        verification == "auto" and probs is not None and options.speculative_lenience == 1.0
+    )
+
+
 def verify_round(
     do_sample: bool, proposal: DraftProposal, target_scores: torch.FloatTensor, options: SpeculativeOptions
 ) -> Verdict:
-    """Algorithm 1 (or, sampling with `speculative_verification="block"`, block verification) on a chain of drafts, on
-    standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
+    """Algorithm 1 (or, sampling, block verification: `speculative_verification="block"`, or `"auto"` for sampled
+    drafts) on a chain of drafts, on standardized scores `[batch, k + 1, vocab]` (trees: `TreeLayout.verify`)."""
     tokens, probs = proposal.tokens, proposal.probs
     num_drafted = tokens.shape[1]
     if do_sample:
         target_probs = target_scores.softmax(dim=-1)  # [batch, k + 1, vocab]
-        if options.speculative_verification == "block":
+        if uses_block_verification(options, probs):
             accepted, next_tokens = verify_block(tokens, probs, target_probs)
         else:
             accepted, next_tokens = verify_sampling(tokens, probs, target_probs, lenience=options.speculative_lenience)

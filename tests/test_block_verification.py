@@ -312,6 +312,38 @@ def test_padded_batches_use_block_verification(models, monkeypatch):
     assert out.speculative_stats.accepted_tokens > 0
 
 
+@pytest.mark.parametrize(
+    "kwargs,rule",
+    [
+        (dict(assistant_model="drafter"), "block"),  # the default: sampled drafts are verified jointly
+        (dict(drafter="prompt_lookup"), "token"),  # point masses: block would accept no more in expectation
+        (dict(assistant_model="drafter", speculative_lenience=0.5), "token"),  # lenience is token-wise's
+        (dict(assistant_model="drafter", speculative_verification="token"), "token"),
+        (dict(drafter="prompt_lookup", speculative_verification="block"), "block"),
+    ],
+    ids=["sampled", "deterministic", "lenience", "token", "forced-block"],
+)
+def test_auto_verifies_sampled_drafts_jointly_and_deterministic_ones_token_wise(models, monkeypatch, kwargs, rule):
+    from hf_specdec import verdicts
+
+    target, drafter = models
+    calls = {"block": 0, "token": 0}
+    for name, function in (("block", verdicts.verify_block), ("token", verdicts.verify_sampling)):
+
+        def counted(*args, _name=name, _function=function, **kw):
+            calls[_name] += 1
+            return _function(*args, **kw)
+
+        monkeypatch.setattr(verdicts, f"verify_{'block' if name == 'block' else 'sampling'}", counted)
+    kwargs = {k: drafter if v == "drafter" else v for k, v in kwargs.items()}
+    ids = torch.tensor([[5, 6, 7, 8, 9] * 4])  # repeats, so that prompt lookup drafts
+    torch.manual_seed(0)
+    target.generate(
+        ids, do_sample=True, max_new_tokens=8, speculative_gamma=3, speculative_gamma_policy="constant", **kwargs
+    )
+    assert calls[rule] > 0 and calls["token" if rule == "block" else "block"] == 0
+
+
 def test_greedy_decoding_is_unaffected(models):
     target, drafter = models
     ids = prompt(8, seed=3)
