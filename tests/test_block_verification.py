@@ -1,7 +1,8 @@
-"""Block verification (`speculative_verification="block"`): the output distribution equals the target's, exactly by
-enumeration on a tiny vocabulary for γ = 1..4 and by a chi-square test of `verify_block`'s own samples and of
-`generate` on a real tiny model, with power checks that wrong variants fail; never fewer accepted drafts in
-expectation than token-wise verification; greedy unaffected; clear errors for what it cannot be combined with."""
+"""Block verification (`speculative_verification="block"`, and `"auto"`, the default, for sampled drafts): the output
+distribution equals the target's, exactly by enumeration on a tiny vocabulary for γ = 1..4 and by a chi-square test of
+`verify_block`'s own samples and of `generate` on a real tiny model, with power checks that wrong variants fail; never
+fewer accepted drafts in expectation than token-wise verification; `"auto"` picks block for sampled drafts only;
+greedy unaffected; clear errors for what it cannot be combined with."""
 
 import itertools
 
@@ -334,7 +335,7 @@ def test_auto_verifies_sampled_drafts_jointly_and_deterministic_ones_token_wise(
             calls[_name] += 1
             return _function(*args, **kw)
 
-        monkeypatch.setattr(verdicts, f"verify_{'block' if name == 'block' else 'sampling'}", counted)
+        monkeypatch.setattr(verdicts, function.__name__, counted)
     kwargs = {k: drafter if v == "drafter" else v for k, v in kwargs.items()}
     ids = torch.tensor([[5, 6, 7, 8, 9] * 4])  # repeats, so that prompt lookup drafts
     torch.manual_seed(0)
