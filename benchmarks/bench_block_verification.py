@@ -164,8 +164,7 @@ def target_and_inputs(args) -> tuple:
     `--tasks`, or with `--gguf` the real model (no distilled drafter) on `--prompts` chat prompts of each kind of
     `real_model_prompts.EVAL_PROMPTS`."""
     if args.gguf:
-        from bench_suffix import encode
-        from pairs import load_target
+        from pairs import encode, load_target
         from real_model_prompts import EVAL_PROMPTS
 
         target, tokenizer = load_target(args.gguf)

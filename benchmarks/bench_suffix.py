@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 from harness import divergence, interleaved, write_results  # run from the repository root or benchmarks/
-from pairs import load_target
+from pairs import encode, load_target
 from real_model_prompts import EVAL_PROMPTS
 from transformers import GenerationMixin
 
@@ -90,14 +90,6 @@ def extraction_stream(count: int, seed: int) -> list[str]:
 def reasked_stream(count: int) -> list[str]:
     order = [q for pair in QUESTIONS for q in (pair[0], pair[1], pair[0])]
     return [order[i % len(order)] for i in range(count)]
-
-
-def encode(tokenizer, text: str) -> torch.LongTensor:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    return tokenizer(text, return_tensors="pt").input_ids
 
 
 def code_edit_stream(target, tokenizer, count: int, max_new_tokens: int) -> list[torch.LongTensor]:

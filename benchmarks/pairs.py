@@ -120,6 +120,16 @@ def load_target(gguf: str):
     return model, tokenizer
 
 
+def encode(tokenizer, text: str) -> torch.LongTensor:
+    """`text` as one user turn of the tokenizer's chat template (with the generation prompt), or as it is without one:
+    `[1, length]` ids."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
 def float32_head(model) -> None:
     """Runs `model`'s output head in float32 (its input cast up): bfloat16 logits near 40 are multiples of 0.25, so
     the top two of 32000 tie exactly at one token in ten, and the argmax of a tie then depends on how the forward

@@ -303,23 +303,25 @@ def test_sampling_follows_the_target(monkeypatch):
     run = dict(drafter=MtpDrafter(mtp), speculative_gamma=3, speculative_gamma_policy="constant")
     assert goodness_of_fit(table, sampled(target, ids, config, 1000, **run)) > 1e-3
 
-    # power: every draft accepted (the bonus token still from the target) is caught, at half the sample size
-    verify_sampling = hf_specdec.sampling.verify_sampling
+    # power: every draft accepted (the bonus token still from the target) is caught, at half the sample size; both
+    # rules are replaced (the run's sampled drafts are verified with block verification by default)
+    rules = (hf_specdec.sampling.verify_sampling, hf_specdec.block_verification.verify_block)
 
-    def accept_all(tokens, probs, target_probs, lenience=1.0):
-        accepted, _ = verify_sampling(tokens, probs, target_probs, lenience=lenience)
+    def accept_all(tokens, probs, target_probs, *args, **kwargs):
+        accepted, _ = rules[0](tokens, probs, target_probs)
         return torch.full_like(accepted, tokens.shape[1]), hf_specdec.sampling.sample_tokens(
             target_probs[:, tokens.shape[1]]
         )
 
-    importers = [  # wherever the loop imported it from
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith("hf_specdec.") and getattr(module, "verify_sampling", None) is verify_sampling
-    ]
-    assert len(importers) > 1  # hf_specdec.sampling and the module that verifies a round
-    for module in importers:
-        monkeypatch.setattr(module, "verify_sampling", accept_all)
+    for rule in rules:
+        importers = [  # wherever the loop imported it from
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("hf_specdec.") and getattr(module, rule.__name__, None) is rule
+        ]
+        assert len(importers) > 1  # the rule's own module and the module that verifies a round
+        for module in importers:
+            monkeypatch.setattr(module, rule.__name__, accept_all)
     wrong = sampled(target, ids, config, 500, **run)
     monkeypatch.undo()
     # it emits drafts the target never samples (outside its top 2), which the test refuses; and on the samples

@@ -197,17 +197,18 @@ def test_mtp_sampling_in_a_padded_batch_follows_the_target(monkeypatch):
     for table, outcomes in zip(tables, sampled_rows(target, ids, mask, config, 600, **run)):
         assert goodness_of_fit(table, outcomes) > 1e-3
 
-    verify_sampling = hf_specdec.sampling.verify_sampling
+    rules = (hf_specdec.sampling.verify_sampling, hf_specdec.block_verification.verify_block)  # both replaced
 
-    def accept_all(tokens, probs, target_probs, lenience=1.0):
-        accepted, _ = verify_sampling(tokens, probs, target_probs, lenience=lenience)
+    def accept_all(tokens, probs, target_probs, *args, **kwargs):
+        accepted, _ = rules[0](tokens, probs, target_probs)
         return torch.full_like(accepted, tokens.shape[1]), hf_specdec.sampling.sample_tokens(
             target_probs[:, tokens.shape[1]]
         )
 
     for module in [m for n, m in list(sys.modules.items()) if n.startswith("hf_specdec.")]:
-        if getattr(module, "verify_sampling", None) is verify_sampling:
-            monkeypatch.setattr(module, "verify_sampling", accept_all)
+        for rule in rules:
+            if getattr(module, rule.__name__, None) is rule:
+                monkeypatch.setattr(module, rule.__name__, accept_all)
     wrong = sampled_rows(target, ids, mask, config, 300, **run)
     monkeypatch.undo()
     for table, outcomes in zip(tables, wrong):

@@ -109,14 +109,26 @@ def sample_pairs(model, ids, config, n, **kwargs):
     return pairs
 
 
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
-def test_model_drafter_samples_follow_target(models, config_name):
+@pytest.mark.parametrize(
+    "config_name,verification",
+    [(name, "auto") for name in sorted(CONFIGS)] + [("temperature_top_k", "token")],
+)
+def test_model_drafter_samples_follow_target(models, config_name, verification):
+    """A draft model's sampled drafts: block verification (the default, `"auto"`) and Algorithm 1 (`"token"`)."""
     target, drafter = models
     config = CONFIGS[config_name]
     ids = prompt(6, seed=11)
     table = exact_two_token_distribution(target, ids, config)
     assert len(table) >= 4
-    samples = sample_pairs(target, ids, config, SAMPLES, assistant_model=drafter, speculative_gamma=2)
+    samples = sample_pairs(
+        target,
+        ids,
+        config,
+        SAMPLES,
+        assistant_model=drafter,
+        speculative_gamma=2,
+        speculative_verification=verification,
+    )
     assert goodness_of_fit(table, samples) > P_THRESHOLD
     # power: the same test rejects samples from the drafter alone
     drafter_samples = sample_pairs(hf_specdec.enable(drafter), ids, config, SAMPLES)
