@@ -291,6 +291,29 @@ def sampled(target, ids, config, count, **kwargs):
     ]
 
 
+def accept_every_draft(monkeypatch) -> None:
+    """A wrong sampler for power checks: both verification rules (token-wise, and block, which verifies sampled drafts
+    by default) replaced, wherever the loop imported them from, by one that accepts every draft and draws the bonus
+    token from the target."""
+    rules = (hf_specdec.sampling.verify_sampling, hf_specdec.block_verification.verify_block)
+
+    def accept_all(tokens, probs, target_probs, *args, **kwargs):
+        accepted, _ = rules[0](tokens, probs, target_probs)
+        return torch.full_like(accepted, tokens.shape[1]), hf_specdec.sampling.sample_tokens(
+            target_probs[:, tokens.shape[1]]
+        )
+
+    for rule in rules:
+        importers = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("hf_specdec.") and getattr(module, rule.__name__, None) is rule
+        ]
+        assert len(importers) > 1  # the rule's own module and the module that verifies a round
+        for module in importers:
+            monkeypatch.setattr(module, rule.__name__, accept_all)
+
+
 def test_sampling_follows_the_target(monkeypatch):
     """Two MTP layers, γ = 3: after the prefill's first token, a round drafts tokens 2 and 3 with the two layers and
     token 4 with the first layer reused. Chi-square against the exact distribution of the five tokens; power: the
@@ -303,25 +326,8 @@ def test_sampling_follows_the_target(monkeypatch):
     run = dict(drafter=MtpDrafter(mtp), speculative_gamma=3, speculative_gamma_policy="constant")
     assert goodness_of_fit(table, sampled(target, ids, config, 1000, **run)) > 1e-3
 
-    # power: every draft accepted (the bonus token still from the target) is caught, at half the sample size; both
-    # rules are replaced (the run's sampled drafts are verified with block verification by default)
-    rules = (hf_specdec.sampling.verify_sampling, hf_specdec.block_verification.verify_block)
-
-    def accept_all(tokens, probs, target_probs, *args, **kwargs):
-        accepted, _ = rules[0](tokens, probs, target_probs)
-        return torch.full_like(accepted, tokens.shape[1]), hf_specdec.sampling.sample_tokens(
-            target_probs[:, tokens.shape[1]]
-        )
-
-    for rule in rules:
-        importers = [  # wherever the loop imported it from
-            module
-            for name, module in list(sys.modules.items())
-            if name.startswith("hf_specdec.") and getattr(module, rule.__name__, None) is rule
-        ]
-        assert len(importers) > 1  # the rule's own module and the module that verifies a round
-        for module in importers:
-            monkeypatch.setattr(module, rule.__name__, accept_all)
+    # power: every draft accepted (the bonus token still from the target) is caught, at half the sample size
+    accept_every_draft(monkeypatch)
     wrong = sampled(target, ids, config, 500, **run)
     monkeypatch.undo()
     # it emits drafts the target never samples (outside its top 2), which the test refuses; and on the samples

@@ -8,15 +8,13 @@ configs, fp32."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from conftest import VOCAB, prompt, tiny_model
 from test_dflash import block_drafter, llama
 from test_dflash import make_bigram as dflash_bigram
 from test_eagle import eagle_target
-from test_mtp import deepseek
+from test_mtp import accept_every_draft, deepseek
 from test_mtp import make_bigram as mtp_bigram
 from test_sampling_distribution import exact_distribution, goodness_of_fit
 
@@ -197,18 +195,7 @@ def test_mtp_sampling_in_a_padded_batch_follows_the_target(monkeypatch):
     for table, outcomes in zip(tables, sampled_rows(target, ids, mask, config, 600, **run)):
         assert goodness_of_fit(table, outcomes) > 1e-3
 
-    rules = (hf_specdec.sampling.verify_sampling, hf_specdec.block_verification.verify_block)  # both replaced
-
-    def accept_all(tokens, probs, target_probs, *args, **kwargs):
-        accepted, _ = rules[0](tokens, probs, target_probs)
-        return torch.full_like(accepted, tokens.shape[1]), hf_specdec.sampling.sample_tokens(
-            target_probs[:, tokens.shape[1]]
-        )
-
-    for module in [m for n, m in list(sys.modules.items()) if n.startswith("hf_specdec.")]:
-        for rule in rules:
-            if getattr(module, rule.__name__, None) is rule:
-                monkeypatch.setattr(module, rule.__name__, accept_all)
+    accept_every_draft(monkeypatch)
     wrong = sampled_rows(target, ids, mask, config, 300, **run)
     monkeypatch.undo()
     for table, outcomes in zip(tables, wrong):
