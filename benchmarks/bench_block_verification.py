@@ -15,6 +15,15 @@ tokens per call and in speed. Sampled texts differ between the two rules, so tho
 block row once more per prompt and sums, over its rounds, the expected accepted drafts under each rule given the round's
 drafts, q and p (block: sum_i i P(τ = i) from the thresholds h; token-wise: sum_i prod_{j <= i} min(1, p_j / q_j)).
 
+A direct speed ratio of two sampled runs carries a few percent of noise on a shared CPU, more than block's gain in
+some rows, so the speed is also taken apart: the two rules' rounds run the same forwards and differ only in the
+verification itself, so block's speed over token-wise's is (its tokens per call over token-wise's) / (1 + the time
+block's verification adds to a round / token-wise's time per round). `tokens_per_target_call_95` is a 95% bootstrap
+interval of the tokens-per-call ratio (calls resampled in (repeat, prompt) pairs, seeded alike for both rules),
+`verify_extra_ms` the added time (`verdicts.verify_round` on a sampled chain of the target's vocabulary and γ, both
+rules interleaved, medians of 300 calls), `round_ms_token` token-wise's seconds per target call in the timed runs, and
+`speed_from_parts` / `speed_from_parts_95` the resulting speed ratio and interval.
+
 With `--eagle-minutes M` (or `--eagle-head DIR`, a head saved in the EAGLE-3 layout) an EAGLE-3 head drafts too,
 rows `eagle_token_g<γ>` / `eagle_block_g<γ>`: trained here for M minutes on the zoo corpus's train split as it is
 (`hf_specdec.distill.train_eagle_drafter` with `texts=`, no answers generated), and saved, with its training data and
@@ -33,23 +42,33 @@ unroll), then loaded:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --prompts 4 --eagle-head DIR \
         --output benchmarks/results/block_verification_zoo_eagle_cpu_1thread.json
+
+`results/block_verification_zoo_g4_parts_cpu_1thread.json`: γ 4 on all 48 held-out prompts with the same head, where
+block's gain is smallest:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_block_verification.py --threads 1 --prompts 16 --gammas 4 --repeats 2 \
+        --eagle-head DIR --output benchmarks/results/block_verification_zoo_g4_parts_cpu_1thread.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from harness import interleaved, parse_ints, write_results  # run from the repository root or benchmarks/
+from harness import interleaved, parse_ints, rotated, timed, write_results  # run from the repo root or benchmarks/
 from transformers import GenerationMixin
 
 import hf_specdec
 from hf_specdec import verdicts, zoo
 from hf_specdec.block_verification import block_thresholds
+from hf_specdec.configuration import SpeculativeOptions
+from hf_specdec.drafters.base import DraftProposal
+from hf_specdec.modeling import logits_width
 from hf_specdec.zoo.tasks import TASKS, load_prompts
 
 RESULTS = Path(__file__).parent / "results"
@@ -139,6 +158,45 @@ def expected_accepted(tokens, probs, target_probs) -> tuple[float, float]:
     return float(block), float(token)
 
 
+def fmt(value) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in value) + "]" if isinstance(value, list) else f"{value:.3f}"
+
+
+def ratio_interval(block: list[tuple[int, int]], token: list[tuple[int, int]], draws: int = 2000) -> tuple:
+    """Block's over token-wise verification's tokens per target call, `(ratio, low, high)` with a 95% bootstrap
+    interval: the calls (`(emitted tokens, target calls)` each, the same (repeat, prompt) at the same index for both
+    rules, seeded alike) resampled in pairs."""
+
+    def ratio(indices) -> float:
+        def per_call(calls):
+            return sum(calls[i][0] for i in indices) / sum(calls[i][1] for i in indices)
+
+        return per_call(block) / per_call(token)
+
+    generator = random.Random(0)
+    count = len(block)
+    draws_ = sorted(ratio([generator.randrange(count) for _ in range(count)]) for _ in range(draws))
+    return ratio(range(count)), draws_[int(0.025 * draws)], draws_[int(0.975 * draws) - 1]
+
+
+def verify_extra_seconds(vocab: int, gamma: int, calls: int = 300) -> float:
+    """What block verification adds to a round, timed alone: `verdicts.verify_round` on a sampled chain (batch 1,
+    `gamma` drafts drawn from q over `vocab`) under "block" minus under "token", the two interleaved, medians of
+    `calls` calls each. It is the only work by which the two rules' rounds differ: the forwards are the same."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, gamma + 1, vocab, generator=generator) * 3  # a peaked target, as at T <= 1
+    probs = (torch.randn(1, gamma, vocab, generator=generator) * 3).softmax(-1)
+    proposal = DraftProposal(torch.multinomial(probs[0], 1, generator=generator).T, probs)
+    options = {rule: SpeculativeOptions(speculative_verification=rule) for rule in VERIFICATIONS}
+    times = {rule: [] for rule in VERIFICATIONS}
+    for index in range(calls + 20):
+        for rule in rotated(VERIFICATIONS, index):
+            seconds, _ = timed(lambda rule=rule: verdicts.verify_round(True, proposal, scores, options[rule]))
+            if index >= 20:  # warm-up
+                times[rule].append(seconds)
+    return statistics.median(times["block"]) - statistics.median(times["token"])
+
+
 def paired_acceptance(generate, inputs) -> float:
     """Block's over token-wise verification's expected accepted drafts on the rounds `generate` (a block row) runs on
     `inputs`, untimed: each block round is also scored under both rules."""
@@ -200,6 +258,8 @@ def run(args) -> dict:
         "prompt_count": len(inputs),
         "runs": [],
     }
+    vocab = logits_width(target)
+    extra = {gamma: verify_extra_seconds(vocab, gamma) for gamma in args.gammas}  # seconds block adds to a round
     for temperature in args.temperatures:
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens)
         calls = {}  # method -> its calls so far: every method runs the (repeat, prompt) pairs in the same order
@@ -255,15 +315,27 @@ def run(args) -> dict:
         for prefix in drafters:
             for gamma in args.gammas:
                 token, block = rows[f"{prefix}token_g{gamma}"], rows[f"{prefix}block_g{gamma}"]
+                calls = {
+                    rule: [(s.emitted_tokens, s.target_calls) for s in stats[f"{prefix}{rule}_g{gamma}"]]
+                    for rule in VERIFICATIONS
+                }
+                per_call, low, high = ratio_interval(calls["block"], calls["token"])
+                round_seconds = sum(seconds[f"{prefix}token_g{gamma}"]) / sum(c for _, c in calls["token"])
+                slower = 1.0 + extra[gamma] / round_seconds  # block's round over token-wise's
                 rows[f"{prefix}block_over_token_g{gamma}"] = {
-                    "tokens_per_target_call": block["tokens_per_target_call"] / token["tokens_per_target_call"],
+                    "tokens_per_target_call": per_call,
+                    "tokens_per_target_call_95": [low, high],
                     "speed": block["tokens_per_second"] / token["tokens_per_second"],
+                    "round_ms_token": 1e3 * round_seconds,
+                    "verify_extra_ms": 1e3 * extra[gamma],
+                    "speed_from_parts": per_call / slower,
+                    "speed_from_parts_95": [low / slower, high / slower],
                     "expected_accepted_block_over_token": paired_acceptance(methods[f"{prefix}block_g{gamma}"], inputs),
                 }
         results["runs"].append({"temperature": temperature, "methods": rows})
         print(f"T = {temperature}")
         for name, row in rows.items():
-            print(f"  {name:22s} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+            print(f"  {name:22s} " + "  ".join(f"{k} {fmt(v)}" for k, v in row.items()), flush=True)
     if args.output is not None:
         write_results(args.output, results)
         print(f"wrote {args.output}")

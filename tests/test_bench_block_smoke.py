@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import pytest
 import torch
 from conftest import benchmark_script
 
@@ -18,8 +19,26 @@ def test_the_smoke_run_compares_both_verifications(tmp_path):
     for name in ("token_g3", "block_g3"):
         assert run["methods"][name]["tokens_per_target_call"] >= 1.0
         assert 0.0 <= run["methods"][name]["alpha"] <= 1.0
-    assert run["methods"]["block_over_token_g3"]["expected_accepted_block_over_token"] > 0
+    ratios = run["methods"]["block_over_token_g3"]
+    assert ratios["expected_accepted_block_over_token"] > 0
+    low, high = ratios["tokens_per_target_call_95"]
+    assert low <= ratios["tokens_per_target_call"] <= high
+    assert ratios["round_ms_token"] > 0 and ratios["verify_extra_ms"] == ratios["verify_extra_ms"]  # a number
+    slower = 1.0 + ratios["verify_extra_ms"] / ratios["round_ms_token"]
+    assert ratios["speed_from_parts"] == pytest.approx(ratios["tokens_per_target_call"] / slower)
+    assert ratios["speed_from_parts_95"] == pytest.approx([low / slower, high / slower])
     assert results["machine"]  # written by the shared harness
+
+
+def test_the_ratio_interval_resamples_calls_in_pairs():
+    token = [(10, 5), (30, 10), (8, 8), (20, 10)]
+    block = [(12, 5), (33, 10), (8, 6), (20, 9)]
+    with benchmark_script("bench_block_verification") as bench:
+        ratio, low, high = bench.ratio_interval(block, token)
+        assert ratio == pytest.approx((73 / 30) / (68 / 33))
+        assert low <= ratio <= high and low < high
+        # resampled in pairs, the same calls under both rules give exactly 1 (apart, their draws would spread)
+        assert bench.ratio_interval(token, token) == (1.0, 1.0, 1.0)
 
 
 def test_the_paired_expectations_are_each_rules_accepted_drafts():
