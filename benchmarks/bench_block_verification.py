@@ -159,6 +159,7 @@ def expected_accepted(tokens, probs, target_probs) -> tuple[float, float]:
 
 
 def fmt(value) -> str:
+    """A printed value: 3 decimals, a list as [a, b]."""
     return "[" + ", ".join(f"{v:.3f}" for v in value) + "]" if isinstance(value, list) else f"{value:.3f}"
 
 
@@ -315,12 +316,12 @@ def run(args) -> dict:
         for prefix in drafters:
             for gamma in args.gammas:
                 token, block = rows[f"{prefix}token_g{gamma}"], rows[f"{prefix}block_g{gamma}"]
-                calls = {
+                per_rule = {  # each call's (emitted tokens, target calls)
                     rule: [(s.emitted_tokens, s.target_calls) for s in stats[f"{prefix}{rule}_g{gamma}"]]
                     for rule in VERIFICATIONS
                 }
-                per_call, low, high = ratio_interval(calls["block"], calls["token"])
-                round_seconds = sum(seconds[f"{prefix}token_g{gamma}"]) / sum(c for _, c in calls["token"])
+                per_call, low, high = ratio_interval(per_rule["block"], per_rule["token"])
+                round_seconds = sum(seconds[f"{prefix}token_g{gamma}"]) / sum(c for _, c in per_rule["token"])
                 slower = 1.0 + extra[gamma] / round_seconds  # block's round over token-wise's
                 rows[f"{prefix}block_over_token_g{gamma}"] = {
                     "tokens_per_target_call": per_call,
