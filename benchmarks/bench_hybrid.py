@@ -16,6 +16,8 @@ batch 1, seeded random prompts, every method interleaved per prompt and repeated
 - plain `generate`; transformers' assisted generation with the same drafter (refused: its error is recorded);
 - ours with the early-exit drafter at the default settings, at constant γ, and at constant γ with `FOLDED_TAIL = 0`;
 - ours with prompt lookup (default settings);
+- ours with the early-exit drafter at the default settings, its verify forwards in the recurrent kernel's default
+  chunks (`hf_specdec.recurrent.CHUNK_LIMIT = 1`: no `chunk_size` passed), to compare with one chunk per verify;
 - on the Qwen3.5-shaped hybrid, ours with one MTP layer fitted to it by `hf_specdec.distill.train_mtp_layers`
   (`--mtp-steps` steps on its own greedy continuations of `--mtp-texts` random prompts; 0: no MTP rows), at the
   default settings and at constant γ (transformers refuses these models with any drafter).
@@ -46,9 +48,10 @@ from pairs import random_prompts, trained_mtp_layers
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin
 
 import hf_specdec
+import hf_specdec.recurrent
 import hf_specdec.sequence
 from hf_specdec.caches import CACHE_KWARG
-from hf_specdec.recurrent import RecurrentCheckpoints, recurrent_layers
+from hf_specdec.recurrent import RecurrentCheckpoints, chunk_kwargs, recurrent_layers, takes_chunk_size
 
 DEEP_SCALE = 0.05  # the deeper layers' output projections, as in bench_memory_bound.py
 HEAD_LOGIT_STD = 4.0
@@ -157,7 +160,7 @@ def mtp_drafter(target, args):
 def costs(target, drafter, prompt, repeats: int) -> dict:
     """v(k) for k = 1, 5, 9, 13 at the prompt's context, the drafter's c, and one checkpoint's size and copy time."""
 
-    def forward_ms(model, new_tokens: int) -> float:
+    def forward_ms(model, new_tokens: int, chunked: bool = True) -> float:
         cache = DynamicCache(config=model.config)
         model(prompt, **{CACHE_KWARG: cache}, use_cache=True)
         checkpoints = RecurrentCheckpoints(cache, prompt.shape[1])
@@ -166,14 +169,20 @@ def costs(target, drafter, prompt, repeats: int) -> dict:
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            model(tokens, **{CACHE_KWARG: cache}, use_cache=True)
+            # as the rounds run it: one chunk of the recurrent kernel where the model takes `chunk_size`
+            model(
+                tokens, **{CACHE_KWARG: cache}, use_cache=True, **(chunk_kwargs(model, new_tokens) if chunked else {})
+            )
             times.append(time.perf_counter() - start)
             checkpoints.fed(new_tokens)
             checkpoints.rewind(prompt.shape[1])
         return 1000 * statistics.median(times[1:])
 
+    takes_chunk_size(target)
+    takes_chunk_size(drafter)
     one = forward_ms(target, 1)
     v = {k: forward_ms(target, k) / one for k in (5, 9, 13)}
+    v_default_chunks = {k: forward_ms(target, k, chunked=False) / one for k in (5, 9, 13)}
     cache = DynamicCache(config=target.config)
     target(prompt, **{CACHE_KWARG: cache}, use_cache=True)
     checkpoints = RecurrentCheckpoints(cache, prompt.shape[1])
@@ -191,6 +200,8 @@ def costs(target, drafter, prompt, repeats: int) -> dict:
     return {
         "target_one_token_ms": one,
         "v": v,
+        "chunk_size_taken": takes_chunk_size(target),
+        "v_default_chunks": v_default_chunks,
         "c": forward_ms(drafter, 1) / one,
         "checkpoint_bytes": state_bytes,
         "checkpoint_ms": 1000 * statistics.median(copies[1:]),
@@ -206,14 +217,14 @@ def run_model(name: str, args) -> dict:
     counter = ForwardCounter(target)
     last_stats: dict = {}
 
-    def ours(label, folded=hf_specdec.sequence.FOLDED_TAIL, **kwargs):
+    def ours(label, folded=hf_specdec.sequence.FOLDED_TAIL, chunk_limit=hf_specdec.recurrent.CHUNK_LIMIT, **kwargs):
         def call(prompt):
-            before = hf_specdec.sequence.FOLDED_TAIL
-            hf_specdec.sequence.FOLDED_TAIL = folded
+            before = hf_specdec.sequence.FOLDED_TAIL, hf_specdec.recurrent.CHUNK_LIMIT
+            hf_specdec.sequence.FOLDED_TAIL, hf_specdec.recurrent.CHUNK_LIMIT = folded, chunk_limit
             try:
                 out = target.generate(prompt, return_dict_in_generate=True, **new, **kwargs)
             finally:
-                hf_specdec.sequence.FOLDED_TAIL = before
+                hf_specdec.sequence.FOLDED_TAIL, hf_specdec.recurrent.CHUNK_LIMIT = before
             last_stats[label] = out.speculative_stats
             return out.sequences
 
@@ -230,6 +241,7 @@ def run_model(name: str, args) -> dict:
         "constant": f"ours, early-exit drafter (constant γ {args.gamma})",
         "apart": f"ours, early-exit drafter (constant γ {args.gamma}, kept tokens refed in a forward of their own)",
         "lookup": "ours, prompt lookup (defaults)",
+        "default_chunks": "ours, early-exit drafter (defaults, verify forwards in the kernel's default chunks)",
     }
     methods = {
         "plain": lambda prompt: GenerationMixin.generate(target, prompt, **new),
@@ -237,6 +249,7 @@ def run_model(name: str, args) -> dict:
         labels["constant"]: ours(labels["constant"], assistant_model=drafter, **constant),
         labels["apart"]: ours(labels["apart"], folded=0, assistant_model=drafter, **constant),
         labels["lookup"]: ours(labels["lookup"], drafter="prompt_lookup"),
+        labels["default_chunks"]: ours(labels["default_chunks"], chunk_limit=1, assistant_model=drafter),
     }
     mtp_training = None
     if args.mtp_steps and "full_attention" in (getattr(target.config, "layer_types", None) or ()):  # its MTP block

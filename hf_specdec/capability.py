@@ -12,7 +12,13 @@ from .batch_rows import slice_kwargs
 from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
 from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
-from .recurrent import RecurrentCheckpoints, recurrent_layers, rolls_back_from_checkpoints
+from .recurrent import (
+    RecurrentCheckpoints,
+    forgo_chunk_size,
+    recurrent_layers,
+    rolls_back_from_checkpoints,
+    takes_chunk_size,
+)
 
 __all__ = ["check_multi_token_forward"]
 
@@ -152,16 +158,13 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
 
         if recurrent:
             step_cache = kwargs[CACHE_KWARG]
-            first, second, cache, ignores_state = _recurrent_rounds(model, sequence, prompt_len, fresh, advance)
-            if ignores_state:
-                return (
-                    "its recurrent layers' forward over several new tokens ignores the state in the cache (it ends "
-                    "in the same state from a zeroed one: a scan that starts from zeros), so a verify forward after "
-                    "the prompt does not continue the sequence as one-token decoding does"
-                )
-            return _disagreement(model, first, second, want, recurrent=True) or _state_disagreement(
-                model, cache, step_cache
-            )
+            chunked = takes_chunk_size(model)  # the verify forwards then pass the kernel's `chunk_size`: probed so
+            reason = _recurrent_verdict(model, sequence, prompt_len, fresh, advance, want, step_cache)
+            if reason is not None and chunked:
+                # whatever the difference is, the model's default chunking gets its own verdict (and is kept)
+                forgo_chunk_size(model)
+                reason = _recurrent_verdict(model, sequence, prompt_len, fresh, advance, want, step_cache)
+            return reason
         # as speculation runs: the prompt and 4 drafts in one forward; 1 accepted, the second replaced (a rollback of
         # 3); then the remaining 2 drafts after it in one forward
         kwargs = fresh()
@@ -183,6 +186,19 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
             f"a cached forward over several new tokens fails ({type(error).__name__}: {message[:200]})"
         ) from error
     return _disagreement(model, first, second, want)
+
+
+def _recurrent_verdict(model, sequence, prompt_len: int, fresh, advance, want, step_cache) -> str | None:
+    """Why speculative rounds on a recurrent cache (`_recurrent_rounds`) do not compute what step-by-step decoding
+    computes (`want`: its logits; `step_cache`: its cache after the same tokens), or None."""
+    first, second, cache, ignores_state = _recurrent_rounds(model, sequence, prompt_len, fresh, advance)
+    if ignores_state:
+        return (
+            "its recurrent layers' forward over several new tokens ignores the state in the cache (it ends "
+            "in the same state from a zeroed one: a scan that starts from zeros), so a verify forward after "
+            "the prompt does not continue the sequence as one-token decoding does"
+        )
+    return _disagreement(model, first, second, want, recurrent=True) or _state_disagreement(model, cache, step_cache)
 
 
 def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):

@@ -11,6 +11,7 @@ import torch
 
 from .caches import CACHE_KWARG, cached_length, is_static, static_capacity
 from .devices import decode_step
+from .recurrent import chunk_kwargs
 
 __all__ = ["TargetForward", "compiled_graphs", "per_token_prefix", "standardize", "target_logits"]
 
@@ -66,6 +67,8 @@ def target_logits(
         model_inputs["logits_to_keep"] = num_drafted + 1 + padding
     if overrides:
         model_inputs.update(overrides)
+    if not first_round:  # a recurrent model's chunked kernel over these tokens in one chunk, where it takes that
+        model_inputs.update(chunk_kwargs(model, new_tokens + padding))
     with decode_step(model) if decode_kernels and not first_round else contextlib.nullcontext():
         outputs = (call or model)(**model_inputs, return_dict=True)
     end = outputs.logits.shape[1] - padding

@@ -15,6 +15,14 @@ gated delta rule, chunked SSD scan) return the final state only. So rejected dra
   them again with its next forward (the target: before the next round's drafts, in the same forward, up to
   `sequence.FOLDED_TAIL` of them; a draft model: in its next step), exactly as it feeds any uncached tail.
 
+Verify forwards are short (1 + γ tokens, plus a kept tail), and the chunked kernels transformers' gated-delta-rule
+layers run over several tokens (Qwen3.5, Qwen3-Next, OLMo-hybrid, ...) pad them to a whole chunk (64 positions)
+before computing it. Where a model's forward takes the kernel's `chunk_size` (`takes_chunk_size`: the argument reaches
+the kernel, as transformers passes a forward's keyword arguments down, and the logits agree with the default's), the
+verify and draft forwards after the first pass `chunk_size` = their number of new tokens (`chunk_kwargs`): one chunk
+without padding, the same recurrence (a forward over several tokens agrees with the default chunking to float
+tolerance, which the capability probe checks in the verify's own shapes). The prefill keeps the model's default.
+
 Cost: one copy of the recurrent states per round (per drafted token for a stateful draft model), and, after a round
 that rejected drafts, its kept tokens carried again by the next forward (no extra forward). Not supported: token
 trees (each branch would need a state of its own) and static caches.
@@ -26,15 +34,27 @@ transformers' own chunked prefill does): nothing is approximated and nothing is 
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 __all__ = [
     "RecurrentCheckpoints",
+    "chunk_kwargs",
     "draft_checkpoints",
+    "forgo_chunk_size",
     "is_recurrent",
     "recurrent_layers",
     "rolls_back_from_checkpoints",
+    "takes_chunk_size",
 ]
+
+# a chunk of at most this many new tokens is passed as the kernel's `chunk_size`; longer forwards keep the default
+# (transformers' gated-delta-rule kernels chunk by 64)
+CHUNK_LIMIT = 64
+# model -> (dtype, whether its forward takes `chunk_size`): nothing is written onto the user's model
+_CHUNK_SIZED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def recurrent_layers(cache) -> list:
@@ -53,6 +73,47 @@ def rolls_back_from_checkpoints(model, cache) -> bool:
     `RecurrentCheckpoints` can roll back. A convolution-only linear-attention cache (lfm2) is not stateful: transformers'
     own crop rolls it back."""
     return bool(getattr(model, "_is_stateful", False)) and is_recurrent(cache)
+
+
+def chunk_kwargs(model, new_tokens: int) -> dict:
+    """The keyword arguments of a cached forward over `new_tokens` after the first (a verify, a draft model's refed
+    tail): `{"chunk_size": new_tokens}` where `takes_chunk_size(model)` found the argument taken (one chunk, no
+    padding), nothing otherwise (one token, a forward longer than `CHUNK_LIMIT`, a model not checked or that does not
+    take it)."""
+    known = _CHUNK_SIZED.get(model)
+    if known is not None and known[1] and 1 < new_tokens <= CHUNK_LIMIT:
+        return {"chunk_size": new_tokens}
+    return {}
+
+
+@torch.no_grad()
+def takes_chunk_size(model) -> bool:
+    """Whether `model`'s forward takes the chunked recurrent kernel's `chunk_size` (once per model and dtype): a
+    forward over 5 tokens without a cache, with `chunk_size=2` (three chunks) and without it, raises nothing and gives
+    the same logits to float tolerance. A forward that ignores the argument passes too (harmless: it changes nothing);
+    one that rejects it, or computes something else with it, does not, and is then never given it."""
+    known = _CHUNK_SIZED.get(model)
+    if known is not None and known[0] == model.dtype:
+        return known[1]
+    try:
+        embeddings = model.get_input_embeddings()
+        ids = (torch.arange(1, 6, device=embeddings.weight.device) % embeddings.weight.shape[0])[None]  # [1, 5]
+        default = model(input_ids=ids, use_cache=False).logits.float()
+        chunked = model(input_ids=ids, use_cache=False, chunk_size=2).logits.float()
+    except Exception:  # any failure means: never pass it
+        taken = False
+    else:
+        scale = float(default.abs().max().clamp(min=1.0))
+        tolerance = (1e-4 if model.dtype == torch.float32 else 3e-2) * scale
+        taken = bool((chunked - default).abs().max() <= tolerance)
+    _CHUNK_SIZED[model] = (model.dtype, taken)
+    return taken
+
+
+def forgo_chunk_size(model) -> None:
+    """Never pass `model` the kernel's `chunk_size` (the capability probe found its default chunking exact and the
+    chunked one not)."""
+    _CHUNK_SIZED[model] = (model.dtype, False)
 
 
 def draft_checkpoints(model, cache, static: bool, tree_budget: int | None) -> RecurrentCheckpoints | None:

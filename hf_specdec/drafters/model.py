@@ -29,7 +29,7 @@ from ..caches import (
 )
 from ..devices import execution_device, to_device
 from ..modeling import logits_width
-from ..recurrent import draft_checkpoints
+from ..recurrent import chunk_kwargs, draft_checkpoints, takes_chunk_size
 from ..sampling import sample_tokens
 from ..tree_attention import check_tree_attention
 from ..trees import additive_bias
@@ -227,6 +227,8 @@ class ModelDrafter(Drafter):
         cache.activate_past_recording()
         # a recurrent draft cache: a checkpoint after every forward, rolled back to the one at the kept length
         self.recurrent = draft_checkpoints(model, cache, static, context.tree_budget)
+        if self.recurrent is not None:  # its refed tails then run as one chunk of its kernel, where it takes that
+            takes_chunk_size(model)
         # a convolution-only linear-attention cache (lfm2) proves itself croppable at its first forward: checked
         # again in `on_verified`
         self.check_croppable = (
@@ -430,6 +432,8 @@ class ModelDrafter(Drafter):
             inputs["position_ids"] = torch.arange(cached, seq_len, device=self.device).expand(batch, -1)
         if self.accepts_logits_to_keep:
             inputs["logits_to_keep"] = 1
+        if cached:
+            inputs.update(chunk_kwargs(self.model, seq_len - cached))
         try:
             logits = self.model(**inputs).logits[:, -1]
             self.static_length = seq_len
