@@ -114,6 +114,7 @@ class SequenceLane(Lane):
         self.cache.activate_past_recording()
         # the positions the cache holds, counted on the host after the first round (None: read it then)
         self.cached = None if not continuing else input_ids.shape[1] - 1
+        self.carried = 0  # kept tokens the current round's forward carries again (see `score`)
         # a recurrent (linear-attention / SSM) cache goes back to the checkpoint taken before a round's forward when
         # the round rejected drafts; the tokens it kept are fed again before the next round's drafts
         self.recurrent = (
@@ -148,6 +149,7 @@ class SequenceLane(Lane):
         self.capture = capture_for(model, drafter)
         policy.shadow_drafts = True  # this loop can take a plain step with a one-token guess beside it
         policy.trees = self.tree_budget is not None
+        policy.one_token_kernels = self.recurrent is not None
         self.policy = policy
 
     def close(self) -> None:
@@ -202,6 +204,9 @@ class SequenceLane(Lane):
         if self.cached is None:
             self.cached = self.recurrent.length if self.recurrent is not None else cached_length(self.cache)
         cached = self.round_start = self.cached
+        # kept tokens fed again after the round before rolled a recurrent cache back (the policy's plain steps that
+        # carry some are no plain steps)
+        self.carried = 0 if self.first_round else max(0, cur_len - cached - 1)
         prefilled = False
         # a recurrent cache rolls back to a checkpoint taken before the round's forward: the prompt, and a tail of
         # kept tokens longer than `FOLDED_TAIL`, go in a forward of their own first, so that the checkpoint comes
@@ -331,4 +336,5 @@ class SequenceLane(Lane):
                     self.options.speculative_lenience,
                 )
             )
+        policy.carried_tokens = self.carried
         super().observe(policy, draft, verdict, draft_s, verify_s)

@@ -952,3 +952,88 @@ def test_first_draft_acceptance_is_what_verification_would_accept():
     assert first_draft_acceptance(tree, scores, 0, do_sample=True) == pytest.approx(0.5)
     assert first_draft_acceptance(tree, scores, 2, do_sample=False) == 1.0
     assert first_draft_acceptance(tree, scores, 3, do_sample=False) == 0.0  # token 3 is not on the first level
+
+
+def drafting_rounds(policy, count, verify_s, accepted=1, draft_s=0.1):
+    """`count` drafting rounds of the γ the policy chooses, each accepting `accepted` drafts (at most the γ)."""
+    for _ in range(count):
+        gamma = policy.next_gamma()
+        assert gamma > 0
+        policy.observe(
+            drafted=gamma,
+            accepted=min(accepted, gamma),
+            draft_time_s=draft_s * gamma,
+            verify_time_s=verify_s,
+            first_round=False,
+        )
+
+
+@pytest.mark.parametrize("verify_s, resumes", [(9.0, False), (1.2, True)])
+def test_auto_resumes_only_where_drafts_that_are_always_right_could_pay(verify_s, resumes):
+    """A right guess resumes drafting only if some γ up to the user's would beat plain steps with every draft accepted,
+    at the costs measured: where a verify forward costs 9 plain steps (a recurrent model's reference scan padding a
+    few tokens to a chunk of 256), no acceptance pays, and each resume would lose its rounds again."""
+    policy = shadow_policy()
+    shadow_step(policy, 1.0, guess_s=0.1)  # resumes: nothing measured yet of a drafting round
+    drafting_rounds(policy, 3, verify_s, accepted=4 if resumes else 1)
+    if not resumes:
+        assert policy.stopped
+        assert not any(plain_steps(policy, 16))  # the next probe after 16 plain steps
+    else:  # it pays: stopped by hand, so that the probe's guess decides alone
+        assert not policy.stopped
+        policy.stopped, policy.plain_rounds = True, policy.probe_after
+    shadow_step(policy, 1.0, guess_s=0.1)  # a right guess
+    assert policy.stopped is not resumes and not policy.shadow
+
+
+def test_auto_measures_a_plain_step_where_one_token_runs_other_kernels():
+    """A recurrent target (`one_token_kernels`, set by the one-sequence loop): a plain step may cost a ninth of a verify
+    forward over any number of drafts (transformers' reference Mamba2 scan pads them to 256 positions), which no
+    verify time shows. Drafts accepted 90% of the time, verifying any γ costs 9 plain steps: over 100 modelled calls
+    auto runs at 0.78x plain with a plain step measured (0.44x when it assumes a plain step costs at least half a
+    verify forward, and never measures one)."""
+    from hf_specdec.policies import AutoGammaPolicy
+
+    regime = dict(
+        acceptance=[0.9, 0.85, 0.8, 0.75],
+        draft_cost=lambda k: 0.09 * k,
+        verify_cost=lambda k: 9.0,
+        guess_cost=0.09,
+        stalls=(0.02, 2.0, 4.0),
+        new_tokens=96,
+    )
+
+    def recurrent_target_policy():
+        policy = AutoGammaPolicy(5, 16)
+        policy.one_token_kernels = True
+        return policy
+
+    plain = mean_rate(lambda: GammaPolicy(0, 16), range(100), **regime)
+    assert mean_rate(recurrent_target_policy, range(100), **regime) >= 0.75 * plain
+    # where verify forwards cost about a plain step, the one plain step measured costs a drafter that pays 2.2x
+    # about 1.4% of its speed
+    regime.update(verify_cost=lambda k: 1.0 + 0.05 * k)
+    without = mean_rate(lambda: AutoGammaPolicy(5, 16), range(100), **regime)
+    assert without >= 2.0 * mean_rate(lambda: GammaPolicy(0, 16), range(100), **regime)
+    assert mean_rate(recurrent_target_policy, range(100), **regime) >= 0.97 * without
+
+
+def test_auto_books_no_plain_step_that_carried_kept_tokens_again():
+    """After a round that rolled a recurrent cache back, the next forward carries the kept tokens again: a plain step
+    then costs what the round before left to do (a verify-sized forward), not a plain step's cost. It is not booked,
+    and a measurement wanted waits for the next plain step."""
+    from hf_specdec.policies import AutoGammaPolicy
+
+    policy = AutoGammaPolicy(4, 16)
+    policy.shadow_drafts = True
+    policy.one_token_kernels = True
+    policy.next_gamma()
+    policy.observe(drafted=1, accepted=1, draft_time_s=0.1, verify_time_s=20.0, first_round=True)
+    drafting_rounds(policy, 3, verify_s=9.0, accepted=4)
+    assert policy.measure_plain and not policy.plain_s
+    policy.carried_tokens = 2
+    plain_steps(policy, 1, plain_s=9.0)  # carried 2 kept tokens: a verify-sized forward
+    assert policy.measure_plain and not policy.plain_s
+    policy.carried_tokens = 0
+    plain_steps(policy, 1, plain_s=1.0)
+    assert list(policy.plain_s) == [pytest.approx(1.0)] and policy.stopped  # 5 tokens per ~9.4 steps lose

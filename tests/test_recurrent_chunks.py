@@ -1,6 +1,8 @@
-"""A recurrent model's verify forwards run its chunked kernel as one chunk of their own length (`chunk_size`, where the
-model takes it: `hf_specdec.recurrent.takes_chunk_size`), not padded to the kernel's default chunk of 64, and stay
-exactly plain `generate`'s; a model whose chunking with `chunk_size` would differ keeps its default."""
+"""The costs of a recurrent model's rounds. Its verify forwards run its chunked kernel as one chunk of their own length
+(`chunk_size`, where the model takes it: `hf_specdec.recurrent.takes_chunk_size`), not padded to the kernel's default
+chunk of 64, and stay exactly plain `generate`'s; a model whose chunking with `chunk_size` would differ keeps its
+default. The γ policy learns which of its plain steps carried kept tokens again after a rollback, and that a plain
+step's cost cannot be told from verify forwards there."""
 
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from conftest import ScriptedDrafter
 from transformers.cache_utils import Cache
 
 import hf_specdec
+from hf_specdec.policies import _POLICIES, GammaPolicy
 from hf_specdec.recurrent import CHUNK_LIMIT, chunk_kwargs, takes_chunk_size
 
 sys.path.insert(0, str(Path(__file__).parent / "sweep"))
@@ -173,3 +176,50 @@ def test_a_model_whose_chunked_verify_differs_keeps_its_default_chunking():
         assert all(chunk is None for _, chunk in recorder.calls)
     finally:
         handle.remove()
+
+
+class Alternating(GammaPolicy):
+    """4 drafts, then a plain step, and so on; records what the loop tells it before each observation."""
+
+    seen: list = []
+
+    def __init__(self, gamma, max_gamma):
+        super().__init__(gamma, max_gamma)
+        self.rounds = 0
+
+    def next_gamma(self):
+        self.rounds += 1
+        return 4 if self.rounds % 2 else 0
+
+    def observe(self, *, drafted, accepted, draft_time_s, verify_time_s, first_round):
+        Alternating.seen.append((drafted, accepted, self.carried_tokens, self.one_token_kernels, first_round))
+
+
+@pytest.fixture
+def alternating(monkeypatch):
+    monkeypatch.setitem(_POLICIES._classes, "alternating_test", Alternating)  # the registry as found afterwards
+    Alternating.seen = []
+    return "alternating_test"
+
+
+@pytest.mark.parametrize("model_type, recurrent", [("qwen3_5_text", True), ("llama", False)])
+def test_the_policy_learns_which_plain_steps_carried_kept_tokens(alternating, model_type, recurrent):
+    """After a round that rejected drafts, a recurrent cache went back to its checkpoint: the next step's forward
+    carries the kept tokens again (the policy is told how many). A key/value cache is cropped: nothing is carried."""
+    model = hf_specdec.enable(sweep_model(model_type))
+    ids = prompt(seed=5)
+    reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        drafter=ScriptedDrafter(reference, period=1, vocab=VOCAB),  # never right: every drafting round rejects
+        speculative_gamma=4,
+        speculative_gamma_policy=alternating,
+    )
+    assert torch.equal(out, reference)
+    seen = Alternating.seen
+    assert all(kernels is recurrent for *_, kernels, _ in seen)
+    plain_after_rejection = [carried for drafted, _, carried, _, first in seen if not drafted and not first]
+    assert plain_after_rejection
+    assert all(carried == (1 if recurrent else 0) for carried in plain_after_rejection), seen

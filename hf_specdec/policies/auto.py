@@ -34,13 +34,18 @@ class AutoGammaPolicy(GammaPolicy):
     median of the last five rounds, and so do a plain step's in the plain steps' decayed mean: stalls (another process
     on a loaded machine; on a GPU, attention set up for each new shape) must not stop a drafter that pays, and they
     weigh alike on both sides. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one
-    token per verify forward stops without a plain step to compare; when the two are close, one plain step is measured.
+    token per verify forward stops without a plain step to compare; when the two are close, one plain step is measured,
+    and so it is whatever the rate for a target whose one-token forward runs other kernels than its verify forwards
+    (`one_token_kernels`: a recurrent model, where transformers' reference scan may pad a few tokens to a long chunk
+    and a plain step cost a ninth of a verify forward). A plain step whose forward carried kept tokens again after a
+    recurrent cache's rollback (`carried_tokens`) is no plain step's cost: it is not booked.
     Once plain steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2
     tokens may cost less than over 1, and a verify forward is then no bound on a plain step.
 
     A probe, where the loop takes shadow drafts (one sequence), is a run of plain steps, each with the drafter's
     one-token guess beside it, compared with the target's token (for sampling, accepted with Algorithm 1's probability,
-    drawn from the policy's own generator). A guess that would have been accepted resumes drafting. The run ends without
+    drawn from the policy's own generator). A guess that would have been accepted resumes drafting, unless drafts that
+    were always right could not beat plain steps at the costs measured (`_could_pay`). The run ends without
     one once its guesses have cost `shadow_budget` (half) of a plain step: a drafter whose guess costs a third of a step
     (an early exit on a compute-bound CPU) gets one guess, a cheap feature head several, a nearly free one (prompt
     lookup) many. A guess counts for at most 1.5x the usual one (the median of recent guesses, else of a drafted token's
@@ -89,6 +94,7 @@ class AutoGammaPolicy(GammaPolicy):
         self.drafting_rounds = 0
         self.verify_s = collections.deque(maxlen=5)  # verify seconds of recent drafting rounds
         self.round_s = collections.deque(maxlen=5)  # drafting plus verifying seconds of recent drafting rounds
+        self.round_drafted = collections.deque(maxlen=5)  # and the drafts each of them verified
         self.plain_s = collections.deque(maxlen=5)  # seconds of recent plain steps
         self.plain_weight = self.plain_seconds = 0.0  # decayed sums over plain steps: steps, seconds (stalls capped)
         self.cautious = False  # no shadow drafts: the first round accepted nothing, measure with one drafted token
@@ -183,13 +189,17 @@ class AutoGammaPolicy(GammaPolicy):
         draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
         self.observed = True
         if not drafted:
+            # a step whose forward also carried kept tokens again (after a recurrent cache's rollback) costs what
+            # the drafting round before left to do: not a plain step's cost (a measurement wanted waits for the next)
+            clean = not first_round and not self.carried_tokens
             if self.shadow_draft_wanted:  # a shadow step: its drafting time is the guess's, the rest a plain step's
-                self._book_plain(verify_time_s)
+                if clean:
+                    self._book_plain(verify_time_s)
                 self._observe_guess(draft_time_s)
                 return
-            if not first_round:
+            if clean:
                 self._book_plain(draft_time_s + verify_time_s)
-            if self.measure_plain:
+            if self.measure_plain and clean:
                 self.measure_plain = False
                 self._decide()
             return
@@ -200,13 +210,14 @@ class AutoGammaPolicy(GammaPolicy):
             return
         if self.probing:  # a γ = 1 probe: resume on any accepted draft
             self.probing = False
-            if accepted:
+            if accepted and self._could_pay():
                 self._resume()
             return
         measured = spent = draft_time_s + verify_time_s
         if len(self.round_s) >= 2:  # a stall counts for at most `max_jump` times the median of recent rounds
             spent = min(measured, self.max_jump * statistics.median(self.round_s))
         self.round_s.append(measured)
+        self.round_drafted.append(drafted)
         self.weight = self.decay * self.weight + 1.0
         self.tokens = self.decay * self.tokens + accepted + 1
         self.squares = self.decay * self.squares + (accepted + 1) ** 2
@@ -241,11 +252,30 @@ class AutoGammaPolicy(GammaPolicy):
         if usual:
             guess_s = min(guess_s, self.max_jump * statistics.median(usual))
         if self.shadow_outcome:
-            self._resume()
+            if self._could_pay():
+                self._resume()
+            else:  # right, but no acceptance pays at these costs: the probe ends as a failed one
+                self.shadow, self.stopped, self.plain_rounds = False, True, 0
             return
         self.shadow_spent += guess_s
         if self.shadow_spent + guess_s > self.shadow_budget * statistics.median(self.plain_s):
             self.shadow, self.stopped, self.plain_rounds = False, True, 0  # one more guess would pass the budget
+
+    def _could_pay(self) -> bool:
+        """Whether drafting could beat plain steps if every draft were accepted: a right guess or probe resumes drafting
+        only then. The bound: a recent drafting round (as measured, its seconds uncapped) emitting the user's γ + 1
+        tokens, its extra drafts at the median drafted token's seconds and its verify forward no dearer; the most
+        favourable of the last five (a stalled round cannot decide). Where a verify forward costs several plain steps
+        (a reference kernel that pads a few tokens to a long chunk), no acceptance pays, and each resume would cost
+        `min_rounds` losing rounds. True until a plain step and a drafting round are measured, and for trees."""
+        if self.trees or not self.plain_seconds or not self.round_s:
+            return True
+        draft_s = statistics.median(self.chooser.draft_s) if self.chooser.draft_s else 0.0
+        ceiling = max(
+            (self.user_gamma + 1) / max(seconds + max(self.user_gamma - drafted, 0) * draft_s, 1e-12)
+            for drafted, seconds in zip(self.round_drafted, self.round_s, strict=True)
+        )
+        return ceiling >= self.stop_below * self.plain_weight / self.plain_seconds
 
     def _resume(self) -> None:
         self.stopped = self.shadow = self.cautious = False
@@ -276,7 +306,9 @@ class AutoGammaPolicy(GammaPolicy):
             self.stopped = drafting_rate < self.stop_below * self.plain_weight / self.plain_seconds
         elif drafting_rate < 1.0 / verify:  # loses even to a plain step as dear as a verify forward
             self.stopped = True
-        elif drafting_rate < 2.0 / verify:  # close: a plain step may cost half a verify forward; measure one
+        elif drafting_rate < 2.0 / verify or self.one_token_kernels:
+            # close (a plain step may cost half a verify forward), or a target whose one-token forward runs other
+            # kernels than its verify forwards (a plain step may then cost a ninth of one): measure one
             self.measure_plain = True
         if self.stopped:
             self.plain_rounds = 0
@@ -322,3 +354,4 @@ class AutoGammaPolicy(GammaPolicy):
         self.weight = self.tokens = self.squares = self.seconds = 0.0
         self.drafting_rounds = 0
         self.round_s.clear()
+        self.round_drafted.clear()

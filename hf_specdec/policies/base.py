@@ -59,6 +59,13 @@ class GammaPolicy:
     trees = False  # set by loops that verify token trees (`speculative_tree_budget`): γ is then the trees' depth
     free_drafts = False  # set from the drafter's `free_drafts`: its drafts cost next to nothing (copied from text)
     shadow_draft_wanted = False  # set by the policy with a γ = 0 that should carry one
+    # set by the one-sequence loop before each `observe`: kept tokens its forward carried again because the round
+    # before rolled a recurrent cache back (0 otherwise); a plain step that carried some cost more than a plain step
+    carried_tokens = 0
+    # set by the one-sequence loop for a target whose forward over one token runs other kernels than over several (a
+    # recurrent cache: transformers' layers branch on `seq_len == 1`), so that verify forwards tell nothing of what a
+    # plain step costs (transformers' reference CPU scan of Mamba2 pads a few tokens to 256 positions: 9x one token)
+    one_token_kernels = False
 
     def __init__(self, gamma: int, max_gamma: int):
         self.gamma = min(gamma, max_gamma)
