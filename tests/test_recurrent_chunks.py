@@ -223,3 +223,25 @@ def test_the_policy_learns_which_plain_steps_carried_kept_tokens(alternating, mo
     plain_after_rejection = [carried for drafted, _, carried, _, first in seen if not drafted and not first]
     assert plain_after_rejection
     assert all(carried == (1 if recurrent else 0) for carried in plain_after_rejection), seen
+
+
+@pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
+def test_the_default_policy_on_a_recurrent_target_stays_exact(period):
+    """The default policy on a hybrid: plain steps first until two are measured (a recurrent model's one-token
+    forward runs other kernels than its verify forwards), then drafting, a probe of a drafter whose first round
+    accepted nothing, and plain steps that carried kept tokens again; the output is plain greedy `generate`'s. (A
+    never-right drafter once raised here: a wrong guess while no plain step was measured yet.)"""
+    model = hf_specdec.enable(sweep_model("qwen3_5_text"))
+    ids = prompt(seed=3)
+    reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    out = model.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        drafter=ScriptedDrafter(reference, period=period, vocab=VOCAB),
+        speculative_gamma=4,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, reference)
+    history = out.speculative_stats.gamma_history
+    assert history[:3] == [0, 0, 0] and max(history) > 0, history

@@ -34,11 +34,14 @@ class AutoGammaPolicy(GammaPolicy):
     median of the last five rounds, and so do a plain step's in the plain steps' decayed mean: stalls (another process
     on a loaded machine; on a GPU, attention set up for each new shape) must not stop a drafter that pays, and they
     weigh alike on both sides. A plain step costs at most a verify forward (it has fewer tokens), so a rate below one
-    token per verify forward stops without a plain step to compare; when the two are close, one plain step is measured,
-    and so it is whatever the rate for a target whose one-token forward runs other kernels than its verify forwards
-    (`one_token_kernels`: a recurrent model, where transformers' reference scan may pad a few tokens to a long chunk
-    and a plain step cost a ninth of a verify forward). A plain step whose forward carried kept tokens again after a
-    recurrent cache's rollback (`carried_tokens`) is no plain step's cost: it is not booked.
+    token per verify forward stops without a plain step to compare; when the two are close, one plain step is measured.
+    A target whose one-token forward runs other kernels than its verify forwards (`one_token_kernels`: a recurrent
+    model, where transformers' reference scan may pad a few tokens to a long chunk and a plain step cost a ninth of a
+    verify forward) starts with plain steps instead, until two are measured (they cost nothing: plain generate takes
+    them too; a drafter of free drafts, below, drafts at once, and its rounds without a match measure them); after
+    each drafting round it stops at once when drafts that were always right could not beat the fastest of them
+    (`_could_pay`), rather than after three losing rounds. A plain step whose forward carried kept tokens again after
+    a recurrent cache's rollback (`carried_tokens`) is no plain step's cost: it is not booked.
     Once plain steps are measured, the rate is compared with theirs alone: on a CPU a bfloat16 model's forward over 2
     tokens may cost less than over 1, and a verify forward is then no bound on a plain step.
 
@@ -62,6 +65,8 @@ class AutoGammaPolicy(GammaPolicy):
     drafter, and a first round of γ drafts costs a useless drafter (e.g. an early exit of a 135M model in bfloat16)
     γ - 1 drafting steps and a wider prefill, 1.5-2.5 plain steps, about 9% of a 26-token answer. Its times include
     the prompt's prefill, so it counts for acceptance only; if it accepted nothing, the drafter is probed at once.
+    (On a recurrent target the first drafting round comes after its plain steps: it is measured, probed likewise, and
+    is the γ chooser's first round, which is not fed the plain steps before it.)
 
     Before it stops, a chain steps down: where a verify forward's cost grows with its tokens (a batch on a CPU, where
     γ = 5 loses and γ = 1 pays), a smaller γ may pay where the user's does not. From the measured acceptance rate of
@@ -83,6 +88,7 @@ class AutoGammaPolicy(GammaPolicy):
     first_gamma = 1  # tokens drafted in the first round, before anything is measured
     max_jump = 1.5  # a drafting round's seconds count for at most this times the median of the last five
     step_down_gain = 1.05  # a smaller γ is tried when predicted to beat a plain step by this factor
+    first_plain_steps = 2  # plain steps measured before a recurrent target's first drafting round
 
     def __init__(self, gamma: int, max_gamma: int):
         super().__init__(gamma, max_gamma)
@@ -109,7 +115,7 @@ class AutoGammaPolicy(GammaPolicy):
         self.probe_after = self.first_probe_after
         self.shadow_draft_wanted = False
         self.generator = None  # torch.Generator for sampled shadow acceptances, made on first use
-        self.observed = False  # whether a round was seen
+        self.drafted = False  # whether a drafting round was seen
         self.user_gamma = self.gamma  # the most a round drafts; a step down lowers `self.gamma` for a while
         # which γ in 1 ... self.gamma pays best while drafting: `optimal`'s estimates, fed every round
         self.chooser = OptimalGammaPolicy(self.gamma, self.gamma)
@@ -125,7 +131,12 @@ class AutoGammaPolicy(GammaPolicy):
         if not self.stopped:
             if self.cautious:
                 return 1
-            if not self.observed:
+            if self.one_token_kernels and not self.free_drafts and len(self.plain_s) < self.first_plain_steps:
+                # a recurrent target: a plain step's cost is not known from verify forwards, so plain steps first
+                # (what plain generate does: they cost nothing) until two are measured (not the prefill's). A drafter
+                # of free drafts drafts at once: its rounds without a match are plain steps
+                return 0
+            if not self.drafted:
                 return self.gamma if self.free_drafts else min(self.gamma, self.first_gamma)
             return self.gamma if self.trees or self.free_drafts else self.chooser.drafting_gamma(self.gamma)
         if self.plain_rounds >= self.probe_after:
@@ -165,13 +176,16 @@ class AutoGammaPolicy(GammaPolicy):
 
     def observe_rows(self, *, drafted, accepted_per_row, draft_time_s, verify_time_s, first_round) -> None:
         self._count_positions(drafted, accepted_per_row)
-        if not self.trees:  # a shadow step reaches it as a plain step (drafted 0): a plain step's cost
+        # a shadow step reaches the chooser as a plain step (drafted 0): a plain step's cost. A recurrent target's
+        # plain steps before its first drafting round do not: that round is the chooser's first (its cost ratio, then
+        # Theorem 3.8 at it), as the first round is elsewhere
+        if not self.trees and (drafted or self.drafted or not self.one_token_kernels):
             self.chooser.observe_rows(
                 drafted=drafted,
                 accepted_per_row=accepted_per_row,
                 draft_time_s=draft_time_s,
                 verify_time_s=verify_time_s,
-                first_round=first_round,
+                first_round=first_round or (self.one_token_kernels and not self.drafted),
             )
         # a batch's tokens per second is the number of rows times a row's mean: the mean, unrounded, decides
         self._observe(drafted, sum(accepted_per_row) / len(accepted_per_row), draft_time_s, verify_time_s, first_round)
@@ -187,7 +201,6 @@ class AutoGammaPolicy(GammaPolicy):
         self, drafted: int, accepted: float, draft_time_s: float, verify_time_s: float, first_round: bool
     ) -> None:
         draft_time_s, verify_time_s = at_least_a_tick(draft_time_s, verify_time_s)
-        self.observed = True
         if not drafted:
             # a step whose forward also carried kept tokens again (after a recurrent cache's rollback) costs what
             # the drafting round before left to do: not a plain step's cost (a measurement wanted waits for the next)
@@ -203,10 +216,10 @@ class AutoGammaPolicy(GammaPolicy):
                 self.measure_plain = False
                 self._decide()
             return
+        first_drafting, self.drafted = not self.drafted, True
         if first_round:  # its times include the prefill; if it accepted nothing, probe at once (or a γ = 1 round)
             if accepted == 0:
-                self.shadow, self.shadow_spent = self.shadow_drafts, 0.0
-                self.cautious = not self.shadow_drafts
+                self._probe_at_once()
             return
         if self.probing:  # a γ = 1 probe: resume on any accepted draft
             self.probing = False
@@ -231,8 +244,23 @@ class AutoGammaPolicy(GammaPolicy):
             else:  # a γ = 1 round says little about the user's γ: start afresh
                 self._restart_rate()
             return
+        if self.one_token_kernels and not self._could_pay():
+            # a recurrent target whose verify forward costs more than drafts that were always right could win back
+            # (a reference scan padding a few tokens to a long chunk): no acceptance pays, stop now rather than after
+            # `min_rounds` losing rounds
+            self.stopped, self.plain_rounds = True, 0
+            return
+        if first_drafting and accepted == 0:  # a recurrent target's first drafting round (after plain steps)
+            self._probe_at_once()
+            return
         if self.drafting_rounds >= self.min_rounds:
             self._decide()
+
+    def _probe_at_once(self) -> None:
+        """The first drafting round accepted nothing: the drafter is probed at once (shadow guesses; without them, a
+        γ = 1 round)."""
+        self.shadow, self.shadow_spent = self.shadow_drafts, 0.0
+        self.cautious = not self.shadow_drafts
 
     def _book_plain(self, seconds: float) -> None:
         """A plain step's seconds: its decayed mean with each step counted for at most `max_jump` times the median of
@@ -258,6 +286,8 @@ class AutoGammaPolicy(GammaPolicy):
                 self.shadow, self.stopped, self.plain_rounds = False, True, 0
             return
         self.shadow_spent += guess_s
+        if not self.plain_s:  # no plain step measured yet (this one carried kept tokens): the budget waits for one
+            return
         if self.shadow_spent + guess_s > self.shadow_budget * statistics.median(self.plain_s):
             self.shadow, self.stopped, self.plain_rounds = False, True, 0  # one more guess would pass the budget
 
@@ -265,9 +295,11 @@ class AutoGammaPolicy(GammaPolicy):
         """Whether drafting could beat plain steps if every draft were accepted: a right guess or probe resumes drafting
         only then. The bound: a recent drafting round (as measured, its seconds uncapped) emitting the user's γ + 1
         tokens, its extra drafts at the median drafted token's seconds and its verify forward no dearer; the most
-        favourable of the last five (a stalled round cannot decide). Where a verify forward costs several plain steps
-        (a reference kernel that pads a few tokens to a long chunk), no acceptance pays, and each resume would cost
-        `min_rounds` losing rounds. True until a plain step and a drafting round are measured, and for trees."""
+        favourable of the last five (a stalled round cannot decide), against the fastest of the last five plain steps
+        (nor can a stalled one). Where a verify forward costs several plain steps (a reference kernel that pads a few
+        tokens to a long chunk), no acceptance pays, and each resume would cost `min_rounds` losing rounds (a recurrent
+        target stops after any round where this is False). True until a plain step and a drafting round are measured,
+        and for trees."""
         if self.trees or not self.plain_seconds or not self.round_s:
             return True
         draft_s = statistics.median(self.chooser.draft_s) if self.chooser.draft_s else 0.0
@@ -275,7 +307,7 @@ class AutoGammaPolicy(GammaPolicy):
             (self.user_gamma + 1) / max(seconds + max(self.user_gamma - drafted, 0) * draft_s, 1e-12)
             for drafted, seconds in zip(self.round_drafted, self.round_s, strict=True)
         )
-        return ceiling >= self.stop_below * self.plain_weight / self.plain_seconds
+        return ceiling >= self.stop_below / min(self.plain_s)
 
     def _resume(self) -> None:
         self.stopped = self.shadow = self.cautious = False
