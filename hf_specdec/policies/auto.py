@@ -250,7 +250,8 @@ class AutoGammaPolicy(GammaPolicy):
             # `min_rounds` losing rounds
             self.stopped, self.plain_rounds = True, 0
             return
-        if first_drafting and accepted == 0:  # a recurrent target's first drafting round (after plain steps)
+        if first_drafting and accepted == 0 and self.one_token_kernels and not self.free_drafts:
+            # a recurrent target's first drafting round, after its plain steps (free drafts are judged as elsewhere)
             self._probe_at_once()
             return
         if self.drafting_rounds >= self.min_rounds:
