@@ -199,11 +199,13 @@ def _crop(cache, count: int) -> None:
     """Drops the last `count` positions of every layer of `cache`: attention keys and values, and the convolution
     windows of linear-attention / SSM layers, which are also trimmed back to their kernel size (so a crop by 0 keeps
     them from growing with the sequence). The windows are cut here rather than by transformers' `crop`, which also
-    cuts windows that were never filled (a layer with more states than it uses)."""
+    cuts windows that were never filled (a layer with more states than it uses). A layer that holds nothing yet (a
+    draft model told of a round before it ever drafted) is left as it is."""
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
     for layer in layers:
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
-            layer.crop(-count)
+            if getattr(layer, "is_initialized", True):
+                layer.crop(-count)
             continue
         for index, window in layer.conv_states.items():
             if window is None or not layer.is_conv_states_initialized[index]:
