@@ -37,6 +37,7 @@ the bound from the batch costs measured with the same left padding. Speed is mea
         [--tree-budgets 8,12,16] [--constant-tree-budgets 8] [--prompts 4]
         [--repeats 3] [--prompt-length 64] [--max-new-tokens 64] [--batches 1,4,8,16] [--skip-batch] [--threads 2]
     python benchmarks/bench_memory_bound.py --batches-only --batches 4,8 --output benchmarks/results/x.json
+    python benchmarks/bench_memory_bound.py --batches-only --sliding-window 32   # Mistral: sliding-window layers
 """
 
 from __future__ import annotations
@@ -505,6 +506,12 @@ def main() -> None:
         action="store_true",
         help="only the batched throughput section (no batch-1 methods, trees or theory)",
     )
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="build the pair as Mistral models attending to this many positions (sliding-window attention)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="write the results as JSON here")
     if parser.parse_known_args()[0].quick:
@@ -514,7 +521,9 @@ def main() -> None:
 
     shape = QUICK_PAIR if args.quick else FULL_PAIR
     start = time.perf_counter()
-    target, drafter = build_early_exit_pair(**shape, head_logit_std=4.0, dtype=torch.bfloat16, seed=args.seed)
+    target, drafter = build_early_exit_pair(
+        **shape, head_logit_std=4.0, dtype=torch.bfloat16, seed=args.seed, sliding_window=args.sliding_window
+    )
     build_s = time.perf_counter() - start
     target = hf_specdec.enable(target)
     # transformers reads the draft length from the assistant's own generation config: set it on a copy
@@ -527,7 +536,11 @@ def main() -> None:
     )
 
     context = args.prompt_length + args.max_new_tokens // 2
-    tree_sizes = sorted({args.gamma + 1, *(budget + 1 for budget in args.tree_budgets)})
+    if args.sliding_window is not None:  # token trees need a cache that keeps every column: refused there
+        args.tree_budgets, args.constant_tree_budgets = [], []
+    tree_sizes = (
+        [] if args.sliding_window is not None else sorted({args.gamma + 1, *(b + 1 for b in args.tree_budgets)})
+    )
     causal_sizes = sorted({*CAUSAL_SIZES, args.gamma + 1})
     costs = cost_curves(
         target, drafter, context, causal_sizes, tree_sizes, DRAFTER_FRONTIERS, args.cost_repeats, seed=args.seed
@@ -556,6 +569,8 @@ def main() -> None:
         "pair": {
             **shape,
             "num_attention_heads": target.config.num_attention_heads,
+            "model_type": target.config.model_type,
+            "sliding_window": args.sliding_window,
             "dtype": "bfloat16",
             "deep_layer_scale": 0.05,
             "head_logit_std_target": 4.0,

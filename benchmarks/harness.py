@@ -153,6 +153,8 @@ def cost_curves(
     prefix = torch.randint(1, vocab, (batch, context), generator=generator).to(device)
     target_cache = DynamicCache(config=target.config)
     drafter_cache = DynamicCache(config=drafter.config)
+    for cache in (target_cache, drafter_cache):  # a sliding-window layer then keeps what each crop restores
+        cache.activate_past_recording()
     masked = {}  # k -> the forward kwargs of a left-padded batch for k new tokens
     if padding is not None:
         prefix_mask = (torch.arange(context)[None, :] >= torch.tensor(padding)[:, None]).long().to(device)

@@ -1,6 +1,7 @@
 """A batch's rows one at a time: each row's copy of the logits processors, its batch-1 draft context, its slice of
 the prepared model kwargs with a fresh cache of its own, and the loop that decodes the rows one after another
-(encoder-decoder targets, sliding-window and static caches, models without `position_ids`; see `batching.py`)."""
+(encoder-decoder targets, static caches, hybrid and state-space models, models without `position_ids`; see
+`batching.py`)."""
 
 from __future__ import annotations
 

@@ -2,25 +2,29 @@
 
 Each row accepts its own number of drafts each round. Two layouts, chosen by one capability check:
 
-**Padded batch (decoder-only targets with a dynamic full-attention cache and `position_ids`).** Rows stay in one
-left-padded rectangle whose rows all *end* in the same column, which is exactly the layout plain batched `generate`
-uses. Each round every row drafts (up to) γ tokens, the target verifies all rows in one forward of γ + 1 tokens per
-row, and each row emits its own number e_r of tokens. The rectangle then grows by max_r e_r columns and every row
-with fewer new tokens is moved right by the difference (more left padding), in the token ids, the attention mask
-and the target's key/value cache (`realign_cache`: one gather per layer when rows moved by different amounts, a
-slice when they all moved alike). Positions come from the attention mask (cumulative sum), as in plain generation,
-and rotary keys are stored already rotated, so moving a row does not change what it computes. Columns that are
-padding in every row are dropped, and rows that finish (EOS, stop strings, max length) leave the batch at once, so
-they stop costing compute.
+**Padded batch (decoder-only targets with a dynamic cache of full or sliding-window attention, and `position_ids`).**
+Rows stay in one left-padded rectangle whose rows all *end* in the same column, which is exactly the layout plain
+batched `generate` uses. Each round every row drafts (up to) γ tokens, the target verifies all rows in one forward of
+γ + 1 tokens per row, and each row emits its own number e_r of tokens. The rectangle then grows by max_r e_r columns
+and every row with fewer new tokens is moved right by the difference (more left padding), in the token ids, the
+attention mask and the target's key/value cache (`realign_cache`: one gather per layer when rows moved by different
+amounts, a slice when they all moved alike). Positions come from the attention mask (cumulative sum), as in plain
+generation, and rotary keys are stored already rotated, so moving a row does not change what it computes. A
+sliding-window layer
+keeps the last columns of its window: its cache records its past (`Cache.activate_past_recording`), so a verify
+forward leaves the window's older columns in place until the realignment moves each row and trims the layer, and a
+row's tokens stay contiguous and end with the rectangle, so its window covers the tokens plain generate's does.
+Columns that are padding in every row are dropped, and rows that finish (EOS, stop strings, max length) leave the
+batch at once, so they stop costing compute.
 Costs: one gather of the cache per uneven round (about one extra read of the cache, small next to the forward);
 attention runs over the longest row, so a row that accepts less carries more padding; a draft position is computed
 for every row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
 
-**One row at a time (encoder-decoder targets, sliding-window and static caches, models without `position_ids`;
-`prefill_chunk_size`; drafters that read the target's own cache).** Their decoders derive positions from cache
-slots, which left padding would shift (a static cache's preallocated rows cannot be realigned without copies
-either), so each row runs the single-sequence loop with its own cache, sharing the batch's encoder outputs. Exact,
-but without the batching speedup.
+**One row at a time (encoder-decoder targets, static caches, hybrid and state-space models, models without
+`position_ids`; `prefill_chunk_size`; drafters that read the target's own cache).** Their decoders derive positions
+from cache slots, which left padding would shift (a static cache's preallocated rows cannot be realigned without
+copies either; a padded position would move a recurrent state), so each row runs the single-sequence loop with its
+own cache, sharing the batch's encoder outputs. Exact, but without the batching speedup.
 
 Either way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
 distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from .batch_rows import decode_rows, padded_batch_processors, processors_for_row, row_context
 from .caches import CACHE_KWARG, realign_cache, slice_cache
@@ -87,7 +92,7 @@ def decode_batch(
 
 def _supports_padded_batch(model, cache) -> bool:
     """Left padding leaves positions intact only for decoder-only models that take `position_ids`, and the cache
-    can be realigned only when every layer keeps all columns (no sliding windows)."""
+    can be realigned only when every layer holds per-column state alone (full or sliding-window attention)."""
     return (
         not model.config.is_encoder_decoder
         and isinstance(cache, DynamicCache)
@@ -97,11 +102,12 @@ def _supports_padded_batch(model, cache) -> bool:
 
 
 def _moves_by_column(layer) -> bool:
-    """Whether everything `layer` holds is per-column state that `realign_cache` moves: no sliding window, and no
-    convolution or recurrent state (which summarizes the last tokens of each row, whatever their columns)."""
-    return not (
-        getattr(layer, "is_sliding", False) or hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
-    )
+    """Whether everything `layer` holds is per-column state that `realign_cache` moves: keys and values of full or
+    sliding-window attention (`DynamicSlidingWindowLayer`, the last columns of its window), and no convolution or
+    recurrent state (which summarizes the last tokens of each row, whatever their columns)."""
+    if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
+        return False
+    return not getattr(layer, "is_sliding", False) or type(layer) is DynamicSlidingWindowLayer
 
 
 def _decode_padded(model, input_ids, *, drafter, inputs_tensor, policy, stats, **run):
@@ -140,6 +146,9 @@ class PaddedBatchLane(Lane):
         self.device = input_ids.device
         batch, self.prompt_len = input_ids.shape
         self.cache = model_kwargs.pop(CACHE_KWARG)
+        # a sliding-window layer keeps its window's older columns through a forward, until the realignment trims it
+        # (a row that emitted fewer tokens moves right and needs them)
+        self.cache.activate_past_recording()
         model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
         mask = model_kwargs.pop("attention_mask", None)
         mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
@@ -296,7 +305,8 @@ class PaddedBatchLane(Lane):
             # the longest finished length (a row at max_length is done for good: nothing past it is ever kept)
             stop = max(self.done_length.values()) if len(self.done_length) == self.batch else self.max_length
             keep = [i for i, r in enumerate(rows) if self.prompt_len + len(self.generated[r]) < stop]
-            for r in rows:
+            # every row, those that left at max_length before the last row was done too
+            for r in range(self.batch):
                 self.generated[r] = self.generated[r][: stop - self.prompt_len]
         if len(keep) < len(rows):
             index = to_device(keep, device)

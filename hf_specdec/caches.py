@@ -6,7 +6,13 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 from transformers.generation import utils as _generation_utils
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "realign_cache",
     "rewind_cache",
     "slice_cache",
+    "sliding_window_columns",
     "static_capacity",
     "static_rewind_problem",
 ]
@@ -65,20 +72,52 @@ def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
 
     `columns` is `[batch, new_len]`; entries outside the old cache (the new left padding) are clamped, and hold
     values the attention mask hides. Callers that know every row moved alike use `slice_cache`, which copies nothing.
+    A sliding-window layer (`DynamicSlidingWindowLayer`, recording its past: see `sliding_window_columns`) gets the
+    last columns of its window only.
     """
     for layer in _filled_layers(cache):
+        first, kept = sliding_window_columns(layer, columns.shape[1])
+        wanted = columns[:, columns.shape[1] - kept :] - first  # [batch, kept]: columns of the stored tensors
         for name, tensor, (batch_dim, column_dim) in _column_state(layer):
             moved = tensor.movedim((batch_dim, column_dim), (0, 1))  # [batch, old_len, ...]
-            index = columns.clamp(0, moved.shape[1] - 1).to(moved.device)  # [batch, new_len]
+            index = wanted.clamp(0, moved.shape[1] - 1).to(moved.device)  # [batch, kept]
             rows = torch.arange(moved.shape[0], device=moved.device)[:, None]  # [batch, 1]
             setattr(layer, name, moved[rows, index].movedim((0, 1), (batch_dim, column_dim)).contiguous())
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = columns.shape[1]
 
 
 def slice_cache(cache: DynamicCache, start: int, length: int) -> None:
-    """Keeps columns `start ... start + length - 1` of every row: `realign_cache` when every row moved alike."""
+    """Keeps columns `start ... start + length - 1` of every row: `realign_cache` when every row moved alike (a
+    sliding-window layer: the last columns of its window among them)."""
     for layer in _filled_layers(cache):
+        first, kept = sliding_window_columns(layer, length)
+        begin = start + length - kept - first  # in the stored tensors
+        if begin < 0:
+            raise RuntimeError(
+                f"{type(layer).__name__} no longer holds column {start + length - kept} (it holds columns from {first} "
+                "on): the cache cannot be sliced there"
+            )
         for name, tensor, (_, column_dim) in _column_state(layer):
-            setattr(layer, name, tensor.narrow(column_dim, start, length))
+            setattr(layer, name, tensor.narrow(column_dim, begin, kept))
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = length
+
+
+def sliding_window_columns(layer, length: int) -> tuple[int, int]:
+    """`(first, kept)` for a layer about to hold a rectangle of `length` columns: the column of the rectangle its
+    stored tensors start at now, and how many of the new columns it keeps (the last ones).
+
+    A full-attention layer stores every column (0, `length`). A sliding-window layer (`DynamicSlidingWindowLayer`)
+    stores the last columns of the `cumulative_length` it has seen, and keeps the last `sliding_window - 1` new ones
+    (all that a later forward attends to; as transformers' `crop` leaves it). Its cache must record its past
+    (`Cache.activate_past_recording`), so that a forward keeps the window's older columns until the realignment: a row
+    that moves right by as many columns as it emitted fewer tokens still finds its own window among them (the
+    attention mask and the row's positions are those of plain generate: the row's tokens stay contiguous and end
+    with the rectangle, so the window covers the same tokens)."""
+    if not isinstance(layer, DynamicSlidingWindowLayer):
+        return 0, length
+    return layer.cumulative_length - layer.keys.shape[-2], min(length, max(layer.sliding_window - 1, 0))
 
 
 def _column_state(layer) -> list:
@@ -204,7 +243,12 @@ def compactable(cache) -> bool:
 
 
 def _filled_layers(cache: DynamicCache) -> list:
-    return [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and layer.keys.numel()]
+    # a `DummyLayer` (a layer that reads another's keys and values, or has no attention) holds None
+    return [
+        layer
+        for layer in cache.layers
+        if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel()
+    ]
 
 
 def croppable_after_first_forward(cache) -> bool:

@@ -28,6 +28,7 @@ def build_early_exit_pair(
     num_attention_heads: int | None = None,
     num_key_value_heads: int | None = None,
     head_logit_std: float | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel]:
     """Returns `(target, drafter)`: a `num_layers` Llama target and its 1-layer early-exit drafter.
 
@@ -35,10 +36,12 @@ def build_early_exit_pair(
     `hidden_size // 64` and `hidden_size // 128`. The head is multiplied by 6 to sharpen the next-token
     distributions; with `head_logit_std` it is instead rescaled so that the target's logits, measured on one forward
     over seeded random tokens, have that standard deviation (a sharpness that does not depend on the shape, e.g.
-    `head_logit_std=4.0` for a TinyLlama-shaped pair).
+    `head_logit_std=4.0` for a TinyLlama-shaped pair). With `sliding_window`, both are Mistral models (Llama's
+    layers and weight names) whose every layer attends to the last `sliding_window` positions only.
     """
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
     config = AutoConfig.for_model(
-        "llama",
+        "llama" if sliding_window is None else "mistral",
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 11 // 4 if intermediate_size is None else intermediate_size,
@@ -50,6 +53,7 @@ def build_early_exit_pair(
         eos_token_id=None,
         pad_token_id=None,
         tie_word_embeddings=False,
+        **window,
     )
     torch.manual_seed(seed)
     target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

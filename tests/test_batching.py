@@ -240,6 +240,46 @@ def test_rows_without_pad_token_run_until_all_are_done():
         assert torch.equal(out, plain)
 
 
+class StopAtLength(StoppingCriteria):
+    """Per-row criterion (no EOS): row r is done once its row of the padded batch holds `lengths[r]` tokens."""
+
+    def __init__(self, prompts, lengths):
+        self.prompts, self.lengths = prompts, lengths
+
+    def __call__(self, input_ids, scores, **kwargs):
+        # rows decoded apart are called one at a time: identify each row by its prompt
+        rows = [next(r for r, p in enumerate(self.prompts) if torch.equal(row[: len(p)], p)) for row in input_ids]
+        return torch.tensor([input_ids.shape[1] >= self.lengths[r] for r in rows])
+
+
+def test_a_row_at_max_length_before_the_others_are_done_is_cut_back_like_plain():
+    """No EOS criterion: a row done early keeps growing with the batch, as in plain generate. A row that reaches
+    max_length (an always-right drafter, long drafts) before the last row is done leaves the batch, and is cut back
+    like every other row to the length at which the last row was done (it kept its 20 new tokens)."""
+    target = hf_specdec.enable(tiny_model("llama", seed=0))
+    ids = torch.cat([prompt(8, seed=3), prompt(8, seed=4)])
+    free = target.generate(ids, max_new_tokens=20)
+    criteria = StoppingCriteriaList([StopAtLength(list(ids), [10, 16])])
+    plain = target.generate(ids, max_new_tokens=20, stopping_criteria=criteria)
+    assert plain.shape[1] == 16
+
+    class RightForRowZero(RowScriptedDrafter):  # row 0 always right, row 1 never
+        def reset(self, context):
+            super().reset(context)
+            self.period = None if self.row == 0 else 1
+
+    drafter = RightForRowZero(list(ids), list(free))
+    out = target.generate(
+        ids,
+        max_new_tokens=20,
+        stopping_criteria=criteria,
+        drafter=drafter,
+        speculative_gamma=10,
+        speculative_gamma_policy="constant",
+    )
+    assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("arch", ("t5", "bart"))
 def test_encoder_decoder_batch_matches_plain(arch):
     target = hf_specdec.enable(tiny_seq2seq(arch, seed=0))
@@ -389,6 +429,43 @@ def test_realign_cache_moves_each_row_and_slice_cache_matches_it_when_rows_move_
     assert cache.get_seq_length() == 4
 
 
+def test_realign_and_slice_keep_a_sliding_window_layer_s_window():
+    """A sliding-window layer stores the last columns of the rectangle it has seen (here columns 2 ... 8 of 9: its
+    window of 3 after a crop, then a forward of 4 it recorded): realigned or sliced, it holds the last 3 of the new
+    columns, read from the stored ones, and counts the new rectangle's width; a column it no longer holds is refused."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from hf_specdec.caches import realign_cache, slice_cache
+
+    def filled():
+        layer = DynamicSlidingWindowLayer(sliding_window=4)
+        layer.activate_past_recording()
+        columns = torch.arange(9, dtype=torch.float32)  # every stored value is its column in the rectangle
+        grid = columns.view(1, 1, 9, 1).expand(3, 2, 9, 4) + 100 * torch.arange(3).view(3, 1, 1, 1)  # + 100 x row
+        layer.update(grid[:, :, :5], -grid[:, :, :5])
+        layer.crop(0)  # the window: columns 2, 3, 4
+        layer.update(grid[:, :, 5:], -grid[:, :, 5:])  # recorded: columns 2 ... 8
+        cache = DynamicCache()
+        cache.layers = [layer]
+        return cache, layer
+
+    cache, layer = filled()
+    assert layer.keys.shape[2] == 7 and layer.cumulative_length == 9
+    shifts = torch.tensor([0, 1, 2])
+    realign_cache(cache, torch.arange(9)[None, :] - shifts[:, None])  # rows moved right by 0, 1, 2
+    want = torch.stack([torch.arange(6, 9) - shift + 100 * row for row, shift in enumerate(shifts.tolist())])
+    assert torch.equal(layer.keys[:, 0, :, 0], want.float()) and torch.equal(layer.values, -layer.keys)
+    assert layer.cumulative_length == 9 and layer.keys.shape[2] == 3
+
+    cache, layer = filled()
+    slice_cache(cache, 1, 7)  # columns 1 ... 7: the window is 5, 6, 7
+    assert torch.equal(layer.keys[0, 0, :, 0], torch.tensor([5.0, 6.0, 7.0])) and layer.cumulative_length == 7
+    cache, _ = filled()
+    with pytest.raises(RuntimeError, match="no longer holds column 1"):
+        slice_cache(cache, 0, 4)  # its window would be columns 1, 2, 3
+
+
 def test_each_row_of_a_batch_has_its_own_stats():
     """`speculative_stats.rows`: one entry per output row, in order, whose tokens and rounds add up to the call's,
     for the padded batch and for rows decoded one at a time (an encoder-decoder target)."""
@@ -460,3 +537,75 @@ def test_plain_steps_before_and_between_drafting_rounds_in_a_batch(drafter_kind)
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
     if drafter_kind == "never_right":
         assert stats.accepted_tokens == 0
+
+
+def sliding_target(arch, seed=0, window=4):
+    """A tiny sliding-window target: Mistral (every layer sliding) or Gemma 3 (a sliding and a full layer), with a
+    window much shorter than the rows (prompts up to 7 tokens, 24 new ones)."""
+    if arch == "mistral":
+        return tiny_model("mistral", seed=seed, sliding_window=window)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_sliding_window_targets_run_as_one_padded_batch(arch):
+    """A sliding-window cache is realigned like a full one (each row's window moved to its new columns, from the
+    columns its forward kept: `activate_past_recording`), so such targets verify every row in one forward, and every
+    row equals plain batched generate: draft models with a sliding-window cache of their own that are always right,
+    partly right (rows move apart every round) and never right; per-row drafters partly right; rows that end early."""
+    from transformers import DynamicCache
+
+    from hf_specdec.caches import CACHE_KWARG
+
+    target = hf_specdec.enable(sliding_target(arch))
+    assert any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=target.config).layers)
+    ids, mask = padded_batch()
+    new_tokens = 24
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=PAD)
+    plain = target.generate(ids, **kwargs)
+    references = unpadded_rows(plain, mask)
+    drafters = {
+        "always right": dict(assistant_model=target),
+        "partly right": dict(assistant_model=noisy_copy(target, scale=0.3)),
+        "never right": dict(assistant_model=sliding_target(arch, seed=1)),
+        "per row": dict(drafter=RowScriptedDrafter(unpadded_rows(ids, mask), references, period=3)),
+    }
+    for name, drafter in drafters.items():
+        out = target.generate(
+            ids,
+            speculative_gamma=3,
+            speculative_gamma_policy="constant",
+            return_dict_in_generate=True,
+            **kwargs,
+            **drafter,
+        )
+        assert torch.equal(out.sequences, plain), name
+        stats = out.speculative_stats
+        assert getattr(out, CACHE_KWARG) is not None, name  # the padded batch's own cache: not decoded row by row
+        assert stats.target_calls < new_tokens if name != "never right" else stats.target_calls == new_tokens
+        if name in ("partly right", "per row"):
+            histogram = stats.accepted_length_histogram
+            assert 0 < stats.accepted_tokens < stats.drafted_tokens and histogram[0] and sum(histogram[1:]), name
+    # rows that end early (an EOS the first row emits halfway) leave the batch
+    eos = int(plain[0, ids.shape[1] + new_tokens // 2])
+    plain_eos = target.generate(ids, eos_token_id=eos, **kwargs)
+    out = target.generate(ids, eos_token_id=eos, speculative_gamma=3, assistant_model=noisy_copy(target, 0.3), **kwargs)
+    assert torch.equal(out, plain_eos) and (plain_eos[:, -1] == PAD).any()  # a row ended early, padded
