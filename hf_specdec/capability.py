@@ -15,6 +15,7 @@ from .modeling import logits_width
 from .recurrent import (
     RecurrentCheckpoints,
     forgo_chunk_size,
+    pad_conv_windows,
     recurrent_layers,
     rolls_back_from_checkpoints,
     takes_chunk_size,
@@ -122,6 +123,8 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         steps = [target_logits(model, prompt, 0, kwargs, True, cached=0)[:, -1]]
         recurrent = rolls_back_from_checkpoints(model, kwargs[CACHE_KWARG])
         if recurrent:
+            # as the decoding loops leave a prompt shorter than a convolution's kernel (as plain generate does)
+            pad_conv_windows(kwargs[CACHE_KWARG])
             # state a forward leaves on the modules (not parameters or buffers) is beyond the cache's checkpoints
             moved = [name for name, tensor in _module_tensors(model).items() if module_tensors.get(name) is not tensor]
             if moved:

@@ -6,9 +6,12 @@ A key/value cache is rolled back by cropping its columns. A recurrent layer's st
 recovered from its state after a later position, and the kernels transformers runs over several positions (chunked
 gated delta rule, chunked SSD scan) return the final state only. So rejected drafts are undone from a checkpoint:
 
-- `RecurrentCheckpoints.save()` copies every recurrent state, at the number of positions the cache holds (before
-  the verify forward of a round; after each forward of a draft model). Convolution states need no copy:
-  transformers' own past recording (`Cache.activate_past_recording`) keeps their windows, and a crop restores them.
+- `RecurrentCheckpoints.save()` copies every recurrent state and convolution window, at the number of positions the
+  cache holds (before the verify forward of a round; after each forward of a draft model). The windows are small
+  (the last `conv_kernel_size` inputs), and copying them does not rely on transformers' past recording
+  (`Cache.activate_past_recording`), which some layers bypass in their one-token path (Kimi-Linear, Bailing-hybrid:
+  they shift the window in place). The recording still keeps what a forward appends, so a round that kept everything
+  it fed trims each window back to its kernel size.
 - `RecurrentCheckpoints.rewind(length)` leaves the cache at `length` when that is its current length (a round that
   kept everything it fed: the state is already the right one) or a checkpoint; otherwise it goes back to the latest
   checkpoint before `length` and returns that length. The positions between are then uncached: the caller feeds
@@ -45,6 +48,7 @@ __all__ = [
     "draft_checkpoints",
     "forgo_chunk_size",
     "is_recurrent",
+    "pad_conv_windows",
     "recurrent_layers",
     "rolls_back_from_checkpoints",
     "takes_chunk_size",
@@ -149,16 +153,29 @@ class RecurrentCheckpoints:
         cache.activate_past_recording()
 
     def fed(self, count: int) -> None:
-        """Books `count` positions the owner just fed to the cache."""
+        """Books `count` positions the owner just fed to the cache. A convolution window shorter than its kernel (a
+        first forward over fewer positions: the recording keeps it unpadded) is padded with zeros on the left, as
+        transformers pads it without the recording (a one-token forward that shifts the window in place needs all of
+        it)."""
         self.length += count
+        pad_conv_windows(self.cache)
 
     def save(self) -> None:
-        """Copies every recurrent state, as it is after the `length` positions the cache holds now (a layer that has
-        seen no position yet is saved as such: rolling back to it empties the layer)."""
+        """Copies every recurrent state and convolution window (its last `conv_kernel_size` columns), as they are after
+        the `length` positions the cache holds now (a layer that has seen no position yet is saved as such: rolling
+        back to it empties the layer)."""
         self.saved[self.length] = [
             {
                 index: (state.clone() if layer.has_previous_state[index] and state is not None else None)
                 for index, state in layer.recurrent_states.items()
+            }
+            | {
+                ("conv", index): (
+                    window[..., -layer.conv_kernel_size[index] :].clone()
+                    if window is not None and layer.is_conv_states_initialized[index]
+                    else None
+                )
+                for index, window in layer.conv_states.items()
             }
             | {("started", index): started for index, started in layer.has_previous_state.items()}
             for layer in self.layers
@@ -188,19 +205,35 @@ class RecurrentCheckpoints:
                 for index in layer.has_previous_state:
                     if states[index] is not None:
                         layer.recurrent_states[index].copy_(states[index])
-        _crop(self.cache, self.length - target)
+                for index in layer.conv_states:
+                    if states[("conv", index)] is not None:
+                        layer.conv_states[index] = states[("conv", index)].clone()
+        # attention keys and values are cropped; convolution windows were restored above, or (everything fed kept)
+        # trimmed to their kernel
+        _crop(self.cache, self.length - target, windows=target == self.length)
         keep = self.saved.get(target) if target != self.length else None
         self.saved = {} if keep is None else {target: keep}
         self.length = target
         return target
 
 
-def _crop(cache, count: int) -> None:
-    """Drops the last `count` positions of every layer of `cache`: attention keys and values, and the convolution
-    windows of linear-attention / SSM layers, which are also trimmed back to their kernel size (so a crop by 0 keeps
-    them from growing with the sequence). The windows are cut here rather than by transformers' `crop`, which also
-    cuts windows that were never filled (a layer with more states than it uses). A layer that holds nothing yet (a
-    draft model told of a round before it ever drafted) is left as it is."""
+def pad_conv_windows(cache) -> None:
+    """Pads every convolution window of `cache` shorter than its kernel with zeros on the left, as transformers pads
+    it after a first forward over fewer positions than the kernel when the cache does not record its past (with the
+    recording it stays unpadded, and a one-token forward that shifts the window in place would fail on it)."""
+    for layer in recurrent_layers(cache):
+        for index, window in layer.conv_states.items():
+            size = layer.conv_kernel_size[index]
+            if window is not None and layer.is_conv_states_initialized[index] and window.shape[-1] < size:
+                layer.conv_states[index] = torch.nn.functional.pad(window, (size - window.shape[-1], 0))
+
+
+def _crop(cache, count: int, windows: bool = True) -> None:
+    """Drops the last `count` positions of every layer of `cache`: attention keys and values, and (with `windows`)
+    the convolution windows of linear-attention / SSM layers, which are also trimmed back to their kernel size (so a
+    crop by 0 keeps them from growing with the sequence). The windows are cut here rather than by transformers' `crop`,
+    which also cuts windows that were never filled (a layer with more states than it uses). A layer that holds nothing
+    yet (a draft model told of a round before it ever drafted) is left as it is."""
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
     for layer in layers:
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -208,7 +241,7 @@ def _crop(cache, count: int) -> None:
                 layer.crop(-count)
             continue
         for index, window in layer.conv_states.items():
-            if window is None or not layer.is_conv_states_initialized[index]:
+            if not windows or window is None or not layer.is_conv_states_initialized[index]:
                 continue
             end = window.shape[-1] - count
             layer.conv_states[index] = window[..., max(0, end - layer.conv_kernel_size[index]) : end]

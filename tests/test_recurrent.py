@@ -83,45 +83,87 @@ def _states(cache) -> list[torch.Tensor]:
     return out
 
 
+def _forward(model, tokens, cache, checkpoints):
+    # positions given, as generate gives them (some models count them from a layer the rollback crops)
+    start = checkpoints.length
+    positions = torch.arange(start, start + tokens.shape[1])[None]
+    model(tokens, cache=cache, use_cache=True, position_ids=positions)
+    checkpoints.fed(tokens.shape[1])
+
+
+def _fed(model, tokens_list):
+    """A recording cache and its checkpoints after a forward over each of `tokens_list`."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    checkpoints = RecurrentCheckpoints(cache)
+    for tokens in tokens_list:
+        _forward(model, tokens, cache, checkpoints)
+    return cache, checkpoints
+
+
+def _assert_same_states(cache, want):
+    got_states, want_states = _states(cache), _states(want)
+    assert len(got_states) == len(want_states) > 0
+    for got, expected in zip(got_states, want_states, strict=True):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("model_type", STATE_FAMILIES)
 def test_the_state_after_a_rollback_is_the_state_of_a_forward_over_the_kept_tokens(model_type):
     model = sweep_model(model_type)
     ids = prompt(12, seed=3)
     context, drafts = ids[:, :7], ids[:, 7:]
-
-    def forward(tokens, cache, checkpoints):
-        # positions given, as generate gives them (some models count them from a layer the rollback crops)
-        start = checkpoints.length
-        positions = torch.arange(start, start + tokens.shape[1])[None]
-        model(tokens, cache=cache, use_cache=True, position_ids=positions)
-        checkpoints.fed(tokens.shape[1])
-
-    def fed(tokens_list):
-        cache = DynamicCache(config=model.config)
-        cache.activate_past_recording()
-        checkpoints = RecurrentCheckpoints(cache)
-        for tokens in tokens_list:
-            forward(tokens, cache, checkpoints)
-        return cache, checkpoints
-
     assert recurrent_layers(DynamicCache(config=model.config))
     for kept in range(drafts.shape[1] + 1):
-        cache, checkpoints = fed([context])
+        cache, checkpoints = _fed(model, [context])
         checkpoints.save()
-        forward(drafts, cache, checkpoints)  # a verify forward over 5 drafted positions
+        _forward(model, drafts, cache, checkpoints)  # a verify forward over 5 drafted positions
         restored = checkpoints.rewind(7 + kept)
         # all kept: the state is the forward's own; otherwise back to the checkpoint before the forward, and the
         # kept tokens are fed again
         assert restored == (7 + kept if kept == drafts.shape[1] else 7)
         if restored < 7 + kept:
-            forward(drafts[:, :kept], cache, checkpoints)
-        want, _ = fed([ids[:, : 7 + kept]])
-        got_states, want_states = _states(cache), _states(want)
-        assert len(got_states) == len(want_states) > 0
-        for got, expected in zip(got_states, want_states, strict=True):
-            assert got.shape == expected.shape
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            _forward(model, drafts[:, :kept], cache, checkpoints)
+        _assert_same_states(cache, _fed(model, [ids[:, : 7 + kept]])[0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_type", STATE_FAMILIES)
+def test_the_state_after_rolling_back_one_token_forwards_is_the_state_of_the_kept_tokens(model_type):
+    """As a stateful draft model drafts: a checkpoint after each one-token forward, then back to an earlier one.
+    Kimi-Linear and Bailing-hybrid shift their convolution windows in place in their one-token forwards, outside
+    transformers' past recording: the windows come back from the checkpoints' copies. The context is 2 tokens,
+    fewer than the convolution's kernel (left unpadded by the recording: padded as plain generate pads it)."""
+    model = sweep_model(model_type)
+    ids = prompt(6, seed=3)
+    for kept in range(2, 6):
+        cache, checkpoints = _fed(model, [ids[:, :2]])
+        checkpoints.save()
+        for position in range(2, 6):
+            _forward(model, ids[:, position : position + 1], cache, checkpoints)
+            checkpoints.save()
+        assert checkpoints.rewind(kept) == kept
+        _assert_same_states(cache, _fed(model, [ids[:, :2], *(ids[:, i : i + 1] for i in range(2, kept))])[0])
+
+
+@pytest.mark.parametrize("model_type", ["kimi_linear", "bailing_hybrid"])
+def test_targets_and_draft_models_that_shift_their_windows_in_place_decode_exactly(model_type):
+    """Kimi-Linear and Bailing-hybrid (convolution windows shifted in place in one-token forwards): a prompt shorter
+    than the kernel (it raised in the first one-token forward), a draft model of the family with other weights (its
+    rollbacks raised) and one with the target's (every draft accepted: its state rolls back exactly)."""
+    target = hf_specdec.enable(sweep_model(model_type))
+    for ids in (prompt(2), prompt(9)):
+        reference = plain(target, ids)
+        for drafter in (
+            dict(drafter="prompt_lookup"),
+            dict(assistant_model=sweep_model(model_type, seed=7)),
+            dict(assistant_model=sweep_model(model_type)),
+        ):
+            out = speculative(target, ids, **drafter)
+            assert torch.equal(out.sequences, reference), (ids.shape, drafter)
+        assert out.speculative_stats.acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
