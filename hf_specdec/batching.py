@@ -74,7 +74,8 @@ def decode_batch(
     **run,
 ):
     """Decodes a batch `[batch, prompt_len]` (`run`: the loop's processors, criteria, config, options, policy and
-    stats); returns (sequences, the target's cache, or None when rows were decoded one at a time)."""
+    stats); returns the sequences. The target's cache is not returned: rows realigned or left the batch, or each row
+    had a cache of its own, so no cache holds the returned rows as plain generate's does."""
     cache = model_kwargs[CACHE_KWARG]
     # a drafter that reads the target's own cache (each row's is its own there), one that would read a padded batch's
     # hidden states whole, and `prefill_chunk_size` (each row's prompt prefilled in chunks): rows one at a time
@@ -84,10 +85,8 @@ def decode_batch(
         and not (drafter.reads_target_hidden_states and drafter.supports_padded_batches)
         and run["generation_config"].prefill_chunk_size is None
     ):
-        return _decode_padded(
-            model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs
-        ), cache
-    return decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs), None
+        return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs)
+    return decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs)
 
 
 def _supports_padded_batch(model, cache) -> bool:

@@ -112,9 +112,9 @@ def speculative_decode(
         )
         cache = model_kwargs[CACHE_KWARG]
     else:
-        input_ids, cache = decode_batch(
-            model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor, **run
-        )
+        # no cache comes back for a batch (`decode_batch`): `past_key_values` is None
+        input_ids = decode_batch(model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor, **run)
+        cache = None
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
@@ -208,6 +208,12 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"{type(model).__name__} generates without a `Cache` object (it recomputes the whole sequence at every "
             "step), so there are no keys and values to keep or roll back. Speculative decoding needs a model that "
             "supports `DynamicCache`; drop `assistant_model`/`drafter` for this model."
+        )
+    if getattr(cache, "offloading", False):
+        raise ValueError(
+            f"The target's cache offloads its layers to the CPU (cache_implementation="
+            f"{generation_config.cache_implementation!r}), which hf_specdec does not roll back. Use the default dynamic "
+            'cache (`cache_implementation=None`) or a static one (`cache_implementation="static"`) with a drafter.'
         )
     if is_static(cache):
         problem = static_rewind_problem(cache, generation_config.max_length)

@@ -46,7 +46,9 @@ __all__ = [
     "RecurrentCheckpoints",
     "chunk_kwargs",
     "draft_checkpoints",
+    "finish_recording",
     "forgo_chunk_size",
+    "is_recording",
     "is_recurrent",
     "pad_conv_windows",
     "recurrent_layers",
@@ -215,6 +217,22 @@ class RecurrentCheckpoints:
         self.saved = {} if keep is None else {target: keep}
         self.length = target
         return target
+
+
+def is_recording(cache) -> bool:
+    """Whether any layer of `cache` records its past (`Cache.activate_past_recording`)."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    return any(getattr(layer, "record_past", False) for layer in layers)
+
+
+def finish_recording(cache) -> None:
+    """Leaves a cache that a decoding loop set to record its past as plain generate leaves it: sliding-window layers
+    and convolution windows trimmed to what the next forward reads, and no layer recording (a returned cache would
+    otherwise keep every position its sliding-window layers were given, and go on growing)."""
+    _crop(cache, 0)
+    for layer in getattr(getattr(cache, "self_attention_cache", cache), "layers", ()):
+        if hasattr(layer, "record_past"):
+            layer.record_past = False
 
 
 def pad_conv_windows(cache) -> None:

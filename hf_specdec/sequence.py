@@ -30,7 +30,7 @@ from .forward import TargetForward, per_token_prefix, standardize, target_logits
 from .layouts import layout_for
 from .modeling import logits_width
 from .proposals import checked_proposal
-from .recurrent import RecurrentCheckpoints, rolls_back_from_checkpoints
+from .recurrent import RecurrentCheckpoints, finish_recording, is_recording, rolls_back_from_checkpoints
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_draft_acceptance, first_stops
@@ -111,6 +111,8 @@ class SequenceLane(Lane):
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.generation_config, self.model_kwargs = generation_config, model_kwargs
         self.cache = model_kwargs[CACHE_KWARG]
+        # recorded while decoding (what a rollback restores), and no longer once done, unless the caller's was
+        self.was_recording = is_recording(self.cache)
         self.cache.activate_past_recording()
         # the positions the cache holds, counted on the host after the first round (None: read it then)
         self.cached = None if not continuing else input_ids.shape[1] - 1
@@ -157,6 +159,8 @@ class SequenceLane(Lane):
             # a recurrent cache rolled back in the last round: it is brought back to holding every token but the
             # newest, as plain generate leaves it (a returned cache, a row that goes on growing)
             self._feed_tail()
+        if not self.was_recording:
+            finish_recording(self.cache)
         if self.capture is not None:
             self.capture.close()
         self.stats.target_compilations += self.forward.compilations

@@ -573,8 +573,6 @@ def test_sliding_window_targets_run_as_one_padded_batch(arch):
     partly right (rows move apart every round) and never right; per-row drafters partly right; rows that end early."""
     from transformers import DynamicCache
 
-    from hf_specdec.caches import CACHE_KWARG
-
     target = hf_specdec.enable(sliding_target(arch))
     assert any(getattr(layer, "is_sliding", False) for layer in DynamicCache(config=target.config).layers)
     ids, mask = padded_batch()
@@ -589,17 +587,25 @@ def test_sliding_window_targets_run_as_one_padded_batch(arch):
         "per row": dict(drafter=RowScriptedDrafter(unpadded_rows(ids, mask), references, period=3)),
     }
     for name, drafter in drafters.items():
-        out = target.generate(
-            ids,
-            speculative_gamma=3,
-            speculative_gamma_policy="constant",
-            return_dict_in_generate=True,
-            **kwargs,
-            **drafter,
+        rows = []  # the rows of each target forward: all of them in one (row by row: forwards of one row)
+        handle = target.register_forward_pre_hook(
+            lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
         )
+        try:
+            out = target.generate(
+                ids,
+                speculative_gamma=3,
+                speculative_gamma_policy="constant",
+                return_dict_in_generate=True,
+                **kwargs,
+                **drafter,
+            )
+        finally:
+            handle.remove()
         assert torch.equal(out.sequences, plain), name
         stats = out.speculative_stats
-        assert getattr(out, CACHE_KWARG) is not None, name  # the padded batch's own cache: not decoded row by row
+        target_rows = rows[-stats.target_calls :]  # a draft model that is the target itself adds its own forwards
+        assert target_rows[0] == len(ids) and target_rows == sorted(target_rows, reverse=True), name
         assert stats.target_calls < new_tokens if name != "never right" else stats.target_calls == new_tokens
         if name in ("partly right", "per row"):
             histogram = stats.accepted_length_histogram
@@ -609,3 +615,28 @@ def test_sliding_window_targets_run_as_one_padded_batch(arch):
     plain_eos = target.generate(ids, eos_token_id=eos, **kwargs)
     out = target.generate(ids, eos_token_id=eos, speculative_gamma=3, assistant_model=noisy_copy(target, 0.3), **kwargs)
     assert torch.equal(out, plain_eos) and (plain_eos[:, -1] == PAD).any()  # a row ended early, padded
+
+
+def test_a_batch_returns_no_cache_and_a_sequence_returns_one_as_plain_generate_leaves_it():
+    """A batch's cache holds its rows realigned, or none left (rows leave as they finish), or each row had its own:
+    no cache is returned (`past_key_values` None), and continuing from the returned sequences equals plain. One
+    sequence returns its cache as plain generate leaves it: a sliding-window layer trimmed to its window, not
+    recording its past (it would keep every position, and go on growing in later calls)."""
+    from hf_specdec.caches import CACHE_KWARG
+
+    target = hf_specdec.enable(sliding_target("mistral"))
+    ids, mask = padded_batch((3, 7))
+    common = dict(max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True)
+    for extra in ({}, {"prefill_chunk_size": 4}):  # one padded batch; rows one at a time
+        out = target.generate(ids, attention_mask=mask, assistant_model=target, **common, **extra)
+        assert getattr(out, CACHE_KWARG) is None
+        more = torch.cat([mask, torch.ones_like(out.sequences[:, mask.shape[1] :])], dim=-1)
+        again = target.generate(out.sequences, attention_mask=more, assistant_model=target, **common)
+        assert torch.equal(again.sequences, target.generate(out.sequences, attention_mask=more, **common).sequences)
+    single = ids[:1, -3:]
+    plain = target.generate(single, max_new_tokens=24, return_dict_in_generate=True)
+    out = target.generate(single, max_new_tokens=24, assistant_model=target, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain.sequences)
+    for got, want in zip(getattr(out, CACHE_KWARG).layers, getattr(plain, CACHE_KWARG).layers, strict=True):
+        assert not got.record_past and got.keys.shape == want.keys.shape == (1, 2, 3, 8)
+        torch.testing.assert_close(got.keys, want.keys)

@@ -245,6 +245,14 @@ def test_a_static_sliding_window_is_served_within_the_window_and_refused_past_it
         model.generate(ids, max_new_tokens=50, cache_implementation="static", drafter="prompt_lookup")
 
 
+@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
+def test_a_target_cache_that_offloads_its_layers_is_refused(llama, implementation):
+    """An offloading cache (its layers moved to the CPU between forwards) is refused before decoding, naming the
+    argument and the fix (its prefetch stream could not even be copied by the probe: a TypeError deep inside)."""
+    with pytest.raises(ValueError, match=rf"offloads its layers .*cache_implementation='{implementation}'.*None"):
+        llama.generate(prompt(seed=9), max_new_tokens=4, cache_implementation=implementation, drafter="prompt_lookup")
+
+
 def test_nothing_but_transformers_own_compiled_call_is_left_on_the_model():
     model = hf_specdec.enable(tiny_model("llama"))
     ids = prompt(seed=12)
