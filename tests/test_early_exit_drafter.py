@@ -8,7 +8,9 @@ target's own, and the target is never changed.
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,9 @@ from test_sampling_distribution import exact_distribution, goodness_of_fit
 
 import hf_specdec
 from hf_specdec.drafters.early_exit import early_exit_view
+
+sys.path.insert(0, str(Path(__file__).parent / "sweep"))
+from tiny import tiny_model as sweep_model
 
 CONSTANT = dict(speculative_gamma_policy="constant", speculative_gamma=3)
 
@@ -117,6 +122,17 @@ def test_padded_batch():
         **CONSTANT,
     )
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "falcon_h1"])
+def test_configs_whose_layer_types_are_derived(model_type):
+    """Mamba2's and Falcon-H1's configs compute `layer_types` from other fields (a property without a setter, which
+    raised `AttributeError` when the view's config was cut): the view's follows its `num_hidden_layers`, and the
+    output is plain generate's."""
+    model = hf_specdec.enable(sweep_model(model_type))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7]])
+    assert len(early_exit_view(model, 1).config.layer_types) == 1
+    assert torch.equal(model.generate(ids, assistant_early_exit=1, **CONSTANT, max_new_tokens=16), plain(model, ids))
 
 
 def test_sampling_follows_the_target():

@@ -48,8 +48,17 @@ def early_exit_view(model: PreTrainedModel, exit_layer: int) -> PreTrainedModel:
         )
     view_config = copy.deepcopy(config)
     view_config.num_hidden_layers = exit_layer
-    if isinstance(getattr(view_config, "layer_types", None), list):
-        view_config.layer_types = view_config.layer_types[:exit_layer]
+    layer_types = getattr(view_config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) != exit_layer:
+        try:
+            view_config.layer_types = layer_types[:exit_layer]
+        except AttributeError:  # a property derived from other fields (Mamba2, Falcon-H1): it may follow the count
+            if len(view_config.layer_types) != exit_layer:
+                raise ValueError(
+                    f"`assistant_early_exit` / `drafter='early_exit'` drafts with {name}'s first {exit_layer} layers, "
+                    f"but its config derives `layer_types` from other fields, which hf_specdec cannot cut to "
+                    f"{exit_layer} layers. Use an assistant model or prompt lookup with this model."
+                ) from None
     base_view = _shallow_view(base)
     base_view._modules["layers"] = torch.nn.ModuleList(layers[:exit_layer])
     base_view.config = view_config
