@@ -159,7 +159,7 @@ class SequenceLane(Lane):
             # a recurrent cache rolled back in the last round: it is brought back to holding every token but the
             # newest, as plain generate leaves it (a returned cache, a row that goes on growing)
             self._feed_tail()
-        if not self.was_recording:
+        if not self.was_recording and is_recording(self.cache):
             finish_recording(self.cache)
         if self.capture is not None:
             self.capture.close()

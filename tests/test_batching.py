@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import (
+    TINY,
     VOCAB,
     ScriptedDrafter,
     noisy_copy,
@@ -547,21 +548,9 @@ def sliding_target(arch, seed=0, window=4):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"],
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
+    sizes = dict(TINY["gemma"], vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    layer_types = ["sliding_attention", "full_attention"]
+    config = AutoConfig.for_model("gemma3_text", **sizes, sliding_window=window, layer_types=layer_types)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
