@@ -10,10 +10,10 @@ and every row with fewer new tokens is moved right by the difference (more left 
 attention mask and the target's key/value cache (`realign_cache`: one gather per layer when rows moved by different
 amounts, a slice when they all moved alike). Positions come from the attention mask (cumulative sum), as in plain
 generation, and rotary keys are stored already rotated, so moving a row does not change what it computes. A
-sliding-window layer
-keeps the last columns of its window: its cache records its past (`Cache.activate_past_recording`), so a verify
-forward leaves the window's older columns in place until the realignment moves each row and trims the layer, and a
-row's tokens stay contiguous and end with the rectangle, so its window covers the tokens plain generate's does.
+sliding-window layer keeps the last columns of its window: its cache records its past
+(`Cache.activate_past_recording`), so a verify forward leaves the window's older columns in place until the
+realignment moves each row and trims the layer, and a row's tokens stay contiguous and end with the rectangle, so its
+window covers the tokens plain generate's does.
 Columns that are padding in every row are dropped, and rows that finish (EOS, stop strings, max length) leave the
 batch at once, so they stop costing compute.
 Costs: one gather of the cache per uneven round (about one extra read of the cache, small next to the forward);

@@ -29,7 +29,6 @@ __all__ = [
     "realign_cache",
     "rewind_cache",
     "slice_cache",
-    "sliding_window_columns",
     "static_capacity",
     "static_rewind_problem",
 ]
@@ -72,11 +71,11 @@ def realign_cache(cache: DynamicCache, columns: torch.LongTensor) -> None:
 
     `columns` is `[batch, new_len]`; entries outside the old cache (the new left padding) are clamped, and hold
     values the attention mask hides. Callers that know every row moved alike use `slice_cache`, which copies nothing.
-    A sliding-window layer (`DynamicSlidingWindowLayer`, recording its past: see `sliding_window_columns`) gets the
+    A sliding-window layer (`DynamicSlidingWindowLayer`, recording its past: see `_sliding_window_columns`) gets the
     last columns of its window only.
     """
     for layer in _filled_layers(cache):
-        first, kept = sliding_window_columns(layer, columns.shape[1])
+        first, kept = _sliding_window_columns(layer, columns.shape[1])
         wanted = columns[:, columns.shape[1] - kept :] - first  # [batch, kept]: columns of the stored tensors
         for name, tensor, (batch_dim, column_dim) in _column_state(layer):
             moved = tensor.movedim((batch_dim, column_dim), (0, 1))  # [batch, old_len, ...]
@@ -91,7 +90,7 @@ def slice_cache(cache: DynamicCache, start: int, length: int) -> None:
     """Keeps columns `start ... start + length - 1` of every row: `realign_cache` when every row moved alike (a
     sliding-window layer: the last columns of its window among them)."""
     for layer in _filled_layers(cache):
-        first, kept = sliding_window_columns(layer, length)
+        first, kept = _sliding_window_columns(layer, length)
         begin = start + length - kept - first  # in the stored tensors
         if begin < 0:
             raise RuntimeError(
@@ -104,7 +103,7 @@ def slice_cache(cache: DynamicCache, start: int, length: int) -> None:
             layer.cumulative_length = length
 
 
-def sliding_window_columns(layer, length: int) -> tuple[int, int]:
+def _sliding_window_columns(layer, length: int) -> tuple[int, int]:
     """`(first, kept)` for a layer about to hold a rectangle of `length` columns: the column of the rectangle its
     stored tensors start at now, and how many of the new columns it keeps (the last ones).
 
