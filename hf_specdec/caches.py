@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import (
     CacheLayerMixin,
     DynamicLayer,
@@ -27,9 +27,11 @@ __all__ = [
     "holds_nothing",
     "is_static",
     "realign_cache",
+    "record_past",
     "rewind_cache",
     "slice_cache",
     "static_capacity",
+    "static_layers",
     "static_rewind_problem",
 ]
 
@@ -164,16 +166,42 @@ def compact_cache(cache, start: int, kept: torch.LongTensor, in_place: bool | No
 
 def is_static(cache) -> bool:
     """Whether the cache the decoder writes to preallocates its keys and values (transformers' `StaticCache`,
-    `cache_implementation="static"`): rolled back by moving its write position, never by reallocating."""
+    `cache_implementation="static"`): rolled back by moving its write position, never by reallocating. Its layers that
+    hold no keys and values (a hybrid's linear-attention / SSM layers, whose state has one size whatever the length,
+    and `DummyLayer`s) do not count: a `StaticCache` of such layers only (Mamba2's) is static too."""
+    decoder_cache = getattr(cache, "self_attention_cache", cache)
+    layers = _static_candidates(cache)
+    if not layers:
+        return isinstance(decoder_cache, StaticCache) and bool(getattr(decoder_cache, "layers", ()))
+    return all(isinstance(layer, StaticLayer) for layer in layers)
+
+
+def record_past(cache) -> None:
+    """Sets `cache` to record its past (`Cache.activate_past_recording`: sliding-window layers and convolution windows
+    keep what a forward appends until a crop), unless it is static. A static cache keeps its layers' shapes and
+    addresses fixed for compiled forwards: its convolution windows stay at their kernel size (a rollback restores them
+    from `recurrent.RecurrentCheckpoints`' copies), and a recording one would no longer count as compileable, which
+    transformers' mask creation reads (a one-token forward over a static cache would then attend to its empty
+    slots)."""
+    if not is_static(cache):
+        cache.activate_past_recording()
+
+
+def static_layers(cache) -> list:
+    """The layers of a static `cache` that hold keys and values (`StaticLayer`s; hybrid ones too)."""
+    return [layer for layer in _static_candidates(cache) if isinstance(layer, StaticLayer)]
+
+
+def _static_candidates(cache) -> list:
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
-    return bool(layers) and all(isinstance(layer, StaticLayer) for layer in layers)
+    return [layer for layer in layers if isinstance(layer, CacheLayerMixin)]
 
 
 def static_capacity(cache) -> int | None:
-    """The positions a static `cache` can hold (the columns its attention runs over), or None for other caches."""
-    if not is_static(cache):
-        return None
-    return min(layer.max_cache_len for layer in getattr(cache, "self_attention_cache", cache).layers)
+    """The positions a static `cache` can hold (the columns its attention runs over), or None for other caches and
+    for a static cache without attention layers (its states have one size whatever the length)."""
+    layers = static_layers(cache) if is_static(cache) else ()
+    return min(layer.max_cache_len for layer in layers) if layers else None
 
 
 def holds_nothing(cache) -> bool:
@@ -193,7 +221,7 @@ def cached_length(cache) -> int:
 def static_rewind_problem(cache, max_length: int) -> str | None:
     """Why a static `cache` could not be rewound during a generation that may write `max_length` positions, or None.
     A sliding-window static layer shifts its keys out once full, so what it dropped cannot come back."""
-    for layer in getattr(cache, "self_attention_cache", cache).layers:
+    for layer in static_layers(cache):
         # a generation writes at most max_length - 1 positions (the last token is never fed back)
         if isinstance(layer, StaticSlidingWindowLayer) and max_length - 1 > layer.max_cache_len:
             return (
@@ -213,7 +241,7 @@ def rewind_cache(cache, length: int) -> None:
         if excess > 0:
             cache.crop(-excess)
         return
-    for layer in getattr(cache, "self_attention_cache", cache).layers:
+    for layer in static_layers(cache):
         if not layer.is_initialized:
             continue
         if isinstance(layer, StaticSlidingWindowLayer):
@@ -225,7 +253,7 @@ def compactable(cache) -> bool:
     """Whether `compact_cache` keeps `cache` whole: a `DynamicCache` whose layers keep every column (no sliding
     window) and hold nothing per column but their keys and values, or a static cache without sliding windows."""
     if is_static(cache):
-        return not any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+        return all(isinstance(layer, StaticLayer) and not layer.is_sliding for layer in cache.layers)
     if not isinstance(cache, DynamicCache):
         return False
     for layer in cache.layers:

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from .batch_rows import slice_kwargs
-from .caches import CACHE_KWARG, cached_length, is_static, rewind_cache
+from .caches import CACHE_KWARG, cached_length, is_static, record_past, rewind_cache, static_layers
 from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
 from .recurrent import (
@@ -108,9 +108,9 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     def fresh():
         kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own
         cache = kwargs[CACHE_KWARG]
-        cache.activate_past_recording()
+        record_past(cache)
         if is_static(cache):  # an empty copy, sized for the probe (the call's may hold fewer positions)
-            for layer in getattr(cache, "self_attention_cache", cache).layers:
+            for layer in static_layers(cache):
                 if not layer.is_sliding:
                     layer.max_cache_len = max(layer.max_cache_len, prompt_len + _PROBE_DRAFTS + 1)
         return kwargs

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import StaticLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from .batching import decode_batch
@@ -215,6 +214,10 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"{generation_config.cache_implementation!r}), which hf_specdec does not roll back. Use the default dynamic "
             'cache (`cache_implementation=None`) or a static one (`cache_implementation="static"`) with a drafter.'
         )
+    # a recurrent (linear-attention / SSM) cache is rolled back from checkpoints, static or dynamic
+    recurrent = rolls_back_from_checkpoints(model, cache)
+    if recurrent:
+        _check_recurrent_supported(model, cache)
     if is_static(cache):
         problem = static_rewind_problem(cache, generation_config.max_length)
         if problem is not None:
@@ -223,8 +226,8 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
                 f"{generation_config.cache_implementation!r}) cannot be rolled back here: {problem}. Use the default "
                 "dynamic cache (`cache_implementation=None`), or a `max_new_tokens` that stays within the window."
             )
-    elif rolls_back_from_checkpoints(model, cache):
-        _check_recurrent_supported(model, cache, generation_config)
+    elif recurrent:
+        return
     elif getattr(model, "_is_stateful", False) and not getattr(cache, "is_croppable", False):
         raise ValueError(
             f"{type(model).__name__} is stateful: its recurrent state cannot be rolled back to an earlier token, so "
@@ -240,16 +243,9 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
         )
 
 
-def _check_recurrent_supported(model, cache, generation_config) -> None:
-    """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), in a dynamic
-    cache whose layers start empty."""
-    layers = getattr(cache, "layers", ())
-    if any(isinstance(layer, StaticLayer) for layer in layers):
-        raise ValueError(
-            f"{type(model).__name__} keeps recurrent state, and hf_specdec rolls it back in a dynamic cache only, "
-            f"got cache_implementation={generation_config.cache_implementation!r}. Use the default dynamic cache "
-            "(`cache_implementation=None`)."
-        )
+def _check_recurrent_supported(model, cache) -> None:
+    """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), in a cache whose
+    layers start empty (dynamic or static)."""
     if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in recurrent_layers(cache)):
         raise ValueError(
             f"The cache passed to {type(model).__name__} already holds recurrent state: hf_specdec rolls a recurrent "

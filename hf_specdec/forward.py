@@ -6,12 +6,13 @@ each position with its own prefix (`standardize`).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from .caches import CACHE_KWARG, cached_length, is_static, static_capacity
 from .devices import decode_step
-from .recurrent import chunk_kwargs
+from .recurrent import chunk_kwargs, rolls_back_from_checkpoints
 
 __all__ = ["TargetForward", "compiled_graphs", "per_token_prefix", "standardize", "target_logits"]
 
@@ -90,10 +91,13 @@ class TargetForward:
     that proposes fewer, the end of the sequence); each new length would compile a new graph, so the tokens are
     padded up to one of a few sizes (1, 2, 4, ..., and 1 + γ_max), with filler positions after the drafts that the
     causal mask keeps out of their logits and the rewind removes from the cache. A forward that no size fits into
-    the cache's remaining room (the last rounds) runs eagerly. `compilations` counts the graphs compiled during the
-    call (new shapes and recompiles alike), from torch's dynamo counters."""
+    the cache's remaining room (the last rounds) runs eagerly. A hybrid model's recurrent layers would carry filler
+    positions into their state, so its forwards are compiled at their exact sizes (1 to 1 + γ_max, at most dynamo's
+    recompile limit; a longer one, such as one that carries kept tokens again after a rollback, runs eagerly).
+    `compilations` counts the graphs compiled during the call (new shapes and recompiles alike), from torch's dynamo
+    counters."""
 
-    def __init__(self, compiled=None, sizes: tuple[int, ...] = (), max_cache_len: int = 0):
+    def __init__(self, compiled=None, sizes: tuple[int, ...] = (), max_cache_len: float = 0):
         self.compiled = compiled
         self.sizes = sizes
         self.max_cache_len = max_cache_len
@@ -114,8 +118,20 @@ class TargetForward:
             or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
         ):
             return cls()
-        sizes = sorted({2**i for i in range(max_new_tokens.bit_length()) if 2**i < max_new_tokens} | {max_new_tokens})
-        return cls(model.get_compiled_call(generation_config.compile_config), tuple(sizes), static_capacity(cache))
+        if rolls_back_from_checkpoints(model, cache):
+            # a filler position would run through the recurrence and change its state: every size is its own graph,
+            # as many as dynamo compiles before it gives up (a longer forward runs eagerly)
+            sizes = list(range(1, min(max_new_tokens, torch._dynamo.config.recompile_limit) + 1))
+        else:
+            sizes = sorted(
+                {2**i for i in range(max_new_tokens.bit_length()) if 2**i < max_new_tokens} | {max_new_tokens}
+            )
+        capacity = static_capacity(cache)  # None: a static cache of recurrent layers only, which any length fits
+        return cls(
+            model.get_compiled_call(generation_config.compile_config),
+            tuple(sizes),
+            capacity if capacity is not None else math.inf,
+        )
 
     def call_for(self, new_tokens: int, cached: int, pad: bool = True):
         """The compiled callable and the padding for a forward over `new_tokens` after `cached` positions, or

@@ -42,6 +42,8 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from .caches import record_past
+
 __all__ = [
     "RecurrentCheckpoints",
     "chunk_kwargs",
@@ -152,7 +154,7 @@ class RecurrentCheckpoints:
         self.length = length
         self.saved: dict[int, list[dict]] = {}
         # the convolution windows of every position fed since the last rewind, so that `crop` can restore them
-        cache.activate_past_recording()
+        record_past(cache)
 
     def fed(self, count: int) -> None:
         """Books `count` positions the owner just fed to the cache. A convolution window shorter than its kernel (a
@@ -207,9 +209,14 @@ class RecurrentCheckpoints:
                 for index in layer.has_previous_state:
                     if states[index] is not None:
                         layer.recurrent_states[index].copy_(states[index])
-                for index in layer.conv_states:
-                    if states[("conv", index)] is not None:
-                        layer.conv_states[index] = states[("conv", index)].clone()
+                for index, window in layer.conv_states.items():
+                    saved = states[("conv", index)]
+                    if saved is None:
+                        continue
+                    if window is not None and window.shape == saved.shape:
+                        window.copy_(saved)  # in place: a static cache's windows keep their addresses
+                    else:
+                        layer.conv_states[index] = saved.clone()
         # attention keys and values are cropped; convolution windows were restored above, or (everything fed kept)
         # trimmed to their kernel
         _crop(self.cache, self.length - target, windows=target == self.length)
@@ -262,7 +269,9 @@ def _crop(cache, count: int, windows: bool = True) -> None:
             if not windows or window is None or not layer.is_conv_states_initialized[index]:
                 continue
             end = window.shape[-1] - count
-            layer.conv_states[index] = window[..., max(0, end - layer.conv_kernel_size[index]) : end]
+            start = max(0, end - layer.conv_kernel_size[index])
+            if (start, end) != (0, window.shape[-1]):  # a window already cut to size keeps its tensor (static address)
+                layer.conv_states[index] = window[..., start:end]
         attention = _attention_part(type(layer))
         if attention is not None:  # a layer with attention beside its recurrence (Falcon-H1, Zamba)
             attention.crop(layer, -count)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .caches import CACHE_KWARG, cached_length, static_capacity
+from .caches import CACHE_KWARG, cached_length, record_past, static_capacity
 from .capture import capture_for
 from .configuration import SpeculativeOptions
 from .drafters.base import Drafter, DraftProposal
@@ -113,7 +113,7 @@ class SequenceLane(Lane):
         self.cache = model_kwargs[CACHE_KWARG]
         # recorded while decoding (what a rollback restores), and no longer once done, unless the caller's was
         self.was_recording = is_recording(self.cache)
-        self.cache.activate_past_recording()
+        record_past(self.cache)
         # the positions the cache holds, counted on the host after the first round (None: read it then)
         self.cached = None if not continuing else input_ids.shape[1] - 1
         self.carried = 0  # kept tokens the current round's forward carries again (see `score`)

@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import prompt, tiny_model
 from test_sampling_distribution import exact_distribution, goodness_of_fit
+from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 import hf_specdec
 from hf_specdec.drafters.early_exit import early_exit_view
@@ -133,6 +135,28 @@ def test_configs_whose_layer_types_are_derived(model_type):
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7]])
     assert len(early_exit_view(model, 1).config.layer_types) == 1
     assert torch.equal(model.generate(ids, assistant_early_exit=1, **CONSTANT, max_new_tokens=16), plain(model, ids))
+
+
+def test_an_exit_before_the_first_attention_layer_is_refused_by_name():
+    """A hybrid whose first layers are all linear-attention / SSM layers: its forward builds an attention mask from a
+    key/value layer of the cache, which a view of those layers would not have (it failed in its first forward with
+    transformers' own "`get_seq_length` can only be called on Attention layers"); an exit past one is served."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7]])
+    qwen = hf_specdec.enable(sweep_model("qwen3_5_text"))  # linear attention, then full attention
+    with pytest.raises(ValueError, match=r"`assistant_early_exit=1` .* Exit at layer 2 or later"):
+        qwen.generate(ids, assistant_early_exit=1, max_new_tokens=4)
+    model = hf_specdec.enable(sweep_model("nemotron_h"))  # Mamba2, Mamba2, attention, Mamba2
+    kinds = [isinstance(layer, CacheLayerMixin) for layer in DynamicCache(config=model.config).layers]
+    assert kinds == [False, False, True, False]
+    for exit_layer in (1, 2):
+        with pytest.raises(
+            ValueError,
+            match=rf"`assistant_early_exit={exit_layer}` .* all linear-attention / "
+            r"state-space layers, .* Exit at layer 3 or later \(its first attention layer is layer 2\)",
+        ):
+            model.generate(ids, assistant_early_exit=exit_layer, max_new_tokens=4)
+    out = model.generate(ids, assistant_early_exit=3, **CONSTANT, max_new_tokens=8)
+    assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=8))
 
 
 def test_sampling_follows_the_target():

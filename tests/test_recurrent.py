@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ScriptedDrafter, noisy_copy
 from test_sampling_distribution import exact_distribution, goodness_of_fit
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, CompileConfig, DynamicCache
 
 import hf_specdec
 from hf_specdec.recurrent import RecurrentCheckpoints, recurrent_layers
@@ -249,7 +249,47 @@ def test_sampling_follows_the_target_distribution():
     assert any(s not in table for s in own) or goodness_of_fit(table, own) < 1e-3
 
 
-def test_trees_and_static_caches_are_refused_with_the_reason(target, family):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_static_cache_is_rolled_back_exactly(target, compiled):
+    """`cache_implementation="static"`: the attention layers preallocate their keys and values (rewound by their write
+    position), the recurrent layers keep windows of their kernel's size (restored in place from the checkpoints);
+    compiled, each forward at its exact size (a filler position would run through the recurrence)."""
+    ids = prompt(seed=12)
+    options = {"cache_implementation": "static"}
+    if compiled:
+        config = CompileConfig(backend="eager", fullgraph=False, mode=None)
+        config._compile_all_devices = True  # generate compiles on this CPU only when asked to for every device
+        options["compile_config"] = config
+    torch._dynamo.reset()
+    try:
+        reference = plain(target, ids, **options)
+        assert torch.equal(reference, plain(target, ids))  # what the dynamic cache gives
+        for period in (None, 1, 3):
+            out = speculative(target, ids, drafter=ScriptedDrafter(reference, period=period, vocab=VOCAB), **options)
+            assert torch.equal(out.sequences, reference), period
+            stats = out.speculative_stats
+            assert (stats.compiled_rounds > 0) == compiled, (period, stats.compiled_rounds)
+            if period is None:
+                assert stats.accepted_tokens == stats.drafted_tokens > 0
+            elif period == 1:
+                assert stats.accepted_tokens == 0 and stats.drafted_tokens > 0
+        # a stateful draft model (its own dynamic cache), and a padded batch (one row at a time)
+        out = speculative(
+            target, ids, assistant_model=sweep_model(type(target).config_class.model_type, seed=2), **options
+        )
+        assert torch.equal(out.sequences, reference)
+        batch = prompt(batch=2, seed=13)
+        mask = torch.ones_like(batch)
+        mask[1, :3] = 0
+        batch[1, :3] = 0
+        reference = plain(target, batch, attention_mask=mask, pad_token_id=0, **options)
+        out = speculative(target, batch, attention_mask=mask, pad_token_id=0, drafter="prompt_lookup", **options)
+        assert torch.equal(out.sequences, reference)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_trees_and_static_draft_caches_are_refused_with_the_reason(target, family):
     ids = prompt()
     name = type(target).__name__
     with pytest.raises(ValueError, match=rf"Token trees \(speculative_tree_budget=4\) cannot be verified on {name}"):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
 
 from .base import DraftContext, register_drafter
 from .model import ModelDrafter
@@ -59,6 +60,7 @@ def early_exit_view(model: PreTrainedModel, exit_layer: int) -> PreTrainedModel:
                     f"but its config derives `layer_types` from other fields, which hf_specdec cannot cut to "
                     f"{exit_layer} layers. Use an assistant model or prompt lookup with this model."
                 ) from None
+    _check_keeps_attention(name, config, view_config, exit_layer)
     base_view = _shallow_view(base)
     base_view._modules["layers"] = torch.nn.ModuleList(layers[:exit_layer])
     base_view.config = view_config
@@ -66,6 +68,24 @@ def early_exit_view(model: PreTrainedModel, exit_layer: int) -> PreTrainedModel:
     view._modules[prefix] = base_view
     view.config = view_config if model.config is config else _with_text_config(model.config, view_config)
     return view
+
+
+def _check_keeps_attention(name: str, config, view_config, exit_layer: int) -> None:
+    """A hybrid's first layers may all be linear-attention / SSM layers, while its forward builds an attention mask
+    from a key/value layer of its cache (Qwen3.5's `create_causal_mask` reads `get_seq_length`), which the view's
+    cache would not have: refused, naming the first exit that keeps one."""
+    try:
+        full, cut = DynamicCache(config=config).layers, DynamicCache(config=view_config).layers
+    except Exception:  # a config transformers builds no cache from: the view's first forward tells
+        return
+    attention = [index for index, layer in enumerate(full) if isinstance(layer, CacheLayerMixin)]
+    if attention and len(cut) == exit_layer and not any(isinstance(layer, CacheLayerMixin) for layer in cut):
+        raise ValueError(
+            f"`assistant_early_exit={exit_layer}` / `drafter='early_exit'` would draft with {name}'s first "
+            f"{exit_layer} layers, which are all linear-attention / state-space layers, while its forward needs an "
+            f"attention layer in its cache. Exit at layer {attention[0] + 1} or later (its first attention layer is "
+            f"layer {attention[0]})."
+        )
 
 
 def _shallow_view(module: torch.nn.Module) -> torch.nn.Module:

@@ -27,8 +27,8 @@ STATIC_REFUSALS = [
     r"The target's static cache \(\w+, cache_implementation=.*\) cannot be rolled back here: "
     r"its sliding-window layers keep \d+ positions",
     r"Speculative beam search needs the target's cache to be a croppable dynamic cache",
-    # hybrid and state-space models: their recurrent state is rolled back in a dynamic cache only
-    r"\w+ keeps recurrent state, and hf_specdec rolls it back in a dynamic cache only",
+    # a hybrid or state-space drafter's recurrent state is rolled back in a dynamic draft cache only
+    r"`assistant_model` \(\w+\) keeps recurrent state, which hf_specdec rolls back in a dynamic draft cache",
     # the drafter's own static cache (`ModelDrafter(..., cache_implementation="static")`)
     STATIC_DRAFTER := r"`ModelDrafter\(cache_implementation='static'\)`",
 ]
