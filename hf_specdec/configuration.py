@@ -236,8 +236,11 @@ class SpeculativeGenerationConfig(GenerationConfig):
         return super().from_dict(config_dict, **kwargs)
 
 
-def resolve_speculative_options(call_kwargs: dict[str, Any], *configs: GenerationConfig | None) -> SpeculativeOptions:
-    """Pops the `speculative_*` keyword arguments of one `generate` call and resolves every field.
+def resolve_speculative_options(
+    call_kwargs: dict[str, Any], *configs: GenerationConfig | None, entry: str = "generate"
+) -> SpeculativeOptions:
+    """Pops the `speculative_*` keyword arguments of one `generate` call (or of the call `entry` names:
+    `generate_batch`, ...) and resolves every field.
 
     Priority: the call's keyword argument, then the first config in `configs` that sets the attribute (the
     `generation_config` passed to the call, then the model's own), then the default. None sets nothing, like a
@@ -247,13 +250,13 @@ def resolve_speculative_options(call_kwargs: dict[str, Any], *configs: Generatio
     A bad value fails naming where it came from; an unknown `speculative_*` name fails in a config as in the call.
     """
     sources = [
-        "the `generation_config` passed to `generate`",
+        f"the `generation_config` passed to `{entry}`",
         "`model.generation_config` (the model's generation_config.json)",
     ]
     unknown = sorted(k for k in call_kwargs if k.startswith("speculative_") and k not in SPECULATIVE_DEFAULTS)
     if unknown:
         raise TypeError(
-            f"Unknown speculative argument(s) {unknown} passed to `generate`{_did_you_mean(unknown)}. Known ones: "
+            f"Unknown speculative argument(s) {unknown} passed to `{entry}`{_did_you_mean(unknown)}. Known ones: "
             f"{sorted(SPECULATIVE_DEFAULTS)}."
         )
     for config, source in zip(configs, sources):
@@ -266,7 +269,7 @@ def resolve_speculative_options(call_kwargs: dict[str, Any], *configs: Generatio
             (
                 (value, source)
                 for value, source in (
-                    (call_kwargs.pop(name, None), "the `generate` call's keyword arguments"),
+                    (call_kwargs.pop(name, None), f"the `{entry}` call's keyword arguments"),
                     *(
                         (getattr(config, name, None), source)
                         for config, source in zip(configs, sources)

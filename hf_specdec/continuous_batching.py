@@ -30,7 +30,23 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
 from .configuration import SpeculativeOptions, resolve_speculative_options
 from .continuous_features import feature_prototype
@@ -100,6 +116,7 @@ class SpeculativeContinuousBatchingManager(ContinuousBatchingManager):
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
         try:
             _check_continuous_batching_config(self.continuous_batching_config)
+            _check_processors(self.logit_processor.logits_processor)
             self.prototype = feature_prototype(model, drafter, self.generation_config)
         except ValueError:
             if self._original_attn_impl is not None:  # leave the model as it came
@@ -170,6 +187,46 @@ def _check_continuous_batching_config(config) -> None:
             )
 
 
+# processors that compute each scored position's scores from those scores alone
+_POSITION_WISE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    TopHLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    LogitNormalization,
+    InfNanRemoveLogitsProcessor,
+)
+
+
+def _check_processors(processors) -> None:
+    """Continuous batching calls the logits processors once per step with the step's tokens, one per scored position
+    (not each request's sequence), which a verify step lays out otherwise (several positions per request): a processor
+    that reads the tokens or their number (forced BOS / EOS, length penalties, n-gram and multi-token bans, custom ones)
+    would compute something else than in a plain step. Only those that act on each position's scores alone are
+    served with a drafter."""
+    for processor in processors:
+        if isinstance(processor, ContinuousBatchingLogitsProcessor) or type(processor) in _POSITION_WISE:
+            continue
+        if type(processor) in (SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor) and all(
+            len(sequence) == 1 for sequence in processor.sequence_bias
+        ):
+            continue  # single-token biases and bans: the same at every position
+        raise ValueError(
+            f"The generation config adds `{type(processor).__name__}`, which continuous batching calls with the "
+            "step's tokens (one per scored position, not each request's sequence): a step that verifies drafts "
+            "scores several positions per request, so it would compute something else than in a plain step. With a "
+            "drafter, continuous batching serves the processors that act on each position's scores alone "
+            "(temperature, top-k / top-p / min-p / typical / epsilon / eta sampling, `suppress_tokens`, single-token "
+            "`sequence_bias` and `bad_words_ids`, `renormalize_logits`). Drop the setting or the drafter, or use "
+            "`generate` with a left-padded batch."
+        )
+
+
 def drafting_kwargs_error(name: str, value) -> ValueError:
     shown = f"<{type(value).__name__}>" if isinstance(value, torch.nn.Module) else repr(value)
     return ValueError(
@@ -184,10 +241,12 @@ _TRANSFORMERS_DRAFTING = ("prompt_lookup_num_tokens", "assistant_early_exit", "u
 _NOT_SERVED = ("assistant_tokenizer", *_TRANSFORMERS_DRAFTING)
 
 
-def take_drafting_request(model, generation_config, kwargs: dict) -> tuple[Drafter, SpeculativeOptions] | None:
+def take_drafting_request(
+    model, generation_config, kwargs: dict, entry: str = "generate_batch"
+) -> tuple[Drafter, SpeculativeOptions] | None:
     """Pops the drafting arguments of one `generate_batch` / `init_continuous_batching` call from `kwargs`: the
     drafter and its options, or None when the call does not draft. What is not served here is refused by name.
-    `model` None: checked before any model is loaded (a server's arguments)."""
+    `model` None: checked before any model is loaded (a server's arguments). `entry`: the call, as errors name it."""
     for name in _NOT_SERVED:
         value = kwargs.get(name, getattr(generation_config, name, None) if name in _TRANSFORMERS_DRAFTING else None)
         if value not in (None, False):
@@ -198,7 +257,7 @@ def take_drafting_request(model, generation_config, kwargs: dict) -> tuple[Draft
         name for name, value in kwargs.items() if name.startswith("speculative_") and value is not None
     )
     model_config = model.generation_config if model is not None else GenerationConfig()
-    options = resolve_speculative_options(kwargs, generation_config, model_config)
+    options = resolve_speculative_options(kwargs, generation_config, model_config, entry=entry)
     if drafter is None and assistant_model is None:
         if drafter_kwargs is not None or called_with:
             name = "drafter_kwargs" if drafter_kwargs is not None else called_with[0]
@@ -217,7 +276,11 @@ def take_drafting_request(model, generation_config, kwargs: dict) -> tuple[Draft
 def init_manager(model, parent_init, generation_config, continuous_batching_config, workload_hints, drafting: dict):
     """`model.init_continuous_batching(...)`: transformers' manager, or ours when the call (or the `generate_batch`
     call it serves) drafts. A cached persistent manager is reused only for the same drafting."""
-    request = take_drafting_request(model, generation_config, drafting) if drafting else pending_drafting.get()
+    request = (
+        take_drafting_request(model, generation_config, drafting, "init_continuous_batching")
+        if drafting
+        else pending_drafting.get()
+    )
     if drafting:
         raise TypeError(f"`init_continuous_batching` got unexpected keyword arguments {sorted(drafting)}.")
     cached = getattr(model, "_cached_continuous_batching_manager", None)
@@ -252,7 +315,7 @@ def paged_generate(model, parent_generate, call, drafter, assistant_model, draft
     drafting = {"drafter": drafter, "assistant_model": assistant_model, "drafter_kwargs": drafter_kwargs}
     for name in [name for name in call.extra if name.startswith("speculative_") or name in _NOT_SERVED]:
         drafting[name] = call.extra.pop(name)
-    request = take_drafting_request(model, call.get("generation_config"), drafting)
+    request = take_drafting_request(model, call.get("generation_config"), drafting, "generate")
     token = pending_drafting.set(request)
     try:
         return parent_generate(*call.args, **call.kwargs)

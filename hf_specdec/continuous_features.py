@@ -119,7 +119,10 @@ class FeatureHandoff:
         length = len(prompt) + len(generated)
         tokens = self.sequences.get(state.request_id)
         if tokens is None or tokens.prompt is not prompt or not tokens.filled <= length <= tokens.buffer.shape[1]:
-            tokens = self.sequences[state.request_id] = _Tokens(prompt, length + state._new_tokens_limit + 1)
+            # room for the request's remaining tokens, but at most as many as it holds (at least 256): a request
+            # without `max_new_tokens` may go on to 2**31 - 1 tokens (until its EOS), so its buffer doubles as it grows
+            room = min(max(state._new_tokens_limit - len(generated), 0), max(length, 256))
+            tokens = self.sequences[state.request_id] = _Tokens(prompt, length + room + 1)
         if length > tokens.filled:
             tokens.array[tokens.filled : length] = generated[tokens.filled - len(prompt) :]
             tokens.filled = length

@@ -300,7 +300,13 @@ class SpeculativeBatchProcessor(FeatureHandoff, ContinuousBatchProcessor):
                 if state.update_and_check_completion(token, None if logprobs is None else logprobs[emitted - 1]):
                     finished = True
                     break
-            self.cache.mark_complete_blocks(state, self._accepted_complete_blocks(state, 1 + accepted))
+            # blocks completed by this step's kept positions are hashed for prefix sharing: every position it wrote
+            # when it verified no drafts (a prompt's last chunk, a plain step), else the accepted ones
+            if drafts:
+                kept_blocks = self._accepted_complete_blocks(state, 1 + accepted)
+            else:
+                kept_blocks = item.future_state.complete_blocks
+            self.cache.mark_complete_blocks(state, kept_blocks)
             stats = self.stats.setdefault(
                 state.request_id, SpeculativeStats(lenience=self.options.speculative_lenience)
             )

@@ -97,16 +97,35 @@ class SpeculativeGenerationMixin:
                 raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
             # a pipeline hands every call the `speculative_*` settings given at its construction, also to a call
             # that turns its assistant off (`assistant_model=None`): there they wait for the calls that draft
+            if call.get("assistant_tokenizer") is not None:  # transformers drops it without a word
+                called_with.append(("assistant_tokenizer", f"<{type(call.get('assistant_tokenizer')).__name__}>"))
             pipe = _calling_pipeline(self) if called_with else None
             unused = [(name, value) for name, value in called_with if not _built_with(pipe, name)]
             if unused:
                 name, value = unused[0]
+                shown = value if name == "assistant_tokenizer" else repr(value)
                 raise ValueError(
-                    f"`{name}={value!r}` was given without a drafter, so nothing would use it and "
+                    f"`{name}={shown}` was given without a drafter, so nothing would use it and "
                     "`generate` would decode plainly. Pass `assistant_model=...` or `drafter=...` (e.g. "
                     '`drafter="prompt_lookup"`), or drop it.'
                 )
             return parent_generate(*call.args, **call.kwargs)
+
+        draft_beams = dict(called_with).get("speculative_draft_beams")
+        config = call.get("generation_config") or self.generation_config
+        num_beams = call.get("num_beams")
+        num_beams = getattr(config, "num_beams", None) if num_beams is None else num_beams
+        # (a pipeline's construction may set it for its calls with beams)
+        if (
+            draft_beams is not None
+            and (num_beams or 1) <= 1
+            and not _built_with(_calling_pipeline(self), "speculative_draft_beams")
+        ):
+            raise ValueError(
+                f"`speculative_draft_beams={draft_beams!r}` sets the draft model's beam width in speculative beam "
+                f"search, but this call decodes with num_beams={num_beams or 1}, so nothing would use it. Drop it, or "
+                "pass `num_beams` > 1."
+            )
 
         # the tokenizers: `tokenizer` for stop strings and, with `assistant_tokenizer`, drafting with another
         # tokenizer; transformers hands them only to its own decoding methods, so they are taken out of the call
@@ -317,8 +336,11 @@ def _built_with(pipe, name: str) -> bool:
     if pipe is None:
         return False
     forward_params = getattr(pipe, "_forward_params", None) or {}
+    # transformers keeps a construction's assistant and assistant tokenizer as the pipeline's attributes
+    kept_on_pipeline = getattr(pipe, name, None) is not None
     return (
-        name in forward_params
+        kept_on_pipeline
+        or name in forward_params
         or name in (forward_params.get("generate_kwargs") or {})
         or name in (getattr(pipe, "_speculative_kwargs", None) or {})
     )

@@ -4,9 +4,11 @@ device (`ProposalCheck`), read with the round's verdict so validation costs no h
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
+from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 
 from .drafters.base import DraftContext, Drafter, DraftProposal
 from .modeling import logits_width
@@ -21,13 +23,47 @@ def draft_context(
     return DraftContext(
         target=model,
         input_ids=input_ids,
-        logits_processor=logits_processor,
+        logits_processor=_for_draft_rows(logits_processor, input_ids.shape[0]),
         generation_config=generation_config,
         vocab_size=logits_width(model),
         tree_budget=tree_budget,
         model_kwargs=model_kwargs,
         inputs_tensor=inputs_tensor,
     )
+
+
+def _for_draft_rows(logits_processor, rows: int) -> LogitsProcessorList:
+    """The target's processors as a drafter calls them: on more rows than the call's `rows` (a tree's frontier, a
+    draft beam search's beams), each row drafting for one of its prompts. transformers' prefix-function processor
+    (`prefix_allowed_tokens_fn`) numbers the prompts from the rows (`row // num_beams`), and would hand the function
+    prompt numbers past the call's; a copy that groups the rows by prompt replaces it."""
+    if not any(isinstance(processor, PrefixConstrainedLogitsProcessor) for processor in logits_processor):
+        return logits_processor
+    return LogitsProcessorList(
+        _DraftRowsPrefix(processor, max(1, rows // processor._num_beams))
+        if isinstance(processor, PrefixConstrainedLogitsProcessor)
+        else processor
+        for processor in logits_processor
+    )
+
+
+class _DraftRowsPrefix(PrefixConstrainedLogitsProcessor):
+    """`PrefixConstrainedLogitsProcessor` for a drafter's rows: `prompts` prompts, each with the same number of rows
+    in a block (a tree's frontier of one sequence, u draft beams per prompt), so that the function gets each row's
+    prompt number as plain `generate` gives it. Rows that do not divide into the prompts (a padded batch whose
+    finished rows left) are numbered as transformers numbers them."""
+
+    def __init__(self, processor: PrefixConstrainedLogitsProcessor, prompts: int):
+        super().__init__(processor._prefix_allowed_tokens_fn, processor._num_beams)
+        self.prompts = prompts
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = input_ids.shape[0]
+        grouped = self
+        if rows > self.prompts and rows % self.prompts == 0:
+            grouped = copy.copy(self)
+            grouped._num_beams = rows // self.prompts
+        return PrefixConstrainedLogitsProcessor.__call__(grouped, input_ids, scores)
 
 
 @dataclasses.dataclass

@@ -201,7 +201,7 @@ def _check_drafting(drafting: dict) -> None:
             "(`hf-specdec serve --drafter prompt_lookup`); without one, use `transformers serve --continuous-batching`."
         )
     kwargs = dict(drafting)
-    request = take_drafting_request(None, None, kwargs)
+    request = take_drafting_request(None, None, kwargs, "build_server")
     if kwargs:
         raise TypeError(f"`build_server` got unexpected drafting arguments {sorted(kwargs)}.")
     check_drafter(*request)

@@ -6,7 +6,9 @@ import re
 import pytest
 import torch
 from conftest import ScriptedDrafter, noisy_copy, prompt, tiny_config, tiny_model
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -61,6 +63,10 @@ def test_without_drafter_is_plain_generate():
         with pytest.raises(ValueError, match=rf"`{name}={value!r}` was given without a drafter.*`drafter=\.\.\.`"):
             enabled.generate(ids, max_new_tokens=12, **{name: value})
     assert torch.equal(enabled.generate(ids, max_new_tokens=12, repetition_penalty=1.3, speculative_gamma=None), plain)
+    # an assistant tokenizer without an assistant (transformers drops it without a word)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    with pytest.raises(ValueError, match=r"`assistant_tokenizer=<\w+>` was given without a drafter"):
+        enabled.generate(ids, max_new_tokens=12, tokenizer=tokenizer, assistant_tokenizer=tokenizer)
     config = hf_specdec.SpeculativeGenerationConfig(speculative_gamma=7, max_new_tokens=12, repetition_penalty=1.3)
     assert torch.equal(enabled.generate(ids, generation_config=config), plain)
 

@@ -272,6 +272,16 @@ def test_drafters_without_a_model_are_refused():
 def test_draft_beams_is_validated():
     with pytest.raises(ValueError, match=r"`speculative_draft_beams` must be a positive int, got 0"):
         hf_specdec.SpeculativeGenerationConfig(speculative_draft_beams=0).validate()
+    # without beams nothing would use it (it was accepted and ignored); with them it is used
+    target = _target("llama")
+    ids = prompt(8)
+    for beams in ({}, {"num_beams": 1}):
+        with pytest.raises(ValueError, match=r"`speculative_draft_beams=4` .* decodes with num_beams=1, so nothing"):
+            target.generate(ids, max_new_tokens=4, assistant_model=target, speculative_draft_beams=4, **beams)
+    plain = target.generate(ids, max_new_tokens=4, num_beams=2)
+    assert torch.equal(
+        target.generate(ids, max_new_tokens=4, num_beams=2, assistant_model=target, speculative_draft_beams=4), plain
+    )
 
 
 def test_whisper_with_a_decoder_only_assistant(tmp_path):
@@ -325,6 +335,36 @@ def test_repetition_penalty_on_a_left_padded_batch(kind):
     plain = target.generate(ids, **kwargs)
     spec = target.generate(ids, assistant_model=_drafter(target, "llama", kind), speculative_gamma=3, **kwargs)
     assert_same_beams(plain, spec)
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_a_prefix_function_is_asked_about_each_beam_s_own_prompt(kind):
+    """`prefix_allowed_tokens_fn` on a batch of two: the drafter's own beams (w, then u per prompt) ask the function
+    about their own prompt, numbered as plain beam search numbers them (they got 0 to 2 for two prompts, and a
+    function indexing per-prompt constraints raised)."""
+    target = _target("llama")
+    ids = _inputs("llama")
+    seen = set()
+
+    def allowed(batch_id, sent):
+        seen.add(batch_id)
+        return [list(range(3, 11)), list(range(20, 26))][batch_id]
+
+    kwargs = dict(
+        num_beams=3,
+        max_new_tokens=8,
+        prefix_allowed_tokens_fn=allowed,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    plain = target.generate(ids, **kwargs)
+    seen.clear()
+    spec = target.generate(ids, assistant_model=_drafter(target, "llama", kind), speculative_gamma=3, **kwargs)
+    assert_same_beams(plain, spec)
+    assert seen == {0, 1}
+    # each prompt's tokens come from its own constraints
+    assert set(spec.sequences[0, 8:].tolist()) <= set(range(3, 11))
+    assert set(spec.sequences[1, 8:].tolist()) <= set(range(20, 26))
 
 
 @pytest.mark.parametrize("arch", ["llama", "t5"])

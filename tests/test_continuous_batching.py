@@ -2,7 +2,11 @@
 cache_implementation="paged")`): every request's output equals plain continuous batching's, token for token when
 greedy, in distribution when sampling; what is not served is refused by name, never dropped."""
 
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,6 +254,40 @@ def test_prefix_sharing_and_large_pages(model, plain):
     assert tokens(outputs) == plain + plain[:2]
 
 
+def test_a_prompt_s_blocks_are_shared_as_plain_continuous_batching_shares_them(model):
+    """A prompt of four pages, sent twice one after the other: the second request reads as many of its tokens from
+    the first's cached blocks with a drafter as without (the step that finishes a prompt hashed only the blocks of
+    its first position, so 4 tokens were reused instead of 12)."""
+    prompt = list(range(10, 26))
+
+    def reused(**drafting):
+        cache = small_cache(allow_block_sharing=True, max_requests_per_batch=1, max_batch_tokens=32)
+        manager = model.init_continuous_batching(config(max_new_tokens=3), cache, **drafting)
+        manager.warmup()
+        search = manager.batch_processor.cache.search_prefix_match
+        matched = []
+
+        def recorded(request_id, tokens):  # the cache's own search, its result noted
+            matched.append(search(request_id, tokens))
+            return matched[-1]
+
+        manager.batch_processor.cache.search_prefix_match = recorded
+        manager.start()
+        try:
+            outputs = []
+            for i in range(2):
+                request = manager.add_request(prompt, request_id=f"r{i}")
+                outputs.append(next(o for o in manager.request_id_iter(request) if o.is_finished()).generated_tokens)
+        finally:
+            manager.stop(block=True, timeout=30)
+        return matched, outputs
+
+    plain_matched, plain_outputs = reused()
+    matched, outputs = reused(drafter="prompt_lookup")
+    assert outputs == plain_outputs
+    assert matched == plain_matched == [0, 12]
+
+
 def test_eos_inside_a_block_stops_there(model, plain):
     stop = next(i for i in range(4, NEW_TOKENS) if plain[0][i] not in plain[0][:i])  # its first occurrence
     eos = plain[0][stop]
@@ -278,6 +316,59 @@ def test_max_new_tokens_inside_a_block(model, plain):
         speculative_gamma_policy="constant",
     )
     assert tokens(outputs) == [out[:7] for out in plain]
+
+
+def test_a_request_longer_than_its_token_buffer_grows_it(model):
+    """Each request keeps its tokens in a host buffer the drafter reads: sized to what the request holds (at least 256
+    more), and grown as it goes (it was sized to `max_new_tokens` at once, 16 GiB for a request without one)."""
+    prompts = PROMPTS[:2]
+    long = config(max_new_tokens=600)
+    plain = tokens(model.generate_batch(prompts, long, continuous_batching_config=small_cache(num_blocks=512)))
+    outputs = model.generate_batch(
+        prompts,
+        long,
+        continuous_batching_config=small_cache(num_blocks=512),
+        drafter=ScriptedRequests([p + out for p, out in zip(prompts, plain)], period=5),
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == plain and all(len(out) == 600 for out in plain)
+
+
+def test_a_request_without_max_new_tokens_drafts_within_a_memory_limit(tmp_path):
+    """transformers lets a request without `max_new_tokens` run to 2**31 - 1 tokens (until its EOS); under an
+    address-space limit of 8 GiB plain continuous batching serves it, and so must speculation (its request failed
+    with an allocation of 16 GiB)."""
+    script = tmp_path / "limited.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import resource, sys
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import torch
+            from conftest import tiny_model
+            from transformers import ContinuousBatchingConfig, GenerationConfig
+            import hf_specdec
+
+            torch.set_num_threads(1)
+            model = hf_specdec.enable(tiny_model("llama"))
+            prompt = [[1, 2, 3, 1, 2, 3]]
+            cache = ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=12, allow_block_sharing=False)
+            probe = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+            eos = model.generate_batch(prompt, probe, continuous_batching_config=cache)["req_0"].generated_tokens[5]
+            until_eos = GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=0)
+            resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, resource.RLIM_INFINITY))
+            plain = model.generate_batch(prompt, until_eos, continuous_batching_config=cache)["req_0"]
+            ours = model.generate_batch(prompt, until_eos, continuous_batching_config=cache, drafter="prompt_lookup")
+            ours = ours["req_0"]
+            assert plain.error is None and ours.error is None, (plain.error, ours.error)
+            assert ours.generated_tokens == plain.generated_tokens and plain.generated_tokens[-1] == eos
+            print("served", len(ours.generated_tokens))
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("sharing", [False, True], ids=["no_sharing", "prefix_sharing"])
@@ -608,6 +699,57 @@ def test_block_verification_matches_the_target_distribution(model):
 def test_refusals_name_the_argument(model, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         model.generate_batch(PROMPTS, config(), continuous_batching_config=small_cache(), **kwargs)
+
+
+def test_bad_drafting_values_name_the_call_they_came_from(model):
+    with pytest.raises(ValueError, match=r"got 0\..*\(Value read from the `generate_batch` call's keyword arguments"):
+        model.generate_batch(PROMPTS, config(), drafter="prompt_lookup", speculative_gamma=0)
+    with pytest.raises(TypeError, match=r"\['speculative_bogus'\] passed to `init_continuous_batching`"):
+        model.init_continuous_batching(config(), small_cache(), drafter="prompt_lookup", speculative_bogus=1)
+    with pytest.raises(ValueError, match=r"\(Value read from the `generation_config` passed to `generate_batch`"):
+        model.generate_batch(PROMPTS, config(speculative_lenience=2.0), drafter="prompt_lookup")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(forced_bos_token_id=7),
+        dict(forced_eos_token_id=9, max_length=14),
+        dict(no_repeat_ngram_size=2),
+        dict(sequence_bias={(3, 4): -5.0}),
+    ],
+    ids=lambda setting: next(iter(setting)),
+)
+def test_processors_that_read_the_step_s_tokens_are_refused(model, setting):
+    """Continuous batching calls processors with one token per scored position; a verify step scores several per
+    request, so a processor reading the tokens or their number fires elsewhere than in a plain step (forced BOS gave
+    `[7, 7, 7, 93, ...]` where plain continuous batching gives `[7, 7, 7, 7, ...]`)."""
+    name = {
+        "forced_bos_token_id": "ForcedBOSTokenLogitsProcessor",
+        "forced_eos_token_id": "ForcedEOSTokenLogitsProcessor",
+        "no_repeat_ngram_size": "NoRepeatNGramLogitsProcessor",
+        "sequence_bias": "SequenceBiasLogitsProcessor",
+    }[next(iter(setting))]
+    with pytest.raises(ValueError, match=f"The generation config adds `{name}`, which continuous batching calls"):
+        model.generate_batch(
+            PROMPTS, config(**setting), continuous_batching_config=small_cache(), drafter="prompt_lookup"
+        )
+    assert len(model.generate_batch(PROMPTS[:1], config(**setting), continuous_batching_config=small_cache())) == 1
+
+
+def test_processors_that_act_on_each_position_s_scores_are_served(model):
+    settings = dict(suppress_tokens=[3, 5], sequence_bias={(4,): -1e9}, renormalize_logits=True)
+    plain = tokens(model.generate_batch(PROMPTS, config(**settings), continuous_batching_config=small_cache()))
+    outputs = model.generate_batch(
+        PROMPTS,
+        config(**settings),
+        continuous_batching_config=small_cache(),
+        drafter=ScriptedRequests([p + out for p, out in zip(PROMPTS, plain)], period=3),
+        speculative_gamma=4,
+        speculative_gamma_policy="constant",
+    )
+    assert tokens(outputs) == plain
+    assert not {3, 5, 4} & {token for out in plain for token in out}
 
 
 @pytest.mark.parametrize(

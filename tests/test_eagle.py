@@ -428,6 +428,9 @@ def test_bad_arguments_are_refused(tmp_path):
         hf_specdec.EagleDrafter.from_pretrained(tmp_path, target=target)
     with pytest.raises(ValueError, match="draft_token_ids"):
         hf_specdec.EagleDrafter.from_target(target, draft_token_ids=[1, 1, 2])
+    for fractional in ([1.7, 2.2, 3.9], torch.tensor([1.0, 2.0])):  # were truncated to ids without a word
+        with pytest.raises(ValueError, match=r"`draft_token_ids` must be integer token ids, got a torch.float"):
+            hf_specdec.EagleDrafter.from_target(target, draft_token_ids=fractional)
     with pytest.raises(ValueError, match="needs a budget"):
         train_eagle_drafter(target, texts=[[1, 2, 3, 4]])
     with pytest.raises(ValueError, match="tokenizer"):

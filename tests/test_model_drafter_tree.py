@@ -3,7 +3,7 @@ forwards over each node's path, the rerank, cache rollback, and chains wherever 
 
 import pytest
 import torch
-from conftest import VOCAB, prompt, source, tiny_config, tiny_model, tiny_seq2seq
+from conftest import VOCAB, noisy_copy, prompt, source, tiny_config, tiny_model, tiny_seq2seq
 from transformers import GenerationConfig, LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import hf_specdec
@@ -248,3 +248,32 @@ def test_left_padded_single_prompt(arch):
     drafter = tree_drafter(model, padded, 8, model_kwargs={"attention_mask": mask})
     proposal, unpadded = drafter.propose(padded, 4), tree_drafter(model, ids, 8).propose(ids, 4)
     assert torch.equal(proposal.tokens, unpadded.tokens) and torch.equal(proposal.parents, unpadded.parents)
+
+
+@pytest.mark.parametrize("kind", ["assistant_model", "assistant_early_exit"])
+def test_a_prefix_function_sees_the_call_s_prompt_numbers_in_a_tree(kind):
+    """`prefix_allowed_tokens_fn` with a tree: the drafter standardizes a frontier of several paths of the one
+    prompt, and the function is asked about prompt 0 only, as plain `generate` asks it (it got 1, 2, ... and a
+    function indexing per-prompt constraints raised)."""
+    target = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt(8, seed=0)
+    seen = set()
+
+    def allowed(batch_id, sent):
+        seen.add(batch_id)
+        return [list(range(3, 40))][batch_id]
+
+    plain = target.generate(ids, max_new_tokens=10, prefix_allowed_tokens_fn=allowed)
+    drafter = {"assistant_model": noisy_copy(target, 0.1)} if kind == "assistant_model" else {kind: 1}
+    out = target.generate(
+        ids,
+        max_new_tokens=10,
+        prefix_allowed_tokens_fn=allowed,
+        speculative_tree_budget=8,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+        **drafter,
+    )
+    assert torch.equal(out.sequences, plain)
+    assert seen == {0}
+    assert out.speculative_stats.drafted_tokens > 0

@@ -257,6 +257,15 @@ def test_text_generation_pipeline_passes_speculative_arguments(tokenizer):
     assert assisted(prompt, assistant_model=None, **GREEDY) == expected
     with pytest.raises(ValueError, match="`speculative_gamma=4` was given without a drafter"):
         pipe(prompt, speculative_gamma=4, **GREEDY)
+    # in `generate_kwargs`, per call and at construction (transformers' text generation would hand `generate_kwargs`
+    # itself to `generate`, which refuses it as an unused model argument); the caller's dict is left as it was
+    generate_kwargs = {"drafter": "prompt_lookup", "speculative_gamma": 3, **GREEDY}
+    assert pipe(prompt, generate_kwargs=generate_kwargs) == expected
+    assert generate_kwargs == {"drafter": "prompt_lookup", "speculative_gamma": 3, **GREEDY}
+    nested = pipeline(
+        "text-generation", model=target, tokenizer=tokenizer, generate_kwargs={"drafter": "prompt_lookup"}
+    )
+    assert nested(prompt, **GREEDY) == expected
 
 
 def test_text_generation_pipeline_loads_path_assistants_from_safetensors_only(tokenizer, tmp_path):

@@ -204,7 +204,13 @@ def initial_head(
 ) -> Eagle3DraftModel:
     """A new (untrained) head for `target`, on its device and in its dtype (see `EagleDrafter.from_target`)."""
     vocab = logits_width(target)
-    ids = torch.arange(vocab) if draft_token_ids is None else torch.as_tensor(draft_token_ids, dtype=torch.long)
+    given = None if draft_token_ids is None else torch.as_tensor(draft_token_ids)
+    if given is not None and (given.is_floating_point() or given.is_complex() or given.dtype == torch.bool):
+        raise ValueError(
+            f"`draft_token_ids` must be integer token ids, got a {given.dtype} tensor or a sequence of non-integers "
+            f"(e.g. {given.reshape(-1)[:3].tolist()}). Pass the token ids as ints."
+        )
+    ids = torch.arange(vocab) if given is None else given.long()
     if ids.dim() != 1 or not len(ids) or bool(((ids < 0) | (ids >= vocab)).any()) or len(ids.unique()) != len(ids):
         raise ValueError(
             f"`draft_token_ids` must be distinct target token ids in [0, {vocab}), got {len(ids)} ids. Pass the "

@@ -61,9 +61,15 @@ class _PipelineWithPathAssistants(_PathAssistants):
         # here, as some pipelines drop unknown arguments or hand them to their processor
         call = {name: value for name, value in {**nested, **kwargs}.items() if _is_speculative(name)}
         kwargs = {name: value for name, value in kwargs.items() if not _is_speculative(name)}
-        if kwargs.get("generate_kwargs") is not None or self._nested_generate_kwargs:
+        rest = {name: value for name, value in nested.items() if not _is_speculative(name)}
+        if self._nested_generate_kwargs:
             # a copy: some pipelines write into it (transformers' text-to-audio fails on None there)
-            kwargs["generate_kwargs"] = {name: value for name, value in nested.items() if not _is_speculative(name)}
+            kwargs["generate_kwargs"] = rest
+        elif "generate_kwargs" in kwargs:
+            # a pipeline that takes generate's arguments top-level (text generation) would hand `generate_kwargs`
+            # itself to `generate` as a model argument: its contents go top-level, under the top-level ones
+            del kwargs["generate_kwargs"]
+            kwargs = {**rest, **kwargs}
         _check_generating(self, self.model, call)
         preprocess_params, forward_params, postprocess_params = super()._sanitize_parameters(**kwargs)
         if not _calls_generate(self, self.model):
