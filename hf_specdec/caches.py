@@ -25,6 +25,7 @@ __all__ = [
     "compactable",
     "croppable_after_first_forward",
     "holds_nothing",
+    "no_state_yet",
     "is_static",
     "realign_cache",
     "record_past",
@@ -284,6 +285,13 @@ def croppable_after_first_forward(cache) -> bool:
     so such a cache reports `is_croppable=False` before the first forward. Check `is_croppable` again after it."""
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
     return bool(layers) and all(layer.is_croppable or _holds_nothing_yet(layer) for layer in layers)
+
+
+def no_state_yet(cache) -> bool:
+    """Whether no linear-attention layer of `cache` holds a convolution window or a recurrent state yet (nothing has
+    been fed to them: `is_croppable` cannot tell yet)."""
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    return all(_holds_nothing_yet(layer) for layer in layers if hasattr(layer, "is_conv_states_initialized"))
 
 
 def _holds_nothing_yet(layer) -> bool:

@@ -24,8 +24,9 @@ from .recurrent import (
 __all__ = ["check_multi_token_forward"]
 
 
-# model -> (dtype, attention implementation, refusal reason or None): nothing is written onto the user's model
-_MULTI_TOKEN_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+# model -> {(dtype, attention implementation, cache kind): refusal reason or None}: nothing is written onto the
+# user's model
+_MULTI_TOKEN_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 _PROBE_DRAFTS = 4  # tokens of the probe's first round, as a drafter proposing γ = 4 would
 
 
@@ -42,17 +43,17 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
     tokens costs once; later calls only look the verdict up. What it cannot see: differences that appear only past
     lengths the probe does not reach (see `_attention_limit`).
     """
-    key = (model.dtype, getattr(model.config, "_attn_implementation", None))
-    cached = _MULTI_TOKEN_VERDICTS.get(model)
-    if cached is None or cached[:2] != key:
+    # the verdict holds for the kind of cache it was probed with: a static cache masks and rolls back otherwise
+    key = (model.dtype, getattr(model.config, "_attn_implementation", None), _cache_kind(model_kwargs))
+    verdicts = _MULTI_TOKEN_VERDICTS.setdefault(model, {})
+    if key in verdicts:
+        reason = verdicts[key]
+    else:
         try:
-            cached = (*key, _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config))
+            reason = verdicts[key] = _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config)
         except _ProbeFailed as failure:
             # a forward that raised may be this call's inputs' doing, not the model's: refused, not remembered
-            cached = (*key, str(failure))
-        else:
-            _MULTI_TOKEN_VERDICTS[model] = cached
-    reason = cached[2]
+            reason = str(failure)
     if reason is None:
         limit = _attention_limit(model)
         if limit is not None and generation_config.max_length > limit[1]:
@@ -66,6 +67,13 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
             f"{type(model).__name__} cannot be verified exactly by speculative decoding: {reason}. Drop "
             "`assistant_model`/`drafter` and use plain `generate` for this model."
         )
+
+
+def _cache_kind(model_kwargs) -> tuple:
+    """The call's cache as the probe's verdict depends on it: its class and its layers' classes."""
+    cache = model_kwargs.get(CACHE_KWARG)
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    return type(cache).__name__, tuple(sorted({type(layer).__name__ for layer in layers}))
 
 
 class _ProbeFailed(Exception):

@@ -30,7 +30,7 @@ from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
 from .proposals import draft_context
-from .recurrent import recurrent_layers, rolls_back_from_checkpoints
+from .recurrent import held_positions, recurrent_layers, rolls_back_from_checkpoints
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention
@@ -195,6 +195,14 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
             f"`guidance_scale` cannot be combined with a drafter, got guidance_scale={generation_config.guidance_scale}: "
             "classifier-free guidance keeps its own state per step. Drop `guidance_scale` or the drafter."
         )
+    if getattr(generation_config, "return_token_timestamps", False):
+        # Whisper turns `output_attentions` on itself for them
+        raise ValueError(
+            'Word-level timestamps (`return_token_timestamps=True`, or a pipeline\'s `return_timestamps="word"`) '
+            "are computed from the cross-attention weights of every decoding step, which hf_specdec's rounds do not "
+            "return. Drop the drafter for them, or use segment-level timestamps (`return_timestamps=True`), which "
+            "are served."
+        )
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError(
             "`output_attentions` and `output_hidden_states` are not supported with a drafter yet "
@@ -244,12 +252,15 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
 
 
 def _check_recurrent_supported(model, cache) -> None:
-    """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), in a cache whose
-    layers start empty (dynamic or static)."""
-    if any(any(getattr(layer, "has_previous_state", {}).values()) for layer in recurrent_layers(cache)):
+    """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), dynamic or static.
+    One that already holds state (a cache returned by an earlier call, continued) must say how many positions it
+    holds, which only its attention layers count."""
+    holds_state = any(any(getattr(layer, "has_previous_state", {}).values()) for layer in recurrent_layers(cache))
+    if holds_state and held_positions(cache) is None:
         raise ValueError(
-            f"The cache passed to {type(model).__name__} already holds recurrent state: hf_specdec rolls a recurrent "
-            "cache back from checkpoints it takes itself, from the call's first token. Pass a fresh cache (or none)."
+            f"The cache passed to {type(model).__name__} already holds recurrent state, and it has no attention layer "
+            "that counts the positions it holds (a state-space model's), so hf_specdec cannot tell which of "
+            "`input_ids` it still has to feed. Pass a fresh cache (or none) with the whole sequence."
         )
 
 

@@ -27,12 +27,24 @@ __all__ = ["SpeculativeGenerationMixin", "enable", "resolve_drafter"]
 
 @functools.cache
 def _speculative_class(cls: type) -> type:
-    # keeps the original name so `save_pretrained` writes the real architecture into config.json
+    # keeps the original name so `save_pretrained` writes the real architecture into config.json; pickled (pickle,
+    # `torch.save`, `copy.deepcopy`) as an instance of `cls` enabled again on load, since that name finds `cls`
+    def __reduce_ex__(self, protocol):
+        _, (_, *args), *rest = object.__reduce_ex__(self, max(protocol, 2))  # copyreg.__newobj__, (class, ...)
+        return (_new_enabled, (cls, *args), *rest)
+
     return type(
         cls.__name__,
         (SpeculativeGenerationMixin, cls),
-        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__},
     )
+
+
+def _new_enabled(cls: type, *args):
+    """An empty enabled instance of `cls` for unpickling (its state is set after)."""
+    _install_into_transformers()
+    speculative = _speculative_class(cls)
+    return speculative.__new__(speculative, *args)
 
 
 def enable(model: PreTrainedModel) -> PreTrainedModel:

@@ -42,7 +42,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .caches import record_past
+from .caches import is_static, record_past
 
 __all__ = [
     "RecurrentCheckpoints",
@@ -50,6 +50,7 @@ __all__ = [
     "draft_checkpoints",
     "finish_recording",
     "forgo_chunk_size",
+    "held_positions",
     "is_recording",
     "is_recurrent",
     "pad_conv_windows",
@@ -76,11 +77,25 @@ def is_recurrent(cache) -> bool:
     return bool(recurrent_layers(cache))
 
 
+def held_positions(cache) -> int | None:
+    """How many positions a recurrent `cache` holds: 0 before its first forward, then what its attention layers
+    count; None for a cache of recurrent layers only that holds state (nothing there counts its positions)."""
+    if not any(any(layer.has_previous_state.values()) for layer in recurrent_layers(cache)):
+        return 0
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    if not any(isinstance(layer, CacheLayerMixin) for layer in layers):
+        return None
+    return int(cache.get_seq_length())
+
+
 def rolls_back_from_checkpoints(model, cache) -> bool:
-    """Whether `model` is stateful (transformers' `_is_stateful`) with a cache whose recurrent layers
-    `RecurrentCheckpoints` can roll back. A convolution-only linear-attention cache (lfm2) is not stateful: transformers'
-    own crop rolls it back."""
-    return bool(getattr(model, "_is_stateful", False)) and is_recurrent(cache)
+    """Whether `cache` has linear-attention / SSM layers that `RecurrentCheckpoints` rolls back: those of a stateful
+    model (transformers' `_is_stateful`), and those of any static cache. A convolution-only linear-attention cache
+    (lfm2's short convolutions) is not stateful: in a dynamic cache, which records its past, transformers' own crop
+    rolls it back; a static cache does not record (`caches.record_past`), so its windows come back from checkpoints."""
+    if not is_recurrent(cache):
+        return False
+    return bool(getattr(model, "_is_stateful", False)) or is_static(cache)
 
 
 def chunk_kwargs(model, new_tokens: int) -> dict:

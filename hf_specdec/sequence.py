@@ -30,7 +30,13 @@ from .forward import TargetForward, per_token_prefix, standardize, target_logits
 from .layouts import layout_for
 from .modeling import logits_width
 from .proposals import checked_proposal
-from .recurrent import RecurrentCheckpoints, finish_recording, is_recording, rolls_back_from_checkpoints
+from .recurrent import (
+    RecurrentCheckpoints,
+    finish_recording,
+    held_positions,
+    is_recording,
+    rolls_back_from_checkpoints,
+)
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_draft_acceptance, first_stops
@@ -119,8 +125,9 @@ class SequenceLane(Lane):
         self.carried = 0  # kept tokens the current round's forward carries again (see `score`)
         # a recurrent (linear-attention / SSM) cache goes back to the checkpoint taken before a round's forward when
         # the round rejected drafts; the tokens it kept are fed again before the next round's drafts
+        # (a cache passed in holding an earlier call's positions is counted by its attention layers)
         self.recurrent = (
-            RecurrentCheckpoints(self.cache, 0 if self.cached is None else self.cached)
+            RecurrentCheckpoints(self.cache, held_positions(self.cache) if self.cached is None else self.cached)
             if rolls_back_from_checkpoints(model, self.cache)
             else None
         )

@@ -1,6 +1,7 @@
 """The user-facing API: enable, the config, per-call arguments, outputs, streaming, and clear errors."""
 
 import copy
+import pickle
 import re
 
 import pytest
@@ -32,6 +33,25 @@ def test_enable_keeps_the_saved_architecture(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(reloaded) is LlamaForCausalLM
     assert reloaded.config.architectures == ["LlamaForCausalLM"]
+
+
+def test_an_enabled_model_pickles_and_copies_as_an_enabled_model(tmp_path):
+    """pickle, `torch.save` and `copy.deepcopy` of an enabled model (pickling raised `PicklingError`: the enabled class
+    carries the model class's name, which pickle resolves to the model class itself): the copy is enabled too, with
+    the same weights, and speculates as the original does."""
+    model = hf_specdec.enable(tiny_model("llama"))
+    ids = prompt()
+    expected = model.generate(ids, max_new_tokens=10)
+    torch.save(model, tmp_path / "model.pt")
+    for copied in (
+        pickle.loads(pickle.dumps(model)),
+        torch.load(tmp_path / "model.pt", weights_only=False),  # a file this test wrote
+        copy.deepcopy(model),
+    ):
+        assert type(copied) is type(model) and isinstance(copied, LlamaForCausalLM)
+        assert copied is not model and torch.equal(copied.lm_head.weight, model.lm_head.weight)
+        assert torch.equal(copied.generate(ids, max_new_tokens=10, drafter="prompt_lookup"), expected)
+    assert type(pickle.loads(pickle.dumps(tiny_model("llama")))) is LlamaForCausalLM  # a model not enabled: as is
 
 
 def test_mixin_as_base_class():

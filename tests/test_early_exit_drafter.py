@@ -151,8 +151,9 @@ def test_an_exit_before_the_first_attention_layer_is_refused_by_name():
     for exit_layer in (1, 2):
         with pytest.raises(
             ValueError,
-            match=rf"`assistant_early_exit={exit_layer}` .* all linear-attention / "
-            r"state-space layers, .* Exit at layer 3 or later \(its first attention layer is layer 2\)",
+            match=rf"`assistant_early_exit={exit_layer}` .* {'first layer' if exit_layer == 1 else 'first 2 layers'}, "
+            r"linear-attention / state-space layers only, .* Exit at layer 3 or later \(its first attention layer is "
+            r"layer 2\)",
         ):
             model.generate(ids, assistant_early_exit=exit_layer, max_new_tokens=4)
     out = model.generate(ids, assistant_early_exit=3, **CONSTANT, max_new_tokens=8)

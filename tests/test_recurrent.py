@@ -2,6 +2,7 @@
 from checkpoints of the recurrent state (`hf_specdec.recurrent`), in the target's cache and a stateful draft
 model's."""
 
+import copy
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from test_sampling_distribution import exact_distribution, goodness_of_fit
 from transformers import AutoModelForCausalLM, CompileConfig, DynamicCache
 
 import hf_specdec
+from hf_specdec.capability import _MULTI_TOKEN_VERDICTS
 from hf_specdec.recurrent import RecurrentCheckpoints, recurrent_layers
 
 sys.path.insert(0, str(Path(__file__).parent / "sweep"))
@@ -215,6 +217,31 @@ def test_the_returned_cache_holds_what_plain_generate_leaves(target):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_generation_continues_from_a_returned_cache(target, family):
+    """A cache returned by an earlier call, passed back with the sequence: its attention layers count the positions
+    it holds, and the rounds go on from there (it was refused as "already holds recurrent state"). A state-space
+    cache counts nothing: refused, naming why."""
+    ids = prompt(seed=16)
+    first = target.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+
+    def continued(**kwargs):
+        cache = copy.deepcopy(first.cache)
+        return target.generate(first.sequences, cache=cache, max_new_tokens=12, do_sample=False, **kwargs)
+
+    reference = continued()
+    assert torch.equal(reference, target.generate(ids, max_new_tokens=20, do_sample=False))
+    if family == "mamba2":
+        with pytest.raises(
+            ValueError, match=r"already holds recurrent state, and it has no attention layer that counts"
+        ):
+            continued(drafter="prompt_lookup")
+        return
+    for period in (None, 1, 3):
+        drafter = ScriptedDrafter(reference, period=period, vocab=VOCAB)
+        out = continued(drafter=drafter, speculative_gamma=3, speculative_gamma_policy="constant")
+        assert torch.equal(out, reference), period
+
+
 def test_a_padded_batch_decodes_each_row_exactly(target):
     ids = prompt(batch=2, seed=7)
     mask = torch.ones_like(ids)
@@ -287,6 +314,55 @@ def test_a_static_cache_is_rolled_back_exactly(target, compiled):
         assert torch.equal(out.sequences, reference)
     finally:
         torch._dynamo.reset()
+
+
+def test_short_convolutions_in_a_static_cache_are_rolled_back_from_checkpoints():
+    """lfm2's short convolutions are not a stateful model's (transformers' crop rolls a dynamic cache back, which
+    records its past), but a static cache does not record: its windows are rolled back from checkpoints. The
+    capability check's verdict is kept per kind of cache, so a dynamic call before a static one does not vouch for it
+    (its static calls went wrong after a dynamic one: windows never rolled back)."""
+    target = hf_specdec.enable(sweep_model("lfm2", layer_types=["conv", "full_attention"], tie_word_embeddings=False))
+    ids = prompt(seed=14)
+    reference = plain(target, ids)
+    out = speculative(target, ids, drafter=ScriptedDrafter(reference, period=2, vocab=VOCAB))
+    assert torch.equal(out.sequences, reference)  # the dynamic call first
+    static = plain(target, ids, cache_implementation="static")
+    assert torch.equal(static, reference)
+    for period in (None, 1, 2, 3):
+        drafter = ScriptedDrafter(static, period=period, vocab=VOCAB)
+        out = speculative(target, ids, drafter=drafter, cache_implementation="static")
+        assert torch.equal(out.sequences, static), period
+        if period == 1:
+            assert out.speculative_stats.accepted_tokens == 0 < out.speculative_stats.drafted_tokens
+    assert len(_MULTI_TOKEN_VERDICTS[target]) == 2  # probed once per kind of cache, each verdict kept
+    # a draft model of short convolutions, told of a plain step before its first forward, and in a padded batch
+    draft = sweep_model("lfm2", seed=3, layer_types=["conv", "full_attention"], tie_word_embeddings=False)
+    out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, reference)
+    batch = prompt(batch=2, seed=15)
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    batch[1, :3] = 0
+    expected = plain(target, batch, attention_mask=mask, pad_token_id=0)
+    out = speculative(target, batch, attention_mask=mask, pad_token_id=0, assistant_model=draft)
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_a_short_convolution_drafter_told_of_a_round_before_its_first_forward(cache_implementation):
+    """A draft model whose cache proves itself croppable at its first forward (lfm2's short convolutions) may be
+    told of a round first (the default policy's plain step, a padded batch): it was refused as unable to roll back."""
+    layer_types = ["conv", "full_attention", "conv", "conv"]
+    target = hf_specdec.enable(
+        sweep_model("lfm2", num_hidden_layers=4, layer_types=layer_types, tie_word_embeddings=False)
+    )
+    batch = prompt(8, batch=2, seed=4)
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    batch[1, :3] = 0
+    kwargs = dict(max_new_tokens=10, do_sample=False, attention_mask=mask, pad_token_id=0)
+    kwargs["cache_implementation"] = cache_implementation
+    assert torch.equal(target.generate(batch, assistant_early_exit=2, **kwargs), target.generate(batch, **kwargs))
 
 
 def test_trees_and_static_draft_caches_are_refused_with_the_reason(target, family):

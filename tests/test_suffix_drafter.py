@@ -181,6 +181,9 @@ def test_chains_follow_the_most_frequent_path_scaled_by_the_match():
     assert drafter.propose_for(torch.tensor([[1, 2, 3]]), num_tokens=2).tokens.tolist() == [[4, 5]]
     factor = SuffixDrafter(cache=cache, max_spec_factor=0.5)  # m = 3: int(1.5) = 1 token
     assert factor.propose_for(torch.tensor([[1, 2, 3]]), num_tokens=8).tokens.tolist() == [[4]]
+    for unbounded in (float("inf"), 1e308):  # no bound but `num_tokens` (it raised `OverflowError` in `int`)
+        huge = SuffixDrafter(cache=cache, max_spec_factor=unbounded)
+        assert huge.propose_for(torch.tensor([[7, 1, 2]]), num_tokens=3).tokens.tolist() == [[3, 4, 5]]
     # after "3": 4 (2/3) or 9 (1/3); min_token_prob 0.7 drops both, and every path below them
     strict = SuffixDrafter(cache=cache, min_token_prob=0.7)
     assert strict.propose_for(torch.tensor([[0, 2, 3]]), num_tokens=8).tokens.shape == (1, 0)

@@ -2,6 +2,7 @@
 synthesized tones. Speculative greedy decoding must equal plain `generate` with every kind of drafter and with
 Whisper's own generation features."""
 
+import copy
 import re
 
 import pytest
@@ -84,6 +85,25 @@ def test_decoder_only_assistant_reads_the_target_encoder_outputs(target, clip):
 def test_whisper_generation_features(target, clip, features_kwargs):
     assert_exact(target, clip, dict(drafter="prompt_lookup"), **features_kwargs)
     assert_exact(target, clip, dict(assistant_model=target), **features_kwargs)
+
+
+def test_word_timestamps_are_refused_naming_them(target, tokenizer, clip):
+    """Whisper turns `output_attentions` on for word-level timestamps: the refusal names the timestamps (it told
+    the user to set `output_attentions=False`, which they never set)."""
+    target = copy.deepcopy(target)
+    target.generation_config.alignment_heads = [[0, 0]]  # the cross-attention heads word timestamps read
+    plain = target.generate(clip, max_new_tokens=NEW_TOKENS, return_token_timestamps=True)
+    assert plain["token_timestamps"].shape[0] == 1  # served without a drafter
+    with pytest.raises(ValueError, match=r"Word-level timestamps \(`return_token_timestamps=True`.* Drop the drafter"):
+        target.generate(clip, max_new_tokens=NEW_TOKENS, return_token_timestamps=True, drafter="prompt_lookup")
+    asr = pipeline(
+        "automatic-speech-recognition", model=target, tokenizer=tokenizer, feature_extractor=feature_extractor()
+    )
+    audio = tone(3.0, 440.0)
+    generate_kwargs = {"max_new_tokens": NEW_TOKENS, "num_beams": 1}
+    assert asr(audio, return_timestamps="word", generate_kwargs=generate_kwargs)["chunks"]  # served without one
+    with pytest.raises(ValueError, match=r"a pipeline's `return_timestamps=\"word\"`"):
+        asr(audio, return_timestamps="word", generate_kwargs={**generate_kwargs, "drafter": "prompt_lookup"})
 
 
 def test_prompt_ids_and_suppressed_tokens(target, tokenizer, clip):

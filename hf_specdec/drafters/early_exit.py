@@ -80,11 +80,11 @@ def _check_keeps_attention(name: str, config, view_config, exit_layer: int) -> N
         return
     attention = [index for index, layer in enumerate(full) if isinstance(layer, CacheLayerMixin)]
     if attention and len(cut) == exit_layer and not any(isinstance(layer, CacheLayerMixin) for layer in cut):
+        layers = "first layer" if exit_layer == 1 else f"first {exit_layer} layers"
         raise ValueError(
-            f"`assistant_early_exit={exit_layer}` / `drafter='early_exit'` would draft with {name}'s first "
-            f"{exit_layer} layers, which are all linear-attention / state-space layers, while its forward needs an "
-            f"attention layer in its cache. Exit at layer {attention[0] + 1} or later (its first attention layer is "
-            f"layer {attention[0]})."
+            f"`assistant_early_exit={exit_layer}` / `drafter='early_exit'` would draft with {name}'s {layers}, "
+            "linear-attention / state-space layers only, while its forward needs an attention layer in its cache. "
+            f"Exit at layer {attention[0] + 1} or later (its first attention layer is layer {attention[0]})."
         )
 
 

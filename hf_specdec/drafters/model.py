@@ -23,6 +23,7 @@ from ..caches import (
     cache_argument,
     cached_length,
     croppable_after_first_forward,
+    no_state_yet,
     realign_cache,
     rewind_cache,
     slice_cache,
@@ -295,7 +296,8 @@ class ModelDrafter(Drafter):
     ) -> None:
         """See `Drafter.on_verified`. In a padded batch, `padding` (each row's left padding in `input_ids`, on the
         host) lets the cache be realigned without reading the device."""
-        if self.check_croppable:
+        # (a round told before the drafter's first forward, e.g. a plain step, finds the cache still empty)
+        if self.check_croppable and not no_state_yet(self.cache):
             if not self.cache.is_croppable:
                 raise ValueError(
                     f"`assistant_model` ({type(self.model).__name__}) keeps recurrent state in its cache, which "

@@ -207,7 +207,8 @@ class SuffixTrie:
             node = self.find(context[len(context) - m :])
             if node is None:  # a longer pattern ends with this one: it cannot occur either
                 break
-            size = min(max_spec_tokens, int(max_spec_factor * m))
+            scaled = max_spec_factor * m  # compared before `int`: a huge factor may scale to infinity
+            size = max_spec_tokens if scaled >= max_spec_tokens else int(scaled)
             depth = min(max_depth, self.depth - m)
             if size < 1 or depth < 1 or self.children[node] is None:
                 continue
