@@ -1,8 +1,9 @@
-"""`resolve_drafter`: the `drafter` / `assistant_model` arguments of one `generate` call, as a `Drafter`."""
+"""`resolve_drafter`: the `drafter` / `assistant_model` arguments of one `generate` call, as a `Drafter`; and
+`refuse_unused_arguments`: the call's drafting arguments that nothing would use."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -13,7 +14,7 @@ from .drafters.gemma4_assistant import Gemma4AssistantDrafter, is_gemma4_assista
 from .drafters.model import ModelDrafter
 from .modeling import logits_width
 
-__all__ = ["resolve_drafter"]
+__all__ = ["refuse_unused_arguments", "resolve_drafter"]
 
 
 def resolve_drafter(
@@ -117,3 +118,36 @@ def _cross_tokenizer_drafter(
     if same:  # one vocabulary: token ids need no translation (the models' logits may be padded to other widths)
         return ModelDrafter(model, same_tokenizer=True)
     return CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
+
+
+def refuse_unused_arguments(
+    called: list[tuple[str, Any]],
+    assistant_tokenizer,
+    drafting: bool,
+    num_beams: int | None,
+    built_with: Callable[[str], bool],
+) -> None:
+    """Refuses what one `generate` call sets that nothing would use, as transformers refuses unused arguments:
+    without a drafter, its `speculative_*` arguments (`called`: those not None) and `assistant_tokenizer` (which
+    transformers drops without a word); with one but without beams, `speculative_draft_beams`. A pipeline hands every
+    call what its construction set, also to a call that does not draft (`assistant_model=None`) or has no beams:
+    there it waits for the calls that use it (`built_with(name)`)."""
+    if not drafting:
+        if assistant_tokenizer is not None:
+            called = [*called, ("assistant_tokenizer", f"<{type(assistant_tokenizer).__name__}>")]
+        unused = [(name, value) for name, value in called if not built_with(name)]
+        if unused:
+            name, value = unused[0]
+            shown = value if name == "assistant_tokenizer" else repr(value)
+            raise ValueError(
+                f"`{name}={shown}` was given without a drafter, so nothing would use it and `generate` would decode "
+                'plainly. Pass `assistant_model=...` or `drafter=...` (e.g. `drafter="prompt_lookup"`), or drop it.'
+            )
+        return
+    draft_beams = dict(called).get("speculative_draft_beams")
+    if draft_beams is not None and (num_beams or 1) <= 1 and not built_with("speculative_draft_beams"):
+        raise ValueError(
+            f"`speculative_draft_beams={draft_beams!r}` sets the draft model's beam width in speculative beam search, "
+            f"but this call decodes with num_beams={num_beams or 1}, so nothing would use it. Drop it, or pass "
+            "`num_beams` > 1."
+        )

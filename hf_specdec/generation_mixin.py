@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from . import continuous_batching
 from .configuration import resolve_speculative_options
 from .decoding import speculative_decode
-from .drafter_arguments import resolve_drafter
+from .drafter_arguments import refuse_unused_arguments, resolve_drafter
 from .drafters.base import get_drafter_class
 from .generate_call import _BoundCall
 from .stats import SpeculativeStats
@@ -92,40 +92,16 @@ class SpeculativeGenerationMixin:
         drafter, drafter_kwargs, assistant_model = _speculation_type_request(
             call, drafter, assistant_model, drafter_kwargs, self
         )
-        if assistant_model is None and drafter is None:
-            if drafter_kwargs is not None:
-                raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
-            # a pipeline hands every call the `speculative_*` settings given at its construction, also to a call
-            # that turns its assistant off (`assistant_model=None`): there they wait for the calls that draft
-            if call.get("assistant_tokenizer") is not None:  # transformers drops it without a word
-                called_with.append(("assistant_tokenizer", f"<{type(call.get('assistant_tokenizer')).__name__}>"))
-            pipe = _calling_pipeline(self) if called_with else None
-            unused = [(name, value) for name, value in called_with if not _built_with(pipe, name)]
-            if unused:
-                name, value = unused[0]
-                shown = value if name == "assistant_tokenizer" else repr(value)
-                raise ValueError(
-                    f"`{name}={shown}` was given without a drafter, so nothing would use it and "
-                    "`generate` would decode plainly. Pass `assistant_model=...` or `drafter=...` (e.g. "
-                    '`drafter="prompt_lookup"`), or drop it.'
-                )
+        drafting = assistant_model is not None or drafter is not None
+        if not drafting and drafter_kwargs is not None:
+            raise ValueError("`drafter_kwargs` was given without `drafter`; pass `drafter=<name>` as well.")
+        beams = call.get("num_beams") or getattr(
+            call.get("generation_config") or self.generation_config, "num_beams", 1
+        )
+        pipeline_built_with = lambda name: _built_with(_calling_pipeline(self), name)
+        refuse_unused_arguments(called_with, call.get("assistant_tokenizer"), drafting, beams, pipeline_built_with)
+        if not drafting:
             return parent_generate(*call.args, **call.kwargs)
-
-        draft_beams = dict(called_with).get("speculative_draft_beams")
-        config = call.get("generation_config") or self.generation_config
-        num_beams = call.get("num_beams")
-        num_beams = getattr(config, "num_beams", None) if num_beams is None else num_beams
-        # (a pipeline's construction may set it for its calls with beams)
-        if (
-            draft_beams is not None
-            and (num_beams or 1) <= 1
-            and not _built_with(_calling_pipeline(self), "speculative_draft_beams")
-        ):
-            raise ValueError(
-                f"`speculative_draft_beams={draft_beams!r}` sets the draft model's beam width in speculative beam "
-                f"search, but this call decodes with num_beams={num_beams or 1}, so nothing would use it. Drop it, or "
-                "pass `num_beams` > 1."
-            )
 
         # the tokenizers: `tokenizer` for stop strings and, with `assistant_tokenizer`, drafting with another
         # tokenizer; transformers hands them only to its own decoding methods, so they are taken out of the call
