@@ -24,6 +24,7 @@ __all__ = [
     "compact_cache",
     "compactable",
     "croppable_after_first_forward",
+    "decoder_layers",
     "holds_nothing",
     "no_state_yet",
     "is_static",
@@ -165,6 +166,12 @@ def compact_cache(cache, start: int, kept: torch.LongTensor, in_place: bool | No
         rewind_cache(cache, length)
 
 
+def decoder_layers(cache) -> tuple | list:
+    """The layers of the cache the decoder writes to (an encoder-decoder cache's self-attention part); none for a
+    cache without layers (or None)."""
+    return getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+
+
 def is_static(cache) -> bool:
     """Whether the cache the decoder writes to preallocates its keys and values (transformers' `StaticCache`,
     `cache_implementation="static"`): rolled back by moving its write position, never by reallocating. Its layers that
@@ -194,7 +201,7 @@ def static_layers(cache) -> list:
 
 
 def _static_candidates(cache) -> list:
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return [layer for layer in layers if isinstance(layer, CacheLayerMixin)]
 
 
@@ -208,7 +215,7 @@ def static_capacity(cache) -> int | None:
 def holds_nothing(cache) -> bool:
     """Whether `cache` holds no position yet. A cache of state-space layers only (Mamba) does not count its positions
     (`get_seq_length` raises): it holds nothing while none of its layers has a state."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
         return not any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers)
     return cache.get_seq_length() == 0
@@ -283,14 +290,14 @@ def croppable_after_first_forward(cache) -> bool:
     """Whether `cache` may still turn out croppable: transformers decides whether a convolution-only linear-attention
     layer (lfm2's short convolutions) can be rolled back only once a forward has shown it holds no recurrent state,
     so such a cache reports `is_croppable=False` before the first forward. Check `is_croppable` again after it."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return bool(layers) and all(layer.is_croppable or _holds_nothing_yet(layer) for layer in layers)
 
 
 def no_state_yet(cache) -> bool:
     """Whether no linear-attention layer of `cache` holds a convolution window or a recurrent state yet (nothing has
     been fed to them: `is_croppable` cannot tell yet)."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return all(_holds_nothing_yet(layer) for layer in layers if hasattr(layer, "is_conv_states_initialized"))
 
 

@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from .batch_rows import slice_kwargs
-from .caches import CACHE_KWARG, cached_length, is_static, record_past, rewind_cache, static_layers
+from .caches import CACHE_KWARG, cached_length, decoder_layers, is_static, record_past, rewind_cache, static_layers
 from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
 from .recurrent import (
@@ -72,7 +72,7 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
 def _cache_kind(model_kwargs) -> tuple:
     """The call's cache as the probe's verdict depends on it: its class and its layers' classes."""
     cache = model_kwargs.get(CACHE_KWARG)
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return type(cache).__name__, tuple(sorted({type(layer).__name__ for layer in layers}))
 
 

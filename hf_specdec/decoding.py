@@ -30,7 +30,7 @@ from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
 from .proposals import draft_context
-from .recurrent import held_positions, recurrent_layers, rolls_back_from_checkpoints
+from .recurrent import held_positions, rolls_back_from_checkpoints
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention
@@ -255,8 +255,7 @@ def _check_recurrent_supported(model, cache) -> None:
     """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), dynamic or static.
     One that already holds state (a cache returned by an earlier call, continued) must say how many positions it
     holds, which only its attention layers count."""
-    holds_state = any(any(getattr(layer, "has_previous_state", {}).values()) for layer in recurrent_layers(cache))
-    if holds_state and held_positions(cache) is None:
+    if held_positions(cache) is None:
         raise ValueError(
             f"The cache passed to {type(model).__name__} already holds recurrent state, and it has no attention layer "
             "that counts the positions it holds (a state-space model's), so hf_specdec cannot tell which of "

@@ -42,7 +42,7 @@ import weakref
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-from .caches import is_static, record_past
+from .caches import decoder_layers, is_static, record_past
 
 __all__ = [
     "RecurrentCheckpoints",
@@ -68,7 +68,7 @@ _CHUNK_SIZED: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKe
 
 def recurrent_layers(cache) -> list:
     """The layers of `cache` (or of an encoder-decoder cache's self-attention part) that keep recurrent state."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
@@ -82,7 +82,7 @@ def held_positions(cache) -> int | None:
     count; None for a cache of recurrent layers only that holds state (nothing there counts its positions)."""
     if not any(any(layer.has_previous_state.values()) for layer in recurrent_layers(cache)):
         return 0
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     if not any(isinstance(layer, CacheLayerMixin) for layer in layers):
         return None
     return int(cache.get_seq_length())
@@ -243,7 +243,7 @@ class RecurrentCheckpoints:
 
 def is_recording(cache) -> bool:
     """Whether any layer of `cache` records its past (`Cache.activate_past_recording`)."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     return any(getattr(layer, "record_past", False) for layer in layers)
 
 
@@ -252,7 +252,7 @@ def finish_recording(cache) -> None:
     and convolution windows trimmed to what the next forward reads, and no layer recording (a returned cache would
     otherwise keep every position its sliding-window layers were given, and go on growing)."""
     _crop(cache, 0)
-    for layer in getattr(getattr(cache, "self_attention_cache", cache), "layers", ()):
+    for layer in decoder_layers(cache):
         if hasattr(layer, "record_past"):
             layer.record_past = False
 
@@ -274,7 +274,7 @@ def _crop(cache, count: int, windows: bool = True) -> None:
     crop by 0 keeps them from growing with the sequence). The windows are cut here rather than by transformers' `crop`,
     which also cuts windows that were never filled (a layer with more states than it uses). A layer that holds nothing
     yet (a draft model told of a round before it ever drafted) is left as it is."""
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", ())
+    layers = decoder_layers(cache)
     for layer in layers:
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             if getattr(layer, "is_initialized", True):
