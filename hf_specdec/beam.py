@@ -273,9 +273,9 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
     cache = model_kwargs.get(CACHE_KWARG)
     if rolls_back_from_checkpoints(model, cache):
         raise ValueError(
-            f"Speculative beam search (`num_beams` > 1) is not supported on {type(model).__name__}: its "
-            "linear-attention / SSM layers keep one recurrent state per row, which cannot be expanded to the "
-            "drafter's paths and cut back each round. Use `num_beams=1` with the drafter (exact on this model), or "
+            f"Speculative beam search (`num_beams` > 1) is not supported on {type(model).__name__}: its cache "
+            "keeps state along the sequence (linear-attention / SSM layers, or compressors of past keys), one per "
+            "row, which cannot be expanded to the drafter's paths and cut back each round. Use `num_beams=1` with the drafter (exact on this model), or "
             "plain beam search without one."
         )
     if (

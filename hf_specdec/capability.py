@@ -55,7 +55,7 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
             # a forward that raised may be this call's inputs' doing, not the model's: refused, not remembered
             reason = str(failure)
     if reason is None:
-        limit = _attention_limit(model)
+        limit = _attention_limit(model, model_kwargs.get(CACHE_KWARG))
         if limit is not None and generation_config.max_length > limit[1]:
             reason = (
                 f"its attention selects at most {limit[0]}={limit[1]} keys per query, which makes a forward over "
@@ -80,10 +80,15 @@ class _ProbeFailed(Exception):
     """The probe's forwards raised: a refusal for this call (its reason is the message), not a verdict kept."""
 
 
-def _attention_limit(model) -> tuple[str, int] | None:
-    """A sparse-attention indexer's top-k: a multi-token forward picks its keys per chunk, not per token, so
-    speculation is exact only while the whole sequence fits within it (transformers' assisted generation differs
-    there as well)."""
+def _attention_limit(model, cache) -> tuple[str, int] | None:
+    """A sparse-attention indexer's top-k over the cache's key columns (its layers keep indexer keys per column:
+    DeepSeek-V3.2, GLM-MoE-DSA, ...): a multi-token forward picks its keys per chunk, not per token, so speculation is
+    exact only while the whole sequence fits within it (transformers' assisted generation differs there as well). A
+    top-k over something else (DeepSeek-V4's, over its compressors' entries, with a causal threshold per query)
+    selects per query, as one-token decoding does; a cache whose layers are not built yet is taken to be the former."""
+    layers = decoder_layers(cache)
+    if layers and not any(hasattr(layer, "indexer_keys") for layer in layers):
+        return None
     config = model.config.get_text_config(decoder=True)
     value = getattr(config, "index_topk", None)
     return ("index_topk", value) if isinstance(value, int) else None
@@ -220,7 +225,7 @@ def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
     key/value probe's."""
     kwargs = fresh()
     cache = kwargs[CACHE_KWARG]
-    checkpoints = RecurrentCheckpoints(cache)
+    checkpoints = RecurrentCheckpoints(model, cache)
     if prompt_len > 1:
         target_logits(
             model,

@@ -30,7 +30,7 @@ from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
 from .proposals import draft_context
-from .recurrent import held_positions, rolls_back_from_checkpoints
+from .recurrent import held_positions, rolls_back_from_checkpoints, snapshot_layers
 from .sequence import decode_sequence
 from .stats import SpeculativeStats
 from .tree_attention import check_tree_attention
@@ -225,7 +225,7 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
     # a recurrent (linear-attention / SSM) cache is rolled back from checkpoints, static or dynamic
     recurrent = rolls_back_from_checkpoints(model, cache)
     if recurrent:
-        _check_recurrent_supported(model, cache)
+        _check_recurrent_supported(model, cache, model_kwargs.get("attention_mask"))
     if is_static(cache):
         problem = static_rewind_problem(cache, generation_config.max_length)
         if problem is not None:
@@ -251,10 +251,20 @@ def _check_supported(model, input_ids, generation_config, model_kwargs, streamer
         )
 
 
-def _check_recurrent_supported(model, cache) -> None:
+def _check_recurrent_supported(model, cache, attention_mask) -> None:
     """A recurrent (linear-attention / SSM) cache is rolled back from checkpoints (`recurrent.py`), dynamic or static.
     One that already holds state (a cache returned by an earlier call, continued) must say how many positions it
-    holds, which only its attention layers count."""
+    holds, which only its attention layers count. A model's own stateful layers (`snapshot_layers`) are served for
+    rows without padding."""
+    layers = snapshot_layers(model, cache)
+    if layers and attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"{type(model).__name__} cannot be verified exactly on rows with padding: its {type(layers[0]).__name__} "
+            "layers compress their keys in windows counted in cache slots, padding included, and a forward over "
+            "several new tokens hides the compressed entries by position ids, which padding shifts from the slots "
+            "(a one-token forward hides none), so a padded row's verify forward computes something else than plain "
+            "decoding. Pass rows of equal length without padding (`attention_mask` all ones), or one row per call."
+        )
     if held_positions(cache) is None:
         raise ValueError(
             f"The cache passed to {type(model).__name__} already holds recurrent state, and it has no attention layer "
@@ -268,9 +278,9 @@ def _check_trees_supported(model, input_ids, generation_config, model_kwargs, tr
     budget = f"speculative_tree_budget={tree_budget}"
     if rolls_back_from_checkpoints(model, model_kwargs.get(CACHE_KWARG)):
         raise ValueError(
-            f"Token trees ({budget}) cannot be verified on {type(model).__name__}: its linear-attention / SSM layers "
-            "run one recurrence along the sequence, and the branches of a tree would each need a state of their "
-            "own. Drop `speculative_tree_budget` (chains are exact on this model)."
+            f"Token trees ({budget}) cannot be verified on {type(model).__name__}: its cache keeps state along the "
+            "sequence (linear-attention / SSM layers, or compressors of past keys), and the branches of a tree would "
+            "each need a state of their own. Drop `speculative_tree_budget` (chains are exact on this model)."
         )
     if input_ids.shape[0] > 1:
         raise ValueError(

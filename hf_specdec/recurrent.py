@@ -26,6 +26,14 @@ verify and draft forwards after the first pass `chunk_size` = their number of ne
 without padding, the same recurrence (a forward over several tokens agrees with the default chunking to float
 tolerance, which the capability probe checks in the verify's own shapes). The prefill keeps the model's default.
 
+A stateful model may also keep state a crop cannot undo in key/value layers of its own (`snapshot_layers`):
+DeepSeek-V4's compressed-attention layers hold, beside a window of keys that their `update` keeps at
+`sliding_window - 1` whatever the recording, each compressor's buffer of tokens not yet compressed, its compressed
+entries, their count and the last window's overlap. Those layers are checkpointed whole: a checkpoint keeps what the
+layer's attributes refer to (their tensors are replaced by each forward, never written in place, so keeping the
+references is a copy; the capability probe checks the rollback against step-by-step decoding), and a rollback puts
+them back, the kept tokens then fed again as for a recurrent layer.
+
 Cost: one copy of the recurrent states per round (per drafted token for a stateful draft model), and, after a round
 that rejected drafts, its kept tokens carried again by the next forward (no extra forward). Not supported: token
 trees (each branch would need a state of its own) and static caches.
@@ -56,6 +64,7 @@ __all__ = [
     "pad_conv_windows",
     "recurrent_layers",
     "rolls_back_from_checkpoints",
+    "snapshot_layers",
     "takes_chunk_size",
 ]
 
@@ -72,6 +81,21 @@ def recurrent_layers(cache) -> list:
     return [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
+def snapshot_layers(model, cache) -> list:
+    """The key/value layers of a stateful model's cache (transformers' `_is_stateful`) of a class the model defines
+    itself, outside `transformers.cache_utils` (DeepSeek-V4's compressed-attention layers): they keep state of their
+    own beside keys and values, which a crop does not roll back, so `RecurrentCheckpoints` restores them whole."""
+    if not getattr(model, "_is_stateful", False):
+        return []
+    return [
+        layer
+        for layer in decoder_layers(cache)
+        if isinstance(layer, CacheLayerMixin)
+        and not isinstance(layer, LinearAttentionCacheLayerMixin)
+        and type(layer).__module__ != CacheLayerMixin.__module__
+    ]
+
+
 def is_recurrent(cache) -> bool:
     """Whether `cache` has linear-attention / SSM layers (whose state a crop cannot roll back)."""
     return bool(recurrent_layers(cache))
@@ -80,7 +104,8 @@ def is_recurrent(cache) -> bool:
 def held_positions(cache) -> int | None:
     """How many positions a recurrent `cache` holds: 0 before its first forward, then what its attention layers
     count; None for a cache of recurrent layers only that holds state (nothing there counts its positions)."""
-    if not any(any(layer.has_previous_state.values()) for layer in recurrent_layers(cache)):
+    recurrent = recurrent_layers(cache)
+    if recurrent and not any(any(layer.has_previous_state.values()) for layer in recurrent):
         return 0
     layers = decoder_layers(cache)
     if not any(isinstance(layer, CacheLayerMixin) for layer in layers):
@@ -92,9 +117,10 @@ def rolls_back_from_checkpoints(model, cache) -> bool:
     """Whether `cache` has linear-attention / SSM layers that `RecurrentCheckpoints` rolls back: those of a stateful
     model (transformers' `_is_stateful`), and those of any static cache. A convolution-only linear-attention cache
     (lfm2's short convolutions) is not stateful: in a dynamic cache, which records its past, transformers' own crop
-    rolls it back; a static cache does not record (`caches.record_past`), so its windows come back from checkpoints."""
+    rolls it back; a static cache does not record (`caches.record_past`), so its windows come back from checkpoints.
+    Also a stateful model's own key/value layers (`snapshot_layers`), which it restores whole."""
     if not is_recurrent(cache):
-        return False
+        return bool(snapshot_layers(model, cache))
     return bool(getattr(model, "_is_stateful", False)) or is_static(cache)
 
 
@@ -154,18 +180,20 @@ def draft_checkpoints(model, cache, static: bool, tree_budget: int | None) -> Re
                 else "Drop `speculative_tree_budget` (a tree's branches would each need a state of their own)."
             )
         )
-    return RecurrentCheckpoints(cache)
+    return RecurrentCheckpoints(model, cache)
 
 
 class RecurrentCheckpoints:
-    """Checkpoints of one cache's recurrent states, by the number of positions the cache held when each was taken.
+    """Checkpoints of one cache's recurrent states (and of the layers `snapshot_layers` finds in `model`'s cache), by
+    the number of positions the cache held when each was taken.
 
     `length`: the positions the cache holds now (counted here, as a pure state-space cache does not count them), kept
     up to date by `fed` and `rewind`."""
 
-    def __init__(self, cache, length: int = 0):
+    def __init__(self, model, cache, length: int = 0):
         self.cache = cache
         self.layers = recurrent_layers(cache)
+        self.snapshots = snapshot_layers(model, cache)
         self.length = length
         self.saved: dict[int, list[dict]] = {}
         # the convolution windows of every position fed since the last rewind, so that `crop` can restore them
@@ -182,8 +210,8 @@ class RecurrentCheckpoints:
     def save(self) -> None:
         """Copies every recurrent state and convolution window (its last `conv_kernel_size` columns), as they are after
         the `length` positions the cache holds now (a layer that has seen no position yet is saved as such: rolling
-        back to it empties the layer)."""
-        self.saved[self.length] = [
+        back to it empties the layer), and what every `snapshot_layers` layer holds."""
+        self.saved[self.length] = [_attributes(layer) for layer in self.snapshots] + [
             {
                 index: (state.clone() if layer.has_previous_state[index] and state is not None else None)
                 for index, state in layer.recurrent_states.items()
@@ -215,7 +243,11 @@ class RecurrentCheckpoints:
                     f"{sorted(self.saved)}): the cache cannot be rolled back there"
                 )
             target = max(earlier)
-            for layer, states in zip(self.layers, self.saved[target], strict=True):
+            saved = self.saved[target]
+            for layer, attributes in zip(self.snapshots, saved, strict=False):
+                vars(layer).clear()
+                vars(layer).update(_attributes(attributes))
+            for layer, states in zip(self.layers, saved[len(self.snapshots) :], strict=True):
                 if not any(states[("started", index)] for index in layer.has_previous_state):
                     # saved before the layer's first position: it starts again from nothing (its first forward then
                     # fills it as a prefill does)
@@ -234,7 +266,7 @@ class RecurrentCheckpoints:
                         layer.conv_states[index] = saved.clone()
         # attention keys and values are cropped; convolution windows were restored above, or (everything fed kept)
         # trimmed to their kernel
-        _crop(self.cache, self.length - target, windows=target == self.length)
+        _crop(self.cache, self.length - target, windows=target == self.length, skip=self.snapshots)
         keep = self.saved.get(target) if target != self.length else None
         self.saved = {} if keep is None else {target: keep}
         self.length = target
@@ -268,14 +300,26 @@ def pad_conv_windows(cache) -> None:
                 layer.conv_states[index] = torch.nn.functional.pad(window, (size - window.shape[-1], 0))
 
 
-def _crop(cache, count: int, windows: bool = True) -> None:
-    """Drops the last `count` positions of every layer of `cache`: attention keys and values, and (with `windows`)
+def _attributes(layer) -> dict:
+    """What a `snapshot_layers` layer (or such a copy) holds: its attributes, its dicts and lists copied (their
+    tensors are replaced by the layer's forwards, not written in place)."""
+    attributes = layer if isinstance(layer, dict) else vars(layer)
+    return {
+        name: type(value)(value) if isinstance(value, (dict, list)) else value for name, value in attributes.items()
+    }
+
+
+def _crop(cache, count: int, windows: bool = True, skip=()) -> None:
+    """Drops the last `count` positions of every layer of `cache` but those in `skip` (restored whole by
+    `RecurrentCheckpoints`): attention keys and values, and (with `windows`)
     the convolution windows of linear-attention / SSM layers, which are also trimmed back to their kernel size (so a
     crop by 0 keeps them from growing with the sequence). The windows are cut here rather than by transformers' `crop`,
     which also cuts windows that were never filled (a layer with more states than it uses). A layer that holds nothing
     yet (a draft model told of a round before it ever drafted) is left as it is."""
     layers = decoder_layers(cache)
     for layer in layers:
+        if any(layer is kept for kept in skip):
+            continue
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             if getattr(layer, "is_initialized", True):
                 layer.crop(-count)

@@ -127,7 +127,7 @@ class SequenceLane(Lane):
         # the round rejected drafts; the tokens it kept are fed again before the next round's drafts
         # (a cache passed in holding an earlier call's positions is counted by its attention layers)
         self.recurrent = (
-            RecurrentCheckpoints(self.cache, held_positions(self.cache) if self.cached is None else self.cached)
+            RecurrentCheckpoints(model, self.cache, held_positions(self.cache) if self.cached is None else self.cached)
             if rolls_back_from_checkpoints(model, self.cache)
             else None
         )

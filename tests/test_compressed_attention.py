@@ -1,0 +1,203 @@
+"""DeepSeek-V4's compressed attention: its cache layers (`DeepseekV4HCACache`, `DeepseekV4CSACache`) hold, beside a
+window of keys that their `update` keeps at `sliding_window - 1`, each compressor's buffer, compressed entries, count
+and overlap, which a crop does not roll back. They are checkpointed whole (`recurrent.snapshot_layers`) and rejected
+drafts are undone from the checkpoint, the kept tokens fed again."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ScriptedDrafter
+from test_sampling_distribution import exact_distribution, goodness_of_fit
+from transformers import DynamicCache
+
+import hf_specdec
+from hf_specdec.recurrent import RecurrentCheckpoints, snapshot_layers
+
+sys.path.insert(0, str(Path(__file__).parent / "sweep"))
+from tiny import VOCAB
+from tiny import tiny_model as sweep_model
+
+# windows that close within a few tokens: a compressed-sparse-attention entry every 4 tokens, a heavily compressed
+# one every 8, keys kept over a window of 8, and an indexer top-k of 8 entries (32 tokens)
+RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+NEW_TOKENS = 48
+
+
+def deepseek_v4(seed=0):
+    model = sweep_model("deepseek_v4", seed=seed, compress_rates=RATES)
+    config = model.config
+    assert (config.sliding_window, config.index_topk) == (8, 8)
+    assert set(config.layer_types) == {"compressed_sparse_attention", "heavily_compressed_attention"}
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hf_specdec.enable(deepseek_v4())
+
+
+def prompt(length=9, seed=0, batch=1):
+    return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def plain(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+
+
+def speculative(model, ids, **kwargs):
+    return model.generate(
+        ids,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        speculative_gamma=5,
+        speculative_gamma_policy="constant",
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def _held(value):
+    """What a cache layer's attribute holds, comparable: tensors and numbers as they are, dicts entry by entry."""
+    if isinstance(value, dict):
+        return {name: _held(entry) for name, entry in value.items()}
+    return value
+
+
+def _assert_same_layers(cache, want):
+    layers, expected_layers = snapshot_layers(target_model, cache), snapshot_layers(target_model, want)
+    assert len(layers) == len(expected_layers) == len(cache.layers)
+    compared = 0
+    for layer, expected in zip(layers, expected_layers, strict=True):
+        assert vars(layer).keys() == vars(expected).keys()
+        for name in vars(layer):
+            got, wanted = _held(getattr(layer, name)), _held(getattr(expected, name))
+            for part in got if isinstance(got, dict) else [None]:
+                a, b = (got[part], wanted[part]) if part is not None else (got, wanted)
+                if isinstance(a, torch.Tensor):
+                    assert isinstance(b, torch.Tensor) and a.shape == b.shape, (name, part)
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+                    compared += a.numel() > 0
+                else:
+                    assert a == b, (name, part, a, b)
+    assert compared > 0
+
+
+target_model = deepseek_v4()
+
+
+@torch.no_grad()
+def _fed(tokens_list):
+    cache = DynamicCache(config=target_model.config)
+    checkpoints = RecurrentCheckpoints(target_model, cache)
+    for tokens in tokens_list:
+        _forward(tokens, cache, checkpoints)
+    return cache, checkpoints
+
+
+def _forward(tokens, cache, checkpoints):
+    start = checkpoints.length
+    positions = torch.arange(start, start + tokens.shape[1])[None]
+    target_model(tokens, cache=cache, use_cache=True, position_ids=positions)
+    checkpoints.fed(tokens.shape[1])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("context", [7, 13])
+def test_the_layers_after_a_rollback_hold_what_a_forward_over_the_kept_tokens_leaves(context):
+    """Keys, compressor buffers, compressed entries, their counts and overlaps, after a verify forward over 6 drafts
+    (a compressed-sparse and a heavily compressed window close inside it) rolled back to every kept length."""
+    ids = prompt(context + 6, seed=3)
+    drafts = ids[:, context:]
+    for kept in range(drafts.shape[1] + 1):
+        cache, checkpoints = _fed([ids[:, :context]])
+        checkpoints.save()
+        _forward(drafts, cache, checkpoints)
+        restored = checkpoints.rewind(context + kept)
+        assert restored == (context + kept if kept == drafts.shape[1] else context)
+        if restored < context + kept:
+            _forward(drafts[:, :kept], cache, checkpoints)
+        _assert_same_layers(cache, _fed([ids[:, : context + kept]])[0])
+
+
+@pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
+def test_greedy_speculation_equals_plain_generate(target, period):
+    ids = prompt()
+    reference = plain(target, ids)
+    # past the indexer's top-k (8 entries of 4 tokens): it selects per query, as one-token decoding does
+    assert reference.shape[1] > target.config.index_topk * RATES["compressed_sparse_attention"]
+    out = speculative(target, ids, drafter=ScriptedDrafter(reference, period))
+    assert torch.equal(out.sequences, reference)
+    stats = out.speculative_stats
+    assert stats.target_calls < NEW_TOKENS if period != 1 else stats.target_calls == NEW_TOKENS
+    if period == 3:  # rounds that rejected drafts: rolled back from checkpoints and continued exactly
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "self", "other"])
+def test_every_drafter_decodes_exactly_one_row_and_an_unpadded_batch(target, drafter):
+    kwargs = {
+        "prompt_lookup": dict(drafter="prompt_lookup"),
+        "self": dict(assistant_model=target),  # a draft model with compressed attention, rolled back too
+        "other": dict(assistant_model=deepseek_v4(seed=1)),
+    }[drafter]
+    for ids in (prompt(), prompt(batch=2, seed=5)):
+        reference = plain(target, ids)
+        out = speculative(target, ids, **kwargs)
+        assert torch.equal(out.sequences, reference)
+        stats = out.speculative_stats
+        # the copies are right, the other model almost never: its rejections roll the draft cache back every round
+        assert stats.target_calls < NEW_TOKENS * ids.shape[0] if drafter != "other" else stats.drafted_tokens > 0
+
+
+def test_sampling_follows_the_target_distribution():
+    """Chi-square goodness of fit of 2 sampled tokens against the enumerated target distribution, drafted by another
+    DeepSeek-V4 (both rolled back); power: the drafter's own samples fail the same test."""
+    model = hf_specdec.enable(deepseek_v4())
+    drafter = hf_specdec.enable(deepseek_v4(seed=9))
+    config = dict(temperature=0.9, top_k=3)
+    ids = prompt(6, seed=11)
+    table = exact_distribution(model, ids, config, length=2)
+
+    def samples(generating, **kwargs):
+        torch.manual_seed(1234)  # rows of one batch, each sampled on its own (without padding)
+        out = generating.generate(ids.repeat(300, 1), do_sample=True, max_new_tokens=2, **config, **kwargs)
+        return [tuple(row) for row in out[:, 6:].tolist()]
+
+    drawn = samples(model, assistant_model=drafter, speculative_gamma=2, speculative_gamma_policy="constant")
+    assert goodness_of_fit(table, drawn) > 1e-3
+    own = samples(drafter)
+    assert any(s not in table for s in own) or goodness_of_fit(table, own) < 1e-3
+
+
+def test_padded_rows_trees_and_beams_are_refused_with_the_reason(target):
+    ids = prompt(batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(
+        ValueError,
+        match=r"DeepseekV4ForCausalLM cannot be verified exactly on rows with padding: its DeepseekV4\w+Cache layers "
+        r"compress their keys in windows counted in cache slots",
+    ):
+        target.generate(ids, attention_mask=mask, drafter="prompt_lookup", max_new_tokens=4)
+    with pytest.raises(
+        ValueError, match=r"Token trees .* cannot be verified on DeepseekV4ForCausalLM: its cache keeps"
+    ):
+        target.generate(prompt(), drafter="prompt_lookup", speculative_tree_budget=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"not supported on DeepseekV4ForCausalLM: its cache keeps state"):
+        target.generate(prompt(), assistant_model=target, num_beams=2, max_new_tokens=4)
+
+
+def test_padded_rows_differ_from_plain_decoding_without_the_refusal(target, monkeypatch):
+    """The refusal's reason, shown: with it lifted, a padded row's speculative output is not plain generate's."""
+    import hf_specdec.decoding as decoding
+
+    monkeypatch.setattr(decoding, "snapshot_layers", lambda model, cache: [])
+    ids = prompt(batch=2, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    reference = plain(target, ids, attention_mask=mask)
+    out = speculative(target, ids, attention_mask=mask, assistant_model=deepseek_v4(seed=1))
+    assert torch.equal(out.sequences[0], reference[0])
+    assert not torch.equal(out.sequences[1], reference[1])
