@@ -18,6 +18,7 @@ from .recurrent import (
     pad_conv_windows,
     recurrent_layers,
     rolls_back_from_checkpoints,
+    stop_recording_windows,
     takes_chunk_size,
 )
 
@@ -58,9 +59,9 @@ def check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
         limit = _attention_limit(model, model_kwargs.get(CACHE_KWARG))
         if limit is not None and generation_config.max_length > limit[1]:
             reason = (
-                f"its attention selects at most {limit[0]}={limit[1]} keys per query, which makes a forward over "
-                "several new tokens compute something else than step-by-step decoding once the sequence is "
-                f"longer than that (this generation may reach max_length={generation_config.max_length})"
+                f"{limit[0]}, which makes a forward over several new tokens compute something else than "
+                f"step-by-step decoding once the sequence is longer than {limit[1]} tokens (this generation may "
+                f"reach max_length={generation_config.max_length})"
             )
     if reason is not None:
         raise ValueError(
@@ -81,17 +82,30 @@ class _ProbeFailed(Exception):
 
 
 def _attention_limit(model, cache) -> tuple[str, int] | None:
-    """A sparse-attention indexer's top-k over the cache's key columns (its layers keep indexer keys per column:
-    DeepSeek-V3.2, GLM-MoE-DSA, ...): a multi-token forward picks its keys per chunk, not per token, so speculation is
-    exact only while the whole sequence fits within it (transformers' assisted generation differs there as well). A
-    top-k over something else (DeepSeek-V4's, over its compressors' entries, with a causal threshold per query)
-    selects per query, as one-token decoding does; a cache whose layers are not built yet is taken to be the former."""
-    layers = decoder_layers(cache)
-    if layers and not any(hasattr(layer, "indexer_keys") for layer in layers):
-        return None
+    """What a sparse-attention indexer's top-k selects, and the longest sequence over which a multi-token forward
+    still selects as step-by-step decoding does (transformers' assisted generation differs past it as well):
+
+    - over the cache's key columns (its layers keep indexer keys: DeepSeek-V3.2, GLM-MoE-DSA, ...), `index_topk`
+      tokens: a multi-token forward picks its keys per chunk, not per token;
+    - over something else (DeepSeek-V4's compressors' entries, each of `compress_rates` tokens), while every entry
+      is selected: past `index_topk` entries, scores tied at the top-k's boundary (exact zeros of its ReLU scores)
+      are broken by their place in the row, which a forward over several tokens makes longer than a one-token one.
+
+    A cache whose layers are not built yet is taken to be of the first kind."""
     config = model.config.get_text_config(decoder=True)
     value = getattr(config, "index_topk", None)
-    return ("index_topk", value) if isinstance(value, int) else None
+    if not isinstance(value, int):
+        return None
+    layers = decoder_layers(cache)
+    if not layers or any(hasattr(layer, "indexer_keys") for layer in layers):
+        return f"its attention selects at most index_topk={value} keys per query", value
+    rates = getattr(config, "compress_rates", None)
+    rate = min(rates.values()) if isinstance(rates, dict) and rates else 1
+    return (
+        f"its indexer selects at most index_topk={value} compressed entries per query (of {rate} tokens or more "
+        "each) and breaks ties at that boundary by an entry's place in the row",
+        value * rate,
+    )
 
 
 @torch.no_grad()
@@ -131,6 +145,8 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     try:
         # step by step, as plain generate decodes: the logits after the prompt and after each extra token
         kwargs = fresh()
+        if rolls_back_from_checkpoints(model, kwargs[CACHE_KWARG]):  # as the decoding loops set it
+            stop_recording_windows(kwargs[CACHE_KWARG])
         # every probe forward runs with the same kernels (outside `decode_step`): it compares forward shapes only
         module_tensors = _module_tensors(model)
         steps = [target_logits(model, prompt, 0, kwargs, True, cached=0)[:, -1]]
@@ -244,13 +260,14 @@ def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
     verified = [state.clone() for state in _recurrent_states(cache)]
     kept = checkpoints.rewind(prompt_len + 1)
     # the same forward from zeroed recurrent states: a layer whose several-token forward ignores the cached state
-    # (a scan that starts from zeros) ends in bitwise the same state, whatever the dtype's rounding
+    # (a scan that starts from zeros) ends in bitwise the same state, whatever the dtype's rounding, and computes
+    # bitwise the same logits (a state that only delays the last input, Zaya's, also ends the same, but is read)
     ignores_state = False
     if prompt_len > 1:
         for state in _recurrent_states(cache):
             state.zero_()
-        target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), False, cached=kept)
-        ignores_state = any(
+        zeroed = target_logits(model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), False, cached=kept)
+        ignores_state = torch.equal(zeroed, first) and any(
             torch.equal(state, before) for state, before in zip(_recurrent_states(cache), verified, strict=True)
         )
         checkpoints.fed(_PROBE_DRAFTS + 1)

@@ -82,6 +82,7 @@ class HiddenStateCapture:
                 "the output of decoder layer i - 1)."
             )
         self.layers = layers
+        self.owner, self.model_name, self.checked = owner, type(model).__name__, False
         self.records: list[list[torch.Tensor]] = [[] for _ in layers]
         self.thread = threading.get_ident()
         self.modules = [model.get_input_embeddings() if index == 0 else blocks[index - 1] for index in layers]
@@ -97,6 +98,15 @@ class HiddenStateCapture:
         in the order asked for; `None` when no forward ran."""
         if not self.records[0]:
             return None
+        odd = None if self.checked else next((r.shape for rs in self.records for r in rs if r.dim() != 3), None)
+        self.checked = True  # the first forward's outputs tell
+        if odd is not None:
+            raise ValueError(
+                f"{self.owner} reads the target's hidden states as [batch, positions, hidden], but the decoder "
+                f"layers of {self.model_name} output tensors of shape {tuple(odd)} (several residual streams per "
+                "position, as DeepSeek-V4's hyper-connections keep them). Use a drafter that does not read hidden "
+                'states with this model (`drafter="prompt_lookup"`, `"suffix"`, an `assistant_model`).'
+            )
         states = torch.cat([torch.cat(records, dim=1) for records in self.records], dim=-1)
         self.records = [[] for _ in self.layers]
         return states

@@ -10,8 +10,8 @@ gated delta rule, chunked SSD scan) return the final state only. So rejected dra
   cache holds (before the verify forward of a round; after each forward of a draft model). The windows are small
   (the last `conv_kernel_size` inputs), and copying them does not rely on transformers' past recording
   (`Cache.activate_past_recording`), which some layers bypass in their one-token path (Kimi-Linear, Bailing-hybrid:
-  they shift the window in place). The recording still keeps what a forward appends, so a round that kept everything
-  it fed trims each window back to its kernel size.
+  they shift the window in place) and others misread (Zaya hands the cache a whole window, which a recording would
+  append): the linear-attention layers do not record (`stop_recording_windows`); attention layers do.
 - `RecurrentCheckpoints.rewind(length)` leaves the cache at `length` when that is its current length (a round that
   kept everything it fed: the state is already the right one) or a checkpoint; otherwise it goes back to the latest
   checkpoint before `length` and returns that length. The positions between are then uncached: the caller feeds
@@ -65,6 +65,7 @@ __all__ = [
     "recurrent_layers",
     "rolls_back_from_checkpoints",
     "snapshot_layers",
+    "stop_recording_windows",
     "takes_chunk_size",
 ]
 
@@ -183,6 +184,16 @@ def draft_checkpoints(model, cache, static: bool, tree_budget: int | None) -> Re
     return RecurrentCheckpoints(model, cache)
 
 
+def stop_recording_windows(cache) -> None:
+    """Stops the past recording of the linear-attention layers of `cache` but those with a sliding window beside
+    (cropped back from their recording): their windows come back from `RecurrentCheckpoints`, not from a recording,
+    and some models' own window updates (Zaya's) hand the cache a whole window rather than the new columns, which a
+    recording would keep appending to (the next forward then reads a window longer than its kernel)."""
+    for layer in recurrent_layers(cache):
+        if not getattr(layer, "is_sliding", False):
+            layer.record_past = False
+
+
 class RecurrentCheckpoints:
     """Checkpoints of one cache's recurrent states (and of the layers `snapshot_layers` finds in `model`'s cache), by
     the number of positions the cache held when each was taken.
@@ -196,8 +207,8 @@ class RecurrentCheckpoints:
         self.snapshots = snapshot_layers(model, cache)
         self.length = length
         self.saved: dict[int, list[dict]] = {}
-        # the convolution windows of every position fed since the last rewind, so that `crop` can restore them
         record_past(cache)
+        stop_recording_windows(cache)
 
     def fed(self, count: int) -> None:
         """Books `count` positions the owner just fed to the cache. A convolution window shorter than its kernel (a

@@ -34,6 +34,7 @@ STATE_FAMILIES = [
     "bamba",
     "granitemoehybrid",
     "bailing_hybrid",
+    "zaya",
 ]
 
 
@@ -184,6 +185,19 @@ def test_greedy_speculation_equals_plain_generate(target, period, length):
         assert stats.accepted_tokens == 0 and stats.drafted_tokens > 0
     else:
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
+def test_a_state_that_delays_one_input_is_read_and_rolled_back(period):
+    """Zaya's recurrent state is the previous token's value projection: a forward over several tokens ends in the
+    same state from a zeroed one, yet reads it (its logits differ), so the probe serves it; its own window update
+    hands the cache a whole window, which only a cache that does not record its windows keeps at its kernel size."""
+    model = hf_specdec.enable(sweep_model("zaya"))
+    ids = prompt()
+    reference = plain(model, ids)
+    out = speculative(model, ids, drafter=ScriptedDrafter(reference, period))
+    assert torch.equal(out.sequences, reference)
+    assert out.speculative_stats.accepted_tokens > 0 if period != 1 else out.speculative_stats.drafted_tokens > 0
 
 
 def test_a_stateful_draft_model_is_rolled_back_too(target):

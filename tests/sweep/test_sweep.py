@@ -89,8 +89,6 @@ KNOWN_DEFECTS: dict[str, tuple[tuple[str, ...], str]] = {}
 # stateful model types (transformers' `_is_stateful`) refused, with the start of the reason; every other stateful type
 # that builds is identical to plain `generate` for every drafter run (its recurrent state rolled back from checkpoints)
 STATEFUL_REFUSED = {
-    # transformers' model code: a cached forward over several new tokens raises
-    "zaya": "a cached forward over several new tokens fails (RuntimeError: view size is not compatible",
     # Mamba-1 layers (Zamba's too): the multi-token selective scan starts from zeros, not from the cached state
     "mamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
     "falcon_mamba": "its recurrent layers' forward over several new tokens ignores the state in the cache",
