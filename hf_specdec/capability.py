@@ -122,15 +122,24 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
         row_kwargs = per_token_prefix(row_kwargs, prompt.shape[1], keep)
         prompt = prompt[:, :keep]
     vocab = logits_width(model)
-    # tokens that differ from each other and from the prompt's last one
-    extra = (prompt[:, -1:] + torch.arange(1, _PROBE_DRAFTS + 1, device=prompt.device) * 7) % vocab  # [1, 4]
-    sequence = torch.cat([prompt, extra], dim=-1)
-    prompt_len = prompt.shape[1]
 
     def advance(kwargs, new_tokens):
         return model._update_model_kwargs_for_generation(
             {}, dict(kwargs), is_encoder_decoder=is_encoder_decoder, num_new_tokens=new_tokens
         )
+
+    if prompt.shape[1] == 1 and (
+        getattr(model, "_is_stateful", False) or rolls_back_from_checkpoints(model, row_kwargs.get(CACHE_KWARG))
+    ):
+        # a recurrent cache's rounds must continue a state the prompt left: after a one-token prompt the first round
+        # would be a prefill, which cannot show a forward over several tokens that ignores the cached state (nor
+        # does a verdict remembered from it hold for longer prompts): a second prompt token
+        prompt = torch.cat([prompt, (prompt + 3) % vocab], dim=-1)
+        row_kwargs = advance(row_kwargs, 1)
+    # tokens that differ from each other and from the prompt's last one
+    extra = (prompt[:, -1:] + torch.arange(1, _PROBE_DRAFTS + 1, device=prompt.device) * 7) % vocab  # [1, 4]
+    sequence = torch.cat([prompt, extra], dim=-1)
+    prompt_len = prompt.shape[1]
 
     def fresh():
         kwargs = slice_kwargs(row_kwargs, 0, 1, model)  # a cache of its own

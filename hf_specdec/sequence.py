@@ -166,7 +166,9 @@ class SequenceLane(Lane):
             # a recurrent cache rolled back in the last round: it is brought back to holding every token but the
             # newest, as plain generate leaves it (a returned cache, a row that goes on growing)
             self._feed_tail()
-        if not self.was_recording and is_recording(self.cache):
+        if self.was_recording:  # as the caller's was (the rounds stop it on linear-attention layers)
+            record_past(self.cache)
+        elif is_recording(self.cache):
             finish_recording(self.cache)
         if self.capture is not None:
             self.capture.close()

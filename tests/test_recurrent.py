@@ -420,6 +420,24 @@ def test_stateful_models_that_cannot_be_rolled_back_exactly_are_refused(model_ty
         model.generate(prompt(), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "jamba"])
+def test_a_scan_that_ignores_the_state_is_refused_after_a_one_token_prompt_too(model_type):
+    # the probe's rounds after a one-token prompt would start from a prefill: it adds a prompt token of its own
+    model = hf_specdec.enable(sweep_model(model_type))
+    with pytest.raises(ValueError, match=r"cannot be verified exactly .* ignores the state in the cache"):
+        model.generate(prompt(1), drafter="prompt_lookup", max_new_tokens=NEW_TOKENS)
+
+
+def test_a_cache_passed_in_recording_its_past_is_left_recording(target):
+    cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()
+    recording = [getattr(layer, "record_past", None) for layer in cache.layers]
+    reference = plain(target, prompt())
+    out = speculative(target, prompt(), cache=cache, drafter="prompt_lookup")
+    assert torch.equal(out.sequences, reference)
+    assert [getattr(layer, "record_past", None) for layer in cache.layers] == recording
+
+
 def test_a_feature_drafter_gets_each_position_s_hidden_state_once():
     """After a rollback the kept tokens are fed again in the next forward: their hidden states, already given to a
     drafter that reads them (the target's own MTP layer on a Qwen3.5 target), are not given twice."""
