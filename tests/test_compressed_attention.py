@@ -60,67 +60,64 @@ def speculative(model, ids, **kwargs):
     )
 
 
-def _held(value):
-    """What a cache layer's attribute holds, comparable: tensors and numbers as they are, dicts entry by entry."""
-    if isinstance(value, dict):
-        return {name: _held(entry) for name, entry in value.items()}
-    return value
+def _assert_same(got, wanted, where) -> int:
+    """Asserts that two values a cache layer holds are the same (tensors to float tolerance, dicts entry by entry);
+    returns how many non-empty tensors it compared."""
+    if isinstance(got, dict):
+        assert got.keys() == wanted.keys(), where
+        return sum(_assert_same(got[key], wanted[key], (*where, key)) for key in got)
+    if isinstance(got, torch.Tensor):
+        assert isinstance(wanted, torch.Tensor) and got.shape == wanted.shape, where
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+        return int(got.numel() > 0)
+    assert got == wanted, (where, got, wanted)
+    return 0
 
 
-def _assert_same_layers(cache, want):
-    layers, expected_layers = snapshot_layers(target_model, cache), snapshot_layers(target_model, want)
+def _assert_same_layers(model, cache, want):
+    layers, expected_layers = snapshot_layers(model, cache), snapshot_layers(model, want)
     assert len(layers) == len(expected_layers) == len(cache.layers)
     compared = 0
-    for layer, expected in zip(layers, expected_layers, strict=True):
+    for index, (layer, expected) in enumerate(zip(layers, expected_layers, strict=True)):
         assert vars(layer).keys() == vars(expected).keys()
-        for name in vars(layer):
-            got, wanted = _held(getattr(layer, name)), _held(getattr(expected, name))
-            for part in got if isinstance(got, dict) else [None]:
-                a, b = (got[part], wanted[part]) if part is not None else (got, wanted)
-                if isinstance(a, torch.Tensor):
-                    assert isinstance(b, torch.Tensor) and a.shape == b.shape, (name, part)
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-                    compared += a.numel() > 0
-                else:
-                    assert a == b, (name, part, a, b)
+        compared += sum(
+            _assert_same(value, getattr(expected, name), (index, name)) for name, value in vars(layer).items()
+        )
     assert compared > 0
 
 
-target_model = deepseek_v4()
-
-
 @torch.no_grad()
-def _fed(tokens_list):
-    cache = DynamicCache(config=target_model.config)
-    checkpoints = RecurrentCheckpoints(target_model, cache)
+def _fed(model, tokens_list):
+    cache = DynamicCache(config=model.config)
+    checkpoints = RecurrentCheckpoints(model, cache)
     for tokens in tokens_list:
-        _forward(tokens, cache, checkpoints)
+        _forward(model, tokens, cache, checkpoints)
     return cache, checkpoints
 
 
-def _forward(tokens, cache, checkpoints):
+def _forward(model, tokens, cache, checkpoints):
     start = checkpoints.length
     positions = torch.arange(start, start + tokens.shape[1])[None]
-    target_model(tokens, cache=cache, use_cache=True, position_ids=positions)
+    model(tokens, cache=cache, use_cache=True, position_ids=positions)
     checkpoints.fed(tokens.shape[1])
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("context", [7, 13])
-def test_the_layers_after_a_rollback_hold_what_a_forward_over_the_kept_tokens_leaves(context):
+def test_the_layers_after_a_rollback_hold_what_a_forward_over_the_kept_tokens_leaves(target, context):
     """Keys, compressor buffers, compressed entries, their counts and overlaps, after a verify forward over 6 drafts
     (a compressed-sparse and a heavily compressed window close inside it) rolled back to every kept length."""
     ids = prompt(context + 6, seed=3)
     drafts = ids[:, context:]
     for kept in range(drafts.shape[1] + 1):
-        cache, checkpoints = _fed([ids[:, :context]])
+        cache, checkpoints = _fed(target, [ids[:, :context]])
         checkpoints.save()
-        _forward(drafts, cache, checkpoints)
+        _forward(target, drafts, cache, checkpoints)
         restored = checkpoints.rewind(context + kept)
         assert restored == (context + kept if kept == drafts.shape[1] else context)
         if restored < context + kept:
-            _forward(drafts[:, :kept], cache, checkpoints)
-        _assert_same_layers(cache, _fed([ids[:, : context + kept]])[0])
+            _forward(target, drafts[:, :kept], cache, checkpoints)
+        _assert_same_layers(target, cache, _fed(target, [ids[:, : context + kept]])[0])
 
 
 @pytest.mark.parametrize("period", [None, 1, 3], ids=["always_right", "never_right", "partly_right"])
