@@ -250,7 +250,7 @@ def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
     key/value probe's."""
     kwargs = fresh()
     cache = kwargs[CACHE_KWARG]
-    checkpoints = RecurrentCheckpoints(model, cache)
+    checkpoints = RecurrentCheckpoints(cache, model=model)
     if prompt_len > 1:
         target_logits(
             model,

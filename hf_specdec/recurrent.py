@@ -181,7 +181,7 @@ def draft_checkpoints(model, cache, static: bool, tree_budget: int | None) -> Re
                 else "Drop `speculative_tree_budget` (a tree's branches would each need a state of their own)."
             )
         )
-    return RecurrentCheckpoints(model, cache)
+    return RecurrentCheckpoints(cache, model=model)
 
 
 def stop_recording_windows(cache) -> None:
@@ -195,16 +195,16 @@ def stop_recording_windows(cache) -> None:
 
 
 class RecurrentCheckpoints:
-    """Checkpoints of one cache's recurrent states (and of the layers `snapshot_layers` finds in `model`'s cache), by
-    the number of positions the cache held when each was taken.
+    """Checkpoints of one cache's recurrent states (and, given the `model` whose cache it is, of the layers
+    `snapshot_layers` finds there), by the number of positions the cache held when each was taken.
 
     `length`: the positions the cache holds now (counted here, as a pure state-space cache does not count them), kept
     up to date by `fed` and `rewind`."""
 
-    def __init__(self, model, cache, length: int = 0):
+    def __init__(self, cache, length: int = 0, model=None):
         self.cache = cache
         self.layers = recurrent_layers(cache)
-        self.snapshots = snapshot_layers(model, cache)
+        self.snapshots = snapshot_layers(model, cache) if model is not None else []
         self.length = length
         self.saved: dict[int, list[dict]] = {}
         record_past(cache)

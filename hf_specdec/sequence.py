@@ -127,7 +127,9 @@ class SequenceLane(Lane):
         # the round rejected drafts; the tokens it kept are fed again before the next round's drafts
         # (a cache passed in holding an earlier call's positions is counted by its attention layers)
         self.recurrent = (
-            RecurrentCheckpoints(model, self.cache, held_positions(self.cache) if self.cached is None else self.cached)
+            RecurrentCheckpoints(
+                self.cache, held_positions(self.cache) if self.cached is None else self.cached, model=model
+            )
             if rolls_back_from_checkpoints(model, self.cache)
             else None
         )

@@ -89,7 +89,7 @@ def _assert_same_layers(model, cache, want):
 @torch.no_grad()
 def _fed(model, tokens_list):
     cache = DynamicCache(config=model.config)
-    checkpoints = RecurrentCheckpoints(model, cache)
+    checkpoints = RecurrentCheckpoints(cache, model=model)
     for tokens in tokens_list:
         _forward(model, tokens, cache, checkpoints)
     return cache, checkpoints

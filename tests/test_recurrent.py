@@ -98,7 +98,7 @@ def _fed(model, tokens_list):
     """A recording cache and its checkpoints after a forward over each of `tokens_list`."""
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
-    checkpoints = RecurrentCheckpoints(model, cache)
+    checkpoints = RecurrentCheckpoints(cache, model=model)
     for tokens in tokens_list:
         _forward(model, tokens, cache, checkpoints)
     return cache, checkpoints
