@@ -204,7 +204,7 @@ class RecurrentCheckpoints:
     def __init__(self, cache, length: int = 0, model=None):
         self.cache = cache
         self.layers = recurrent_layers(cache)
-        self.snapshots = snapshot_layers(model, cache) if model is not None else []
+        self.snapshots = snapshot_layers(model, cache)  # none without a model
         self.length = length
         self.saved: dict[int, list[dict]] = {}
         record_past(cache)
