@@ -257,6 +257,13 @@ def _check_beam_supported(model, generation_config, model_kwargs, drafter, optio
             "speculative beam search drafts `speculative_gamma` beam steps every round. Use "
             "`speculative_gamma_policy='constant'`."
         )
+    if getattr(drafter, "assistant_tokenizer", None) is not None:
+        raise ValueError(
+            f"Speculative beam search (`num_beams` > 1) cannot draft with `assistant_tokenizer` (got "
+            f"{type(drafter).__name__}): a draft model of another tokenizer drafts text, spelled in the target's tokens "
+            "one sequence at a time, not beams of the target's token ids. Use `num_beams=1` with it, or a draft model "
+            "that shares the target's tokenizer (drop `assistant_tokenizer`)."
+        )
     if not isinstance(drafter, ModelDrafter) or drafter.reads_target_hidden_states:
         raise ValueError(
             f"Speculative beam search (`num_beams` > 1) needs a draft model that can run beam search of its own "

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextvars
 import copy
 
-import torch
 import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -228,7 +227,7 @@ def _check_processors(processors) -> None:
 
 
 def drafting_kwargs_error(name: str, value) -> ValueError:
-    shown = f"<{type(value).__name__}>" if isinstance(value, torch.nn.Module) else repr(value)
+    shown = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else f"<{type(value).__name__}>"
     return ValueError(
         f"`{name}={shown}` is not served inside continuous batching yet. There, hf_specdec drafts with `drafter=...` "
         '(e.g. `drafter="prompt_lookup"`), `drafter_kwargs`, `speculative_gamma`, `speculative_lenience` and '

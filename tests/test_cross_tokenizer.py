@@ -22,8 +22,8 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model, tiny_seq2seq
 from test_sampling_distribution import P_THRESHOLD, exact_two_token_distribution, goodness_of_fit, sample_pairs
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, pipeline
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoModelForSeq2SeqLM, PreTrainedTokenizerFast, T5Config, pipeline
 
 import hf_specdec
 import hf_specdec.pipelines
@@ -738,3 +738,173 @@ def test_a_vocabulary_of_another_width_is_refused_without_the_tokenizers(padded_
     ids = encode(tokenizer, PROMPTS[0])
     out = target.generate(ids, drafter=hf_specdec.ModelDrafter(drafter, same_tokenizer=True), max_new_tokens=8)
     assert torch.equal(out, target.generate(ids, max_new_tokens=8))
+
+
+# --- edge cases: prompts without text, tokens outside the intersection, positions, tokenizer conventions ----------
+
+
+def seq2seq_pair(tokenizers, **assistant_overrides):
+    """A T5 target of the Metaspace tokenizer and a BART assistant of the byte-level one."""
+    tokenizer, assistant_tokenizer = tokenizers["metaspace"], tokenizers["byte_level"]
+    target = hf_specdec.enable(
+        tiny_seq2seq(
+            "t5",
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.unk_token_id,
+            decoder_start_token_id=tokenizer.unk_token_id,
+        )
+    )
+    overrides = dict(decoder_start_token_id=1, **assistant_overrides)
+    assistant = tiny_seq2seq("bart", seed=2, vocab_size=len(assistant_tokenizer), **overrides)
+    return target, tokenizer, assistant, assistant_tokenizer
+
+
+def assert_plain(target, ids, tokenizer, assistant, assistant_tokenizer, **options):
+    """Greedy with the cross-tokenizer assistant equals plain greedy; returns the speculative stats."""
+    plain = target.generate(ids, max_new_tokens=10, do_sample=False)
+    out = target.generate(
+        ids,
+        max_new_tokens=10,
+        do_sample=False,
+        assistant_model=assistant,
+        tokenizer=tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+        return_dict_in_generate=True,
+        **options,
+    )
+    assert torch.equal(out.sequences, plain)
+    return out.speculative_stats
+
+
+@pytest.mark.parametrize(
+    "target_name, assistant_name, prompt",
+    [
+        ("byte_level", "metaspace", "<eos>"),  # unconditional generation from EOS
+        ("metaspace", "byte_level", "<s>"),  # a Llama-style prompt of BOS alone
+        ("metaspace", "byte_level", "<0xE6>"),  # one byte of a character: held back, no text yet
+        ("word_piece", "byte_level", "[UNK]"),
+    ],
+)
+def test_a_prompt_without_text_drafts_once_there_is_text(tokenizers, targets, target_name, assistant_name, prompt):
+    tokenizer, assistant_tokenizer = tokenizers[target_name], tokenizers[assistant_name]
+    ids = torch.tensor([[tokenizer.convert_tokens_to_ids(prompt)]])
+    assert tokenizer.decode(ids[0], skip_special_tokens=True).strip("\ufffd") == ""
+    drafter = tiny_model("llama", seed=3, vocab_size=len(assistant_tokenizer))
+    stats = assert_plain(targets[target_name], ids, tokenizer, drafter, assistant_tokenizer)
+    assert stats.drafted_tokens > 0  # the rounds after the first one have text to draft from
+
+
+def test_sampled_draft_of_a_token_outside_the_intersection_ends_the_draft(tokenizers, targets):
+    # `forced_bos_token_id` forces the first new token to one the vocabularies do not share (here <unk>)
+    tokenizer, assistant_tokenizer = tokenizers["byte_level"], tokenizers["metaspace"]
+    target = targets["byte_level"]
+    forced = tokenizer.unk_token_id
+    target_ids, _ = shared_vocabulary(tokenizer, assistant_tokenizer)
+    assert forced not in target_ids.tolist()
+    model = tiny_model("llama", seed=5, vocab_size=len(assistant_tokenizer))
+    drafter = CrossTokenizerDrafter(model, tokenizer, assistant_tokenizer)
+    ids = encode(tokenizer, "the")[:, -1:]  # forced_bos acts on a one-token prompt
+    config = dict(temperature=0.9, top_k=4, forced_bos_token_id=forced)
+    from test_sampling_distribution import processors
+
+    from hf_specdec.proposals import draft_context
+
+    generation_config, _ = target._prepare_generation_config(None, do_sample=True, **config)
+    call = drafter.for_call(draft_context(target, ids, processors(target, ids, config), generation_config, {}, None))
+    proposal = call.propose(ids, 3)
+    assert proposal.tokens.tolist() == [[forced]] and proposal.probs[0, 0, forced] == 1  # drawn from q, then stop
+    table = exact_two_token_distribution(target, ids, config)
+    assert len(table) >= 3 and all(pair[0] == forced for pair in table)
+    samples = sample_pairs(target, ids, config, 400, drafter=drafter, speculative_gamma=3)
+    assert goodness_of_fit(table, samples) > P_THRESHOLD
+
+
+def test_max_draft_steps_past_the_drafters_positions(tokenizers, targets):
+    tokenizer, assistant_tokenizer = tokenizers["byte_level"], tokenizers["metaspace"]
+    gpt2 = tiny_model("gpt2", seed=3, vocab_size=len(assistant_tokenizer), n_positions=40)  # learned positions
+    ids = encode(tokenizer, PROMPTS[2])
+    plain = targets["byte_level"].generate(ids, max_new_tokens=20, do_sample=False)
+    for steps in (None, 30):
+        out = targets["byte_level"].generate(
+            ids,
+            drafter=CrossTokenizerDrafter(gpt2, tokenizer, assistant_tokenizer, max_draft_steps=steps),
+            max_new_tokens=20,
+            do_sample=False,
+            speculative_gamma=2,
+            speculative_gamma_policy="constant",
+        )
+        assert torch.equal(out, plain), steps
+
+
+def test_encoder_decoder_assistant_without_room_or_text_drafts_nothing(tokenizers):
+    target, tokenizer, assistant, assistant_tokenizer = seq2seq_pair(tokenizers, max_position_embeddings=32)
+    long_source = encode(tokenizer, SENTENCES[1] + " " + SENTENCES[1])
+    assert len(assistant_tokenizer(SENTENCES[1] + " " + SENTENCES[1]).input_ids) > 32  # past its encoder's positions
+    assert assert_plain(target, long_source, tokenizer, assistant, assistant_tokenizer).drafted_tokens == 0
+    no_text = torch.tensor([[tokenizer.unk_token_id, tokenizer.eos_token_id]])  # nothing for the assistant to encode
+    assert assert_plain(target, no_text, tokenizer, assistant, assistant_tokenizer).drafted_tokens == 0
+    assert assert_plain(
+        target, encode(tokenizer, SENTENCES[0]), tokenizer, assistant, assistant_tokenizer
+    ).drafted_tokens
+
+
+def test_encoder_decoder_assistant_decoder_start_as_transformers_finds_it(tokenizers):
+    target, tokenizer, assistant, assistant_tokenizer = seq2seq_pair(tokenizers)
+    ids = encode(tokenizer, SENTENCES[0])
+    assistant.config.decoder_start_token_id = None  # in its generation config only
+    assistant.generation_config.decoder_start_token_id = 1
+    assert assert_plain(target, ids, tokenizer, assistant, assistant_tokenizer).drafted_tokens > 0
+    # a T5Config built without the field has no such attribute
+    config = T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8, vocab_size=len(assistant_tokenizer))
+    assert not hasattr(config, "decoder_start_token_id")
+    t5 = AutoModelForSeq2SeqLM.from_config(config).eval()
+    t5.generation_config.decoder_start_token_id = 0
+    assert assert_plain(target, ids, tokenizer, t5, assistant_tokenizer).drafted_tokens > 0
+    t5.generation_config.decoder_start_token_id = t5.generation_config.bos_token_id = None
+    with pytest.raises(ValueError, match=r"`assistant_model` \(T5\w+\) has no `decoder_start_token_id`.*Set"):
+        assert_plain(target, ids, tokenizer, t5, assistant_tokenizer)
+
+
+def t5_style_tokenizer() -> PreTrainedTokenizerFast:
+    """Unigram with Metaspace (prepended "▁") and "▁" alone as the first plain id, as T5 / mT5 / Flan-T5 have."""
+    words = ["▁the", "▁cat", "▁sat", "▁on", "▁mat", "▁dog", "▁a", "▁and", "the", "cat", "s", "a", "t", "o", "n", "m"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)] + [
+        (w, -3.0 - i / 10) for i, w in enumerate(words)
+    ]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=2))
+    backend.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def byte_level_with_prefix_space(tokenizers) -> PreTrainedTokenizerFast:
+    tokenizer = copy.deepcopy(tokenizers["byte_level"])
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    return tokenizer
+
+
+@pytest.mark.parametrize("build", [lambda tokenizers: t5_style_tokenizer(), byte_level_with_prefix_space])
+def test_tokenizers_with_start_of_text_conventions_are_accepted(tokenizers, targets, build):
+    tokenizer, target, assistant_tokenizer = tokenizers["metaspace"], targets["metaspace"], build(tokenizers)
+    drafter = tiny_model("llama", seed=3, vocab_size=len(assistant_tokenizer))
+    stats = assert_plain(target, encode(tokenizer, "the cat sat on the"), tokenizer, drafter, assistant_tokenizer)
+    assert stats.drafted_tokens > 0
+
+
+def test_refusals_name_the_assistant_tokenizer(tokenizers, targets):
+    from hf_specdec.continuous_batching import drafting_kwargs_error
+
+    tokenizer, assistant_tokenizer = tokenizers["byte_level"], tokenizers["metaspace"]
+    message = str(drafting_kwargs_error("assistant_tokenizer", assistant_tokenizer))
+    assert message.startswith(f"`assistant_tokenizer=<{type(assistant_tokenizer).__name__}>` is not served")
+    assert len(message) < 400
+    with pytest.raises(ValueError, match=r"beam search \(`num_beams` > 1\) cannot draft with `assistant_tokenizer`"):
+        targets["byte_level"].generate(
+            encode(tokenizer, PROMPTS[0]),
+            num_beams=2,
+            max_new_tokens=4,
+            assistant_model=tiny_model("llama", vocab_size=len(assistant_tokenizer)),
+            tokenizer=tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )

@@ -27,7 +27,8 @@ The proposal is in the target's token ids, so verification is the usual one:
   the target's p for *any* q that is a distribution over the target's vocabulary computed from the prefix, as long
   as the drafted token was drawn from q and q is returned with it; here q is such a distribution (its support is
   the shared tokens that survive the processors), x ~ q, and the drafter's next step conditions on the drafter token
-  with x's string, a function of the prefix. The proposal returns `probs=q`, which `checked_proposal` validates.
+  with x's string, a function of the prefix (a drawn x outside the intersection, which only a processor forcing it
+  can give, ends the draft). The proposal returns `probs=q`, which `checked_proposal` validates.
 
 Variables follow the paper: p (the target's standardized distribution), q (the drafter's), γ (tokens per round).
 
@@ -179,21 +180,10 @@ class CrossTokenizerDrafter(Drafter):
                 "assistant for an encoder-decoder target and a causal LM for a decoder-only one."
             )
         self.encoder_inputs = None
+        self.can_draft = True  # False when the drafter cannot read this call's source: it then proposes nothing
         if model.config.is_encoder_decoder:
-            source = context.inputs_tensor
-            if source is None or source.is_floating_point() or bool((source < 0).any()):
-                raise ValueError(
-                    f"The encoder-decoder `assistant_model` ({type(model).__name__}) re-encodes the source text with "
-                    "`assistant_tokenizer`, but the target was not called with token ids. Call `generate` with the "
-                    "tokenized source as `input_ids`."
-                )
-            source_text = decode_ids(self.tokenizer, source[0].tolist())
-            encoded = self.assistant_tokenizer(source_text, return_tensors="pt").to(self.device)
-            encoder_outputs = model.get_encoder()(
-                input_ids=encoded.input_ids, attention_mask=encoded.attention_mask, return_dict=True
-            )
-            self.encoder_inputs = {"encoder_outputs": encoder_outputs, "attention_mask": encoded.attention_mask}
-            prefix = [model.config.decoder_start_token_id]
+            self._encode_source(context.inputs_tensor)
+            prefix = [self._decoder_start_token_id()]
             self.cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
         else:
             prefix = self._special_prefix()
@@ -209,6 +199,44 @@ class CrossTokenizerDrafter(Drafter):
         self.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.consumed = 0  # target tokens turned into text so far
 
+    def _encode_source(self, source: torch.LongTensor | None) -> None:
+        """Runs the drafter's encoder on the source text re-encoded with `assistant_tokenizer`; a source with no text
+        for it, or longer than its encoder's positions, leaves `can_draft` False (the target decodes alone)."""
+        model = self.model
+        if source is None or source.is_floating_point() or bool((source < 0).any()):
+            raise ValueError(
+                f"The encoder-decoder `assistant_model` ({type(model).__name__}) re-encodes the source text with "
+                "`assistant_tokenizer`, but the target was not called with token ids. Call `generate` with the "
+                "tokenized source as `input_ids`."
+            )
+        source_text = decode_ids(self.tokenizer, source[0].tolist())
+        encoded = self.assistant_tokenizer(source_text, return_tensors="pt").to(self.device)
+        length = encoded.input_ids.shape[1]
+        if length == 0 or (self.max_positions is not None and length > self.max_positions):
+            self.can_draft = False
+            return
+        encoder_outputs = model.get_encoder()(
+            input_ids=encoded.input_ids, attention_mask=encoded.attention_mask, return_dict=True
+        )
+        self.encoder_inputs = {"encoder_outputs": encoder_outputs, "attention_mask": encoded.attention_mask}
+
+    def _decoder_start_token_id(self) -> int:
+        """The drafter's first decoder token, found as transformers' `generate` finds it."""
+        model = self.model
+        for start in (
+            model.generation_config.decoder_start_token_id,
+            getattr(model.config, "decoder_start_token_id", None),
+            model.generation_config.bos_token_id,
+        ):
+            if start is not None:
+                return int(start)
+        raise ValueError(
+            f"The encoder-decoder `assistant_model` ({type(model).__name__}) has no `decoder_start_token_id` (nor a "
+            "`bos_token_id`) in its generation config or config, so its decoder cannot start. Set "
+            "`assistant_model.generation_config.decoder_start_token_id` to the id its decoder was trained to start "
+            "with."
+        )
+
     def _special_prefix(self) -> list[int]:
         """The special tokens the assistant tokenizer puts before a text (a BOS), as the drafter was trained."""
         with_special = self.assistant_tokenizer("a")["input_ids"]
@@ -221,6 +249,8 @@ class CrossTokenizerDrafter(Drafter):
     def propose(
         self, input_ids: torch.LongTensor, num_tokens: int, attention_mask: torch.LongTensor | None = None
     ) -> DraftProposal:
+        if not self.can_draft:
+            return DraftProposal.empty(1, input_ids.device)
         # the target's tokens emitted since the last round, as text, into the drafter's ids
         new_ids = input_ids[0, self.consumed :].tolist()
         self.consumed = input_ids.shape[1]
@@ -228,7 +258,10 @@ class CrossTokenizerDrafter(Drafter):
         if num_tokens == 0:
             return DraftProposal.empty(1, input_ids.device)
         context = self.retokenizer.ids()
-        if self.max_positions is not None and len(context) + num_tokens * 2 + 2 > self.max_positions:
+        if not context:  # no text yet (a prompt of special tokens only) and no start token: nothing to draft from
+            return DraftProposal.empty(1, input_ids.device)
+        steps = num_tokens if self.do_sample else (self.max_draft_steps or num_tokens)
+        if self.max_positions is not None and len(context) + steps > self.max_positions:
             return DraftProposal.empty(1, input_ids.device)  # the drafter has no positions left
         if self.do_sample:
             return self._propose_shared(input_ids, num_tokens, context)
@@ -290,9 +323,10 @@ class CrossTokenizerDrafter(Drafter):
             probs.append(q)
             ids = torch.cat([ids, token[:, None]], dim=-1)
             target_token = int(token)
-            if target_token == self.target_eos:
-                break
-            drafted.append(self.assistant_of[target_token])
+            assistant_token = self.assistant_of.get(target_token)
+            if target_token == self.target_eos or assistant_token is None:
+                break  # drawn from q, so a valid last draft; a token outside the intersection has no drafter id
+            drafted.append(assistant_token)
         start = input_ids.shape[1]
         return DraftProposal(tokens=ids[:, start:], probs=torch.stack(probs, dim=1) if probs else None)
 

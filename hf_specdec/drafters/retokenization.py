@@ -43,12 +43,14 @@ def check_tokenizer(tokenizer, argument: str) -> None:
             "use_fast=True)`."
         )
     try:
-        # a text made of the tokenizer's own tokens encodes and decodes back to itself when it has a decoder
+        # a text made of the tokenizer's own tokens encodes and decodes back to itself when it has a decoder; tokens
+        # that decode to whitespace alone (T5's lone "▁") are left out, and so is the text's leading whitespace, which
+        # start-of-text conventions add or drop (a prepended "▁", `add_prefix_space=True`)
         special = set(tokenizer.all_special_ids)
         plain = [i for i in range(len(tokenizer)) if i not in special]
-        probe = [i for i in plain[:: max(1, len(plain) // 32)] if "\ufffd" not in decode_ids(tokenizer, [i])][:24]
-        text = decode_ids(tokenizer, probe)
-        decoded = decode_ids(tokenizer, encode_text(tokenizer, text))
+        probe = [i for i in plain[:: max(1, len(plain) // 32)] if _readable(decode_ids(tokenizer, [i]))][:24]
+        text = decode_ids(tokenizer, probe).lstrip()
+        decoded = decode_ids(tokenizer, encode_text(tokenizer, text)).lstrip()
     except Exception as error:
         raise ValueError(
             f"`{argument}` ({type(tokenizer).__name__}) cannot encode and decode text ({type(error).__name__}: "
@@ -61,6 +63,11 @@ def check_tokenizer(tokenizer, argument: str) -> None:
             "the two tokenizers; give the tokenizer a decoder (e.g. `tokenizer.backend_tokenizer.decoder = "
             "tokenizers.decoders.ByteLevel()` for byte-level BPE, `decoders.Metaspace()` for SentencePiece-style)."
         )
+
+
+def _readable(piece: str) -> bool:
+    """A token's decoded text is whole characters and more than whitespace."""
+    return bool(piece.strip()) and "\ufffd" not in piece
 
 
 def decode_ids(tokenizer, ids) -> str:
