@@ -1,6 +1,6 @@
 """Speculative decoding for a batch of several sequences (left-padded prompts, `num_return_sequences`).
 
-Each row accepts its own number of drafts each round. Two layouts, chosen by one capability check:
+Each row accepts its own number of drafts each round. Three layouts, chosen by one capability check:
 
 **Padded batch (decoder-only targets with a dynamic cache of full or sliding-window attention, and `position_ids`).**
 Rows stay in one left-padded rectangle whose rows all *end* in the same column, which is exactly the layout plain
@@ -20,13 +20,25 @@ Costs: one gather of the cache per uneven round (about one extra read of the cac
 attention runs over the longest row, so a row that accepts less carries more padding; a draft position is computed
 for every row, so a row whose drafter proposed fewer tokens fills the gap with rejected filler.
 
-**One row at a time (encoder-decoder targets, static caches, hybrid and state-space models, models without
-`position_ids`; `prefill_chunk_size`; drafters that read the target's own cache).** Their decoders derive positions
-from cache slots, which left padding would shift (a static cache's preallocated rows cannot be realigned without
-copies either; a padded position would move a recurrent state), so each row runs the single-sequence loop with its
-own cache, sharing the batch's encoder outputs. Exact, but without the batching speedup.
+**Padded batch in lockstep (hybrid models: a stateful model's recurrent layers in a dynamic cache, beside attention
+layers that take `position_ids`).** A recurrent state summarizes a row's tokens whatever their columns, and a padded
+column inside a row would move it, so no row may be realigned by a different amount: every row keeps as many drafts
+as the row that accepted fewest (m), a row that accepted more emitting its (m + 1)-th accepted draft as its next
+token (`_lockstep`). Rows then still end together, and the recurrent state is rolled back for all rows at once
+(`recurrent.RecurrentCheckpoints`: a checkpoint before each verify forward, restored after a round that kept fewer
+positions than it fed; the kept tokens are fed again before the next round's drafts, in its one forward; the prompt
+is prefilled in a forward of its own first). Exact: a row emits a prefix of the tokens it accepted, cut where the
+other rows decide (for sampling, a prefix of a sequence distributed as the target's, whose continuation the next
+rounds sample again). Cost: a round keeps the batch's fewest accepted drafts. Drafters run one copy per row (a
+stateful draft model rolls back its own state); drafters that read the target's hidden states run one row at a time.
 
-Either way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
+**One row at a time (encoder-decoder targets, static caches, state-space models without `position_ids`,
+`prefill_chunk_size`, drafters that read the target's own cache or, on a hybrid, its hidden states).** Their decoders
+derive positions from cache slots, which left padding would shift (a static cache's preallocated rows cannot be
+realigned without copies either), so each row runs the single-sequence loop with its own cache, sharing the batch's
+encoder outputs. Exact, but without the batching speedup.
+
+Every way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
 distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
 `generate` lays it out (its original left padding, then its tokens).
 
@@ -43,7 +55,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from .batch_rows import decode_rows, padded_batch_processors, processors_for_row, row_context
 from .caches import CACHE_KWARG, realign_cache, slice_cache
@@ -54,6 +66,7 @@ from .forward import standardize, target_logits
 from .layouts import ChainLayout
 from .modeling import logits_width
 from .proposals import ProposalCheck, checked_proposal, draft_context
+from .recurrent import RecurrentCheckpoints, held_positions, is_recurrent, rolls_back_from_checkpoints, snapshot_layers
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_stops
@@ -79,24 +92,41 @@ def decode_batch(
     cache = model_kwargs[CACHE_KWARG]
     # a drafter that reads the target's own cache (each row's is its own there), one that would read a padded batch's
     # hidden states whole, and `prefill_chunk_size` (each row's prompt prefilled in chunks): rows one at a time
+    recurrent = _rolls_back_rows(model, cache)
     if (
-        _supports_padded_batch(model, cache)
+        _supports_padded_batch(model, cache, recurrent)
         and not drafter.reads_target_cache
-        and not (drafter.reads_target_hidden_states and drafter.supports_padded_batches)
+        and not (drafter.reads_target_hidden_states and (drafter.supports_padded_batches or recurrent))
         and run["generation_config"].prefill_chunk_size is None
     ):
         return _decode_padded(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs)
     return decode_rows(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, **run, **model_kwargs)
 
 
-def _supports_padded_batch(model, cache) -> bool:
+def _supports_padded_batch(model, cache, recurrent: bool = False) -> bool:
     """Left padding leaves positions intact only for decoder-only models that take `position_ids`, and the cache
-    can be realigned only when every layer holds per-column state alone (full or sliding-window attention)."""
+    can be realigned only when every layer holds per-column state alone (full or sliding-window attention), or
+    (`recurrent`: rows in lockstep) recurrent state that `RecurrentCheckpoints` rolls back."""
     return (
         not model.config.is_encoder_decoder
         and isinstance(cache, DynamicCache)
-        and all(_moves_by_column(layer) for layer in cache.layers)
+        and all(
+            _moves_by_column(layer) or (recurrent and isinstance(layer, LinearAttentionCacheLayerMixin))
+            for layer in cache.layers
+        )
         and "position_ids" in inspect.signature(model.forward).parameters
+    )
+
+
+def _rolls_back_rows(model, cache) -> bool:
+    """Whether a padded batch runs in lockstep (see the module docstring): a stateful model's recurrent layers, rolled
+    back from checkpoints, in a cache that holds nothing yet, and no layer of the model's own kept whole
+    (DeepSeek-V4's, refused on padded rows)."""
+    return (
+        rolls_back_from_checkpoints(model, cache)
+        and is_recurrent(cache)
+        and not snapshot_layers(model, cache)
+        and held_positions(cache) == 0
     )
 
 
@@ -111,6 +141,7 @@ def _moves_by_column(layer) -> bool:
 
 def _decode_padded(model, input_ids, *, drafter, inputs_tensor, policy, stats, **run):
     lane = PaddedBatchLane(model, input_ids, drafter=drafter, inputs_tensor=inputs_tensor, stats=stats, **run)
+    policy.one_token_kernels = lane.recurrent is not None
     try:
         round_ = Round(model, policy, stats)
         while not round_.run(lane):
@@ -148,6 +179,10 @@ class PaddedBatchLane(Lane):
         # a sliding-window layer keeps its window's older columns through a forward, until the realignment trims it
         # (a row that emitted fewer tokens moves right and needs them)
         self.cache.activate_past_recording()
+        # recurrent layers: rows in lockstep, rolled back from checkpoints (the positions the cache holds, counted)
+        self.recurrent = (
+            RecurrentCheckpoints(self.cache, 0, model=model) if _rolls_back_rows(model, self.cache) else None
+        )
         model_kwargs.pop("position_ids", None)  # rebuilt from the mask every round
         mask = model_kwargs.pop("attention_mask", None)
         mask = torch.ones_like(input_ids) if mask is None else mask.long()  # [batch, prompt_len]
@@ -178,7 +213,7 @@ class PaddedBatchLane(Lane):
             {**model_kwargs, "attention_mask": mask},
             inputs_tensor,
         )
-        if drafter.supports_padded_batches:
+        if drafter.supports_padded_batches and self.recurrent is None:
             self.batch_drafter, self.row_drafters = drafter.for_call(context), None
             # a drafter that takes it gets each row's padding on the host (to realign without a read of its own)
             parameters = inspect.signature(self.batch_drafter.on_verified).parameters
@@ -240,7 +275,22 @@ class PaddedBatchLane(Lane):
         # drafts past max_length are never emitted: clamping their positions keeps learned position tables in range
         positions = (full_mask.cumsum(-1) - 1).clamp(min=0, max=self.max_length - 1)
         kwargs = {**self.model_kwargs, CACHE_KWARG: self.cache, "attention_mask": full_mask, "position_ids": positions}
-        logits = target_logits(self.model, candidate_ids, num_drafted, kwargs, self.first_round)  # [rows, k + 1, V]
+        first_round, cached = self.first_round, None
+        if self.recurrent is not None:
+            # the prompt goes in a forward of its own, so that a rollback's checkpoint comes after it; kept tokens
+            # fed again after a rollback go before the drafts, in the round's forward
+            cached, width = self.recurrent.length, self.ids.shape[1]
+            if first_round and width > 1:
+                prefix = {**kwargs, "attention_mask": self.mask[:, :-1], "position_ids": positions[:, : width - 1]}
+                target_logits(self.model, self.ids[:, :-1], 0, prefix, True, cached=0)
+                self.recurrent.fed(width - 1)
+                first_round, cached = False, width - 1
+            if num_drafted:
+                self.recurrent.save()
+        logits = target_logits(self.model, candidate_ids, num_drafted, kwargs, first_round, cached=cached)
+        if self.recurrent is not None:
+            self.recurrent.fed(candidate_ids.shape[1] - cached)
+        # logits: [rows, k + 1, V]
         scores = logits
         if len(self.logits_processor):
             # each row with its own prefix, laid out as plain generate lays it out
@@ -258,6 +308,8 @@ class PaddedBatchLane(Lane):
         # one host read for every row's checks
         draft_tokens, rows, lengths = draft.proposal.tokens, self.rows, self.lengths
         num_drafted = draft_tokens.shape[1]
+        if self.recurrent is not None:
+            _lockstep(verdict, draft_tokens)
         new_tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(len(rows), 1)], dim=-1)  # [rows, k + 1]
         new_tokens[torch.arange(len(rows)), verdict.accepted] = verdict.next_tokens
         self.new_tokens = new_tokens
@@ -288,6 +340,9 @@ class PaddedBatchLane(Lane):
         width = self.ids.shape[1]
         row_states = self._kept_hidden_states(num_drafted) if self.capture is not None else {}
         most = max(emitted)
+        # a recurrent cache: everything fed kept, or back to the checkpoint before the round's forward (the kept
+        # tokens are then fed again); every row still in the batch emitted `most` tokens
+        held = self.recurrent.rewind(width - 1 + most) if self.recurrent is not None else width - 1 + most
         for i, r in enumerate(rows):
             self.padding[r] += most - emitted[i]
         shift = to_device([most - e for e in emitted], device)  # [rows]: extra left padding per row
@@ -310,7 +365,11 @@ class PaddedBatchLane(Lane):
         if len(keep) < len(rows):
             index = to_device(keep, device)
             ids, mask, columns = ids[index], mask[index], columns[index]
-            cache.batch_select_indices(index)
+            if self.recurrent is not None:  # the recurrent layers' rows too (and no checkpoint of the old rows)
+                cache.reorder_cache(index)
+                self.recurrent.saved = {}
+            else:
+                cache.batch_select_indices(index)
             if self.batch_drafter is not None and keep:
                 self.batch_drafter.select_rows(index, **({"rows": keep} if self.host_rows else {}))
             rows = self.rows = [rows[i] for i in keep]
@@ -324,9 +383,12 @@ class PaddedBatchLane(Lane):
             # token (never cached) left out; a slice, not a copy, when every row moved alike
             shifts = {most - emitted[i] for i in keep}
             if len(shifts) == 1:
-                slice_cache(cache, lead - shifts.pop(), ids.shape[1] - 1)
+                shift = shifts.pop()
+                slice_cache(cache, lead - shift, held - lead)
             else:
                 realign_cache(cache, columns[:, lead:-1])
+            if self.recurrent is not None:  # its positions, counted from the first column kept
+                self.recurrent.length, self.recurrent.saved = held - lead, {}
             accepted = verdict.accepted
             kept_accepted = accepted[index] if len(keep) < len(accepted) else accepted
             if self.batch_drafter is not None:
@@ -379,6 +441,24 @@ class PaddedBatchLane(Lane):
             self.row_stats[r].emitted_tokens = len(tokens)
         self.stats.emitted_tokens += sum(len(tokens) for tokens in self.generated)
         return _assemble(self.prompts, self.generated, self.filler)
+
+
+def _lockstep(verdict: Verdict, draft_tokens: torch.LongTensor) -> None:
+    """Cuts every row's accepted drafts to the fewest any row accepted, m: a row that accepted more emits its first
+    m + 1 accepted drafts (the last one in place of its next token), so that every row keeps as many positions and
+    one rollback of the recurrent state serves them all. Exact: the first m + 1 tokens of a row's accepted drafts
+    are those it would emit, and where the cut falls depends on the other rows alone once it is below the row's own
+    count (a prefix of a sequence sampled from the target, whose next tokens the next rounds sample again)."""
+    counts = verdict.accepted_counts
+    fewest = min(counts)
+    over = [i for i, n in enumerate(counts) if n > fewest]
+    if not over:
+        return
+    index = to_device(over, draft_tokens.device)
+    verdict.next_tokens = verdict.next_tokens.clone()
+    verdict.next_tokens[index] = draft_tokens[index, fewest]
+    verdict.accepted = verdict.accepted.clamp(max=fewest)
+    verdict.accepted_counts = [min(n, fewest) for n in counts]
 
 
 def _row_proposals(row_drafters, row_ids, gamma, vocab_size, filler, device):
