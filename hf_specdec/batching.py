@@ -383,8 +383,7 @@ class PaddedBatchLane(Lane):
             # token (never cached) left out; a slice, not a copy, when every row moved alike
             shifts = {most - emitted[i] for i in keep}
             if len(shifts) == 1:
-                shift = shifts.pop()
-                slice_cache(cache, lead - shift, held - lead)
+                slice_cache(cache, lead - shifts.pop(), held - lead)
             else:
                 realign_cache(cache, columns[:, lead:-1])
             if self.recurrent is not None:  # its positions, counted from the first column kept
