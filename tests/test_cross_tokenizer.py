@@ -563,29 +563,10 @@ def test_text_generation_pipeline(tokenizers, targets, followers):
 
 
 def test_text2text_pipeline_with_an_encoder_decoder_assistant(tokenizers):
-    tokenizer, assistant_tokenizer = tokenizers["metaspace"], tokenizers["byte_level"]
-    target = hf_specdec.enable(
-        tiny_seq2seq(
-            "t5",
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.unk_token_id,
-            decoder_start_token_id=tokenizer.unk_token_id,
-        )
-    )
-    assistant = tiny_seq2seq("bart", seed=2, vocab_size=len(assistant_tokenizer), decoder_start_token_id=1)
+    target, tokenizer, assistant, assistant_tokenizer = seq2seq_pair(tokenizers)
     texts = ["the cat sat on the mat", "speculative decoding drafts tokens"]
     for text in texts:
-        ids = encode(tokenizer, text)
-        plain = target.generate(ids, max_new_tokens=10, do_sample=False)
-        out = target.generate(
-            ids,
-            max_new_tokens=10,
-            do_sample=False,
-            assistant_model=assistant,
-            tokenizer=tokenizer,
-            assistant_tokenizer=assistant_tokenizer,
-        )
-        assert torch.equal(out, plain)
+        assert_plain(target, encode(tokenizer, text), tokenizer, assistant, assistant_tokenizer)
     pipe = pipeline("text2text-generation", model=target, tokenizer=tokenizer)
     expected = pipe(texts[0], max_new_tokens=10)
     assert (
