@@ -38,7 +38,7 @@ derive positions from cache slots, which left padding would shift (a static cach
 realigned without copies either), so each row runs the single-sequence loop with its own cache, sharing the batch's
 encoder outputs. Exact, but without the batching speedup.
 
-Every way each row is token for token what plain batched `generate` returns for it (greedy), and each row's
+In every layout each row is token for token what plain batched `generate` returns for it (greedy), and each row's
 distribution is the target's (sampling): the logits processors see each row's own prefix exactly as plain
 `generate` lays it out (its original left padding, then its tokens).
 
