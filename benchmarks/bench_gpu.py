@@ -53,10 +53,14 @@ each drafter's over 1 token, c = drafter / target per token and v = (γ + 1 toke
 cuDNN's attention (torch's default for bfloat16 attention on Hopper GPUs: torch 2.11, cuDNN 9.19) sets itself up anew
 for each new pair of query and key lengths: on one H200 an 8B-shaped forward at a length not seen before took 55 ms,
 22 ms once set up (with `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1` too). Plain decoding meets a new length per token in a
-first call; repeats of one prompt then find its lengths set up, while a γ policy that decides from timings may take
-other paths and meet new lengths (stalls of 30-40 ms). `--no-cudnn-attention` runs every method, plain too, with
-cuDNN's attention off (`torch.backends.cuda.enable_cudnn_sdp(False)`: flash or memory-efficient attention), into
-`*_no_cudnn_attention.json`. Each drafting row records its first timed call's `gamma_history`.
+first call; repeats of one prompt then find its lengths set up, while speculation's verify forwards meet many more
+pairs (stalls of 30-40 ms). Our calls therefore run with cuDNN's attention off by default
+(`speculative_cudnn_attention=False`); plain decoding keeps torch's default. `--cudnn-rows` adds each eager row of ours
+again with `speculative_cudnn_attention=True`, as `<name>_cudnn` (what our rows measured before that default).
+`--no-cudnn-attention` runs every method, plain too, with cuDNN's attention off
+(`torch.backends.cuda.enable_cudnn_sdp(False)`: flash or memory-efficient attention), into
+`*_no_cudnn_attention.json`. `--methods` runs plain and the named methods only (the rest are listed as skipped). Each
+drafting row records its first timed call's `gamma_history`.
 
 Compiling an 8B graph takes tens of seconds per shape; to keep the whole run within ~8 minutes on one GPU, the
 compiled rows run only in the (pair, batch) groups that start within `--compile-before-s` seconds (batch 1 first, then
@@ -71,7 +75,7 @@ so that this script cannot rot. Its timings mean nothing.
     python benchmarks/bench_gpu.py --smoke           # tiny shapes on the CPU
     python benchmarks/bench_gpu.py [--pairs 8b,1.1b] [--batches 1,8] [--repeats 5] [--max-new-tokens 128]
         [--gamma 5] [--tree-budget 8] [--compile-before-s 240] [--device cuda] [--output-dir benchmarks/results]
-        [--constant-gammas 1,2,3] [--no-cudnn-attention]
+        [--constant-gammas 1,2,3] [--no-cudnn-attention] [--cudnn-rows] [--methods ours,ours_tree]
 """
 
 from __future__ import annotations
@@ -263,27 +267,36 @@ def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tupl
     def compiled_drafting() -> dict:
         return dict(drafter=static_drafter) if batch == 1 else dict(assistant_model=drafter)
 
+    def ours_methods(extra: dict, suffix: str) -> dict[str, Method]:
+        """Our rows, each call also given `extra`, named with `suffix`."""
+        ours = {**common, **extra}
+        rows = {
+            "ours": Method(lambda: target.generate(ids, assistant_model=drafter, **ours), first),
+            "ours_tree": Method(lambda: target.generate(ids, assistant_model=drafter, **tree, **ours), first),
+            "ours_compiled": Method(lambda: target.generate(ids, **compiled_drafting(), **ours, **static), first, True),
+        }
+        for gamma in args.constant_gammas:  # what the default policy's choice is measured against
+            rows[f"ours_constant_{gamma}"] = Method(
+                lambda gamma=gamma: target.generate(
+                    ids, assistant_model=drafter, speculative_gamma=gamma, speculative_gamma_policy="constant", **ours
+                ),
+                first,
+            )
+        for name, other in list(pair.drafters.items())[1:]:
+            rows[f"ours_{name}"] = Method(lambda other=other: target.generate(ids, assistant_model=other, **ours), name)
+        return {f"{name}{suffix}": method for name, method in rows.items()}
+
     methods = {
         "plain": Method(lambda: GenerationMixin.generate(target, ids, **common)),
         "plain_compiled": Method(lambda: GenerationMixin.generate(target, ids, **common, **static), None, True),
         "transformers": Method(
             lambda: GenerationMixin.generate(target, ids, assistant_model=assistant, **common), first
         ),
-        "ours": Method(lambda: target.generate(ids, assistant_model=drafter, **common), first),
-        "ours_tree": Method(lambda: target.generate(ids, assistant_model=drafter, **tree, **common), first),
-        "ours_compiled": Method(lambda: target.generate(ids, **compiled_drafting(), **common, **static), first, True),
+        **ours_methods({}, ""),
     }
-    for gamma in args.constant_gammas:  # what the default policy's choice is measured against
-        methods[f"ours_constant_{gamma}"] = Method(
-            lambda gamma=gamma: target.generate(
-                ids, assistant_model=drafter, speculative_gamma=gamma, speculative_gamma_policy="constant", **common
-            ),
-            first,
-        )
-    for name, other in list(pair.drafters.items())[1:]:
-        methods[f"ours_{name}"] = Method(
-            lambda other=other: target.generate(ids, assistant_model=other, **common), name
-        )
+    if args.cudnn_rows:  # our eager rows again, letting torch pick cuDNN's attention as plain decoding does
+        cudnn = ours_methods({"speculative_cudnn_attention": True}, "_cudnn")
+        methods.update({name: method for name, method in cudnn.items() if not method.compiled})
     skipped = {}
     if batch > 1:
         skipped["transformers"] = "transformers' assisted generation refuses batches larger than one"
@@ -292,6 +305,11 @@ def methods_for(pair: Pair, ids, mask, batch: int, compiled: bool, args) -> tupl
         skipped.update(
             {name: "the group started after --compile-before-s" for name, m in methods.items() if m.compiled}
         )
+    if args.methods is not None:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            raise ValueError(f"--methods: unknown method(s) {unknown}; known: {sorted(methods)}")
+        skipped.update({name: "not in --methods" for name in methods if name != "plain" and name not in args.methods})
     return {name: m for name, m in methods.items() if name not in skipped}, skipped
 
 
@@ -514,6 +532,18 @@ def main(argv=None) -> dict[str, dict]:
         action="store_true",
         help="every method (plain too) without cuDNN's attention (torch.backends.cuda.enable_cudnn_sdp(False)), "
         "which sets itself up anew for each new query and key length; results go to *_no_cudnn_attention.json",
+    )
+    parser.add_argument(
+        "--cudnn-rows",
+        action="store_true",
+        help="also run each eager row of ours (`ours*`) with `speculative_cudnn_attention=True` (torch's choice of "
+        "attention kernels, cuDNN's on Hopper, as plain decoding gets), as `<name>_cudnn`",
+    )
+    parser.add_argument(
+        "--methods",
+        type=parse_list,
+        default=None,
+        help="comma-separated methods to run (plain always runs; default: all); the rest are listed as skipped",
     )
     parser.add_argument(
         "--output-dir", type=Path, default=None, help="default: benchmarks/results; --smoke: a temp dir"

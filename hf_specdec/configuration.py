@@ -55,6 +55,10 @@ class SpeculativeOptions:
     """How a sampled chain of drafts is verified: "token" (Algorithm 1, each draft on its own), "block" (Sun et al.,
     ICLR 2025: the drafts jointly, never fewer accepted in expectation; `hf_specdec.block_verification`) or "auto"
     (block for sampled drafts, where it can gain; token-wise for deterministic ones, where it cannot)."""
+    speculative_cudnn_attention: bool = False
+    """Whether the call's forwards on a CUDA device may use cuDNN's attention (torch's default for half-precision
+    scaled dot-product attention on recent GPUs); False (the default) turns it off while the call runs
+    (`hf_specdec.devices.cudnn_attention_off`): it sets itself up anew for each new query and key length."""
     given: frozenset = frozenset()
     """The fields set by the call or a config rather than left at their defaults (beam search, whose drafts are
     accepted less often, drafts fewer steps by default: `hf_specdec.beam`)."""
@@ -118,6 +122,12 @@ class SpeculativeOptions:
                 f'`speculative_verification="block"` cannot be combined with `speculative_tree_budget={budget!r}`: '
                 "token trees are verified with multi-candidate rejection (SpecInfer), for which there is no block "
                 "rule. Drop one of them."
+            )
+        if not isinstance(self.speculative_cudnn_attention, bool):
+            raise ValueError(
+                f"`speculative_cudnn_attention` must be a bool, got {self.speculative_cudnn_attention!r}. Leave it at "
+                "False (the default: no cuDNN attention while speculating on a GPU), or pass True to keep torch's "
+                "choice of attention kernels."
             )
         from .policies import get_gamma_policy_class
 
@@ -197,6 +207,17 @@ class SpeculativeGenerationConfig(GenerationConfig):
             extra work would buy nothing). Greedy decoding is unaffected; token trees (`speculative_tree_budget`),
             `speculative_lenience` < 1 and beam search are verified token-wise under `"auto"` and refuse
             `"block"`.
+        speculative_cudnn_attention (`bool`, *optional*, defaults to `False`):
+            Whether the call's forwards on a CUDA device may use cuDNN's fused attention, which torch picks by default
+            for bfloat16 and float16 scaled dot-product attention on recent GPUs (Hopper). cuDNN's attention sets
+            itself up anew for each new pair of query and key lengths (tens of milliseconds each time), and
+            speculative decoding meets many more such pairs than plain decoding (verify forwards of each γ + 1 at
+            each length), so these stalls can make it slower than plain decoding. `False` (the default) turns
+            cuDNN's attention off while the call runs (`torch.backends.cuda.enable_cudnn_sdp(False)`, restored
+            when the last speculative call running ends; torch then picks flash or memory-efficient attention).
+            The setting is process-wide: a plain `generate` in another thread meanwhile runs without it too. It
+            changes nothing on a CPU, nor for attention implementations other than `"sdpa"`. `True` keeps torch's
+            settings as they are.
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 

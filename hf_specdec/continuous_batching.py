@@ -50,6 +50,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from .configuration import SpeculativeOptions, resolve_speculative_options
 from .continuous_features import feature_prototype
 from .continuous_steps import SpeculativeBatchProcessor, draft_trimming
+from .devices import cudnn_attention_off, execution_device
 from .drafter_arguments import resolve_drafter
 from .drafters.base import Drafter
 
@@ -125,8 +126,9 @@ class SpeculativeContinuousBatchingManager(ContinuousBatchingManager):
         self._processors: list[SpeculativeBatchProcessor] = []
 
     def _run_generation_loop(self, use_inference_mode: bool) -> None:
-        try:
-            super()._run_generation_loop(use_inference_mode)
+        try:  # on a GPU without cuDNN's attention while the manager runs, unless `speculative_cudnn_attention`
+            with cudnn_attention_off(execution_device(self.model), not self.options.speculative_cudnn_attention):
+                super()._run_generation_loop(use_inference_mode)
         finally:  # a feature drafter's capture belongs to this loop's thread
             for processor in self._processors:
                 processor.close_capture()
@@ -230,8 +232,8 @@ def drafting_kwargs_error(name: str, value) -> ValueError:
     shown = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else f"<{type(value).__name__}>"
     return ValueError(
         f"`{name}={shown}` is not served inside continuous batching yet. There, hf_specdec drafts with `drafter=...` "
-        '(e.g. `drafter="prompt_lookup"`), `drafter_kwargs`, `speculative_gamma`, `speculative_lenience` and '
-        "`speculative_verification`. Drop it, or use `generate` with a left-padded batch."
+        '(e.g. `drafter="prompt_lookup"`), `drafter_kwargs`, `speculative_gamma`, `speculative_lenience`, '
+        "`speculative_verification` and `speculative_cudnn_attention`. Drop it, or use `generate` with a left-padded batch."
     )
 
 

@@ -26,6 +26,7 @@ from .caches import (
 )
 from .capability import check_multi_token_forward
 from .configuration import SpeculativeOptions
+from .devices import cudnn_attention_off, execution_device
 from .drafters.base import Drafter
 from .outputs import SpeculativeDecoderOnlyOutput, SpeculativeEncoderDecoderOutput
 from .policies import get_gamma_policy_class
@@ -59,7 +60,40 @@ def speculative_decode(
 ):
     """`stats`: accumulate into this object (one per `generate` call, which may decode several times: Whisper's
     long-form segments); `attach_stats=False` leaves `speculative_stats` out of the output, for callers that attach
-    it to their own (classes whose `generate` splits and restacks outputs by row)."""
+    it to their own (classes whose `generate` splits and restacks outputs by row). On a CUDA device the call runs
+    without cuDNN's attention unless `speculative_cudnn_attention` (`devices.cudnn_attention_off`)."""
+    with cudnn_attention_off(execution_device(model), not options.speculative_cudnn_attention):
+        return _decode(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            drafter=drafter,
+            options=options,
+            streamer=streamer,
+            inputs_tensor=inputs_tensor,
+            stats=stats,
+            attach_stats=attach_stats,
+            **model_kwargs,
+        )
+
+
+def _decode(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    *,
+    drafter,
+    options,
+    streamer,
+    inputs_tensor,
+    stats,
+    attach_stats,
+    **model_kwargs,
+):
     if generation_config.num_beams > 1:  # the paper's Appendix A.4: `beam.py`
         return speculative_beam_search(
             model,

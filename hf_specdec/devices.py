@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["HostReads", "decode_step", "execution_device", "seconds_agreement", "to_device"]
+__all__ = ["HostReads", "cudnn_attention_off", "decode_step", "execution_device", "seconds_agreement", "to_device"]
+
+_CUDNN_LOCK = threading.Lock()
+_cudnn_off = {"holders": 0, "restore": False}  # calls inside `cudnn_attention_off`; whether the last one turns it on
+
+
+@contextlib.contextmanager
+def cudnn_attention_off(device: torch.device | str, off: bool = True) -> Iterator[None]:
+    """Runs the block with cuDNN's scaled dot-product attention turned off when `device` is a CUDA device and `off`
+    (`speculative_cudnn_attention=False`); otherwise changes nothing. cuDNN's attention sets itself up anew for each
+    new pair of query and key lengths (30-55 ms for an 8B model on an H200), and speculative rounds meet many more
+    such pairs than plain steps do; flash and memory-efficient attention need no set-up. The flag is process-wide,
+    so concurrent calls share one switch: the first to enter turns it off (if it was on) and the last to leave
+    turns it back on."""
+    if not off or torch.device(device).type != "cuda":
+        yield
+        return
+    with _CUDNN_LOCK:
+        if _cudnn_off["holders"] == 0:
+            _cudnn_off["restore"] = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_off["holders"] += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_LOCK:
+            _cudnn_off["holders"] -= 1
+            if _cudnn_off["holders"] == 0 and _cudnn_off["restore"]:
+                torch.backends.cuda.enable_cudnn_sdp(True)
+                _cudnn_off["restore"] = False
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:

@@ -71,3 +71,17 @@ def test_without_cudnn_attention_writes_its_own_results_and_restores_the_setting
     written = json.loads((tmp_path / "gpu_1.1b_cpu_no_cudnn_attention.json").read_text())
     assert written["settings"]["no_cudnn_attention"] is True
     assert written["batches"]["1"]["methods"]["ours"]["gamma_history"]
+
+
+def test_cudnn_rows_and_a_chosen_subset_of_methods(bench_gpu, tmp_path):
+    """`--cudnn-rows` adds our eager rows with `speculative_cudnn_attention=True` as `<name>_cudnn`; `--methods` keeps
+    plain and the named ones, lists the rest as skipped, and refuses a name it does not know."""
+    common = ["--smoke", "--pairs", "8b", "--batches", "1", "--constant-gammas", "3", "--output-dir", str(tmp_path)]
+    payload = bench_gpu.main([*common, "--cudnn-rows", "--methods", "ours,ours_constant_3_cudnn"])["8b"]
+    group = payload["batches"]["1"]
+    assert set(group["methods"]) == {"plain", "ours", "ours_constant_3_cudnn"}
+    assert group["skipped"]["ours_tree_cudnn"] == group["skipped"]["transformers"] == "not in --methods"
+    assert "ours_compiled_cudnn" not in group["skipped"]  # compiled rows get no cuDNN twin
+    assert group["methods"]["ours_constant_3_cudnn"]["equals_plain"]
+    with pytest.raises(ValueError, match=r"--methods: unknown method\(s\) \['ours_cudnn'\]"):
+        bench_gpu.main([*common, "--methods", "ours_cudnn"])  # no --cudnn-rows: no such row

@@ -75,6 +75,29 @@ def test_greedy_identity_on_cuda(llama):
     assert 0.0 < accepted["partly_right"] < 1.0 and 0.0 < accepted["assistant"]
 
 
+@pytest.mark.parametrize("cudnn_attention", [False, True])
+def test_cudnn_attention_is_off_while_speculating_unless_asked(llama, cudnn_attention):
+    """`speculative_cudnn_attention=False` (the default): every forward of the call (target and drafter) runs with
+    cuDNN's attention off, turned back on afterwards; True leaves torch's setting alone."""
+    ids = prompt(seed=5).to(CUDA)
+    drafter = noisy_copy(llama, 0.05)
+    seen = []
+
+    def record(module, args):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+
+    hooks = [model.register_forward_pre_hook(record) for model in (llama, drafter)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default
+    try:
+        out = greedy(llama, ids, assistant_model=drafter, speculative_cudnn_attention=cudnn_attention)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.speculative_stats.drafted_tokens > 0
+    assert len(seen) > 4 and set(seen) == {cudnn_attention}
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_a_padded_batch_is_exact_on_cuda(llama):
     ids = torch.cat([prompt(8, seed=1), prompt(8, seed=2), prompt(8, seed=4)]).to(CUDA)
     mask = torch.ones_like(ids)
