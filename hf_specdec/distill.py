@@ -28,6 +28,7 @@ from .drafters.mtp_checkpoint import save_mtp_layers
 from .eagle_training import eagle_agreement, train_eagle_drafter
 from .file_writes import save_into, write_text
 from .mtp_training import mtp_agreement, train_mtp_layers
+from .training_checks import check_int, check_number, check_output_dir, check_token_ids
 
 __all__ = [
     "OBJECTIVES",
@@ -62,6 +63,7 @@ def _as_blocks(data, tokenizer, seq_len: int) -> torch.Tensor:
     Sequences are joined with the tokenizer's eos (when known) and cut into non-overlapping windows.
     """
     if isinstance(data, torch.Tensor) and data.dim() == 2:
+        check_token_ids(data, None, "texts_or_token_ids")  # integer ids only: never truncated
         blocks = data.long()
     else:
         data = list(data)
@@ -72,6 +74,8 @@ def _as_blocks(data, tokenizer, seq_len: int) -> torch.Tensor:
             data = [
                 tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + eos for text in data if text
             ]
+        for number, seq in enumerate(data):
+            check_token_ids(torch.as_tensor(seq), None, f"texts_or_token_ids[{number}]")
         ids = [int(token) for seq in data for token in torch.as_tensor(seq).flatten().tolist()]
         if len(ids) < seq_len + 1 and ids:
             seq_len = len(ids)
@@ -218,14 +222,23 @@ def distill_drafter(
         raise ValueError(f"`objective` must be one of {OBJECTIVES}, got {objective!r}.")
     if not temperature > 0:
         raise ValueError(f"`temperature` must be > 0, got {temperature}.")
-    if num_steps is not None and num_steps < 1:
-        raise ValueError(f"`num_steps` must be a positive int, got {num_steps}. Leave it None to use `num_epochs`.")
+    if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
+        raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}. Leave it None to use `num_epochs`.")
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}. Leave it None for no time limit.")
+    check_number("num_epochs", num_epochs, minimum=0.0, example=1.0, strict=True)
+    check_int("seq_len", seq_len, minimum=2, example=256)
+    check_int("batch_size", batch_size, minimum=1, example=8)
+    check_int("log_every", log_every, minimum=1, example=10)
+    check_number("warmup_ratio", warmup_ratio, minimum=0.0, example=0.02)
+    check_number("learning_rate", learning_rate, minimum=0.0, example=1e-3, strict=True)
+    check_number("weight_decay", weight_decay, minimum=0.0, example=0.0)
+    output_dir = check_output_dir(output_dir)
     started = time.perf_counter()
     accelerator = accelerator if accelerator is not None else Accelerator()
     set_seed(seed)
     blocks = _as_blocks(texts_or_token_ids, tokenizer, seq_len)  # [num_blocks, seq_len]
+    check_token_ids(blocks, target.get_input_embeddings().weight.shape[0], "texts_or_token_ids")
     drafter = _build_drafter(target, drafter, init_from_target)
     _check_vocabularies(target, drafter)
 
@@ -290,7 +303,6 @@ def distill_drafter(
     # without the mixed-precision forward wrapper: the returned model behaves like a freshly loaded one
     drafter = accelerator.unwrap_model(drafter, keep_fp32_wrapper=False).eval()
     if output_dir is not None and accelerator.is_main_process:
-        output_dir = Path(output_dir)
         save_into(output_dir, drafter.save_pretrained)  # never through a link standing in the folder
         record = {
             "objective": objective,

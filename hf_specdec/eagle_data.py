@@ -223,6 +223,11 @@ def answer_prompts(
 
     encoded = [_chat_prompt(tokenizer, prompt) for prompt in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(
+            "The `tokenizer` has neither a pad token nor an eos token, so prompts cannot be batched to be answered. "
+            "Set one, for example `tokenizer.pad_token = tokenizer.unk_token`, or pass `texts=` instead."
+        )
     eos = target.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     shuffled = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()

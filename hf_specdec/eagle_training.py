@@ -33,15 +33,23 @@ from .eagle_data import (
     draft_vocabulary,
     gather_sequences,
     load_sequences,
-    read_saved,
     save_sequences,
     target_copy,
 )
 from .file_writes import replace_file, write_text
+from .training_checks import (
+    STATE_NAME,
+    as_dtype,
+    check_checkpoint_folder,
+    check_resumed,
+    check_self_distillation,
+    eval_split,
+    find_checkpoint,
+    restore_state,
+    target_fingerprint,
+)
 
 __all__ = ["eagle_agreement", "train_eagle_drafter"]
-
-STATE_NAME = "training_state.pt"
 
 
 def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8):
@@ -88,16 +96,6 @@ def _ttt_loss(model, embeddings, batch, ttt_steps: int, step_weight: float = 0.8
             agree.append(((log_q.argmax(-1) == choice_all[:, source]).float() * weight).sum().item())
             counted.append(weight.sum().item())
     return total, agree, counted
-
-
-def _as_dtype(value, name: str) -> torch.dtype | None:
-    if isinstance(value, str):
-        if not isinstance(getattr(torch, value, None), torch.dtype):
-            raise ValueError(f"`{name}` {value!r} is not a torch dtype; use for example 'bfloat16'.")
-        value = getattr(torch, value)
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"`{name}` must be a torch.dtype or its name, got {value!r}.")
-    return value
 
 
 def train_eagle_drafter(
@@ -156,7 +154,9 @@ def train_eagle_drafter(
             `save_every` steps and `training_log.json`.
         resume_from_checkpoint (`str`, `Path` or `True`, *optional*):
             A `checkpoint-<step>` folder, or `True` for the latest in `output_dir`; the saved data are reused (the
-            target does not answer again).
+            target does not answer again). `layers` and `draft_vocab_size`, when given, must be the checkpoint's; a
+            target whose embeddings or head differ from the one it was trained for, and a `num_steps` below its step,
+            are refused.
         draft_vocab_size (`int`, *optional*):
             Tokens of the draft vocabulary, the most frequent in the data; defaults to every token the data contain, at
             most 32000 (EAGLE-3's size).
@@ -194,7 +194,7 @@ def train_eagle_drafter(
         warmup_steps (`int`, *optional*, defaults to 20):
             Steps of linear learning-rate warm-up.
         eval_fraction (`float`, *optional*, defaults to 0.05):
-            Sequences held out to measure agreement.
+            Sequences held out to measure agreement (at least one), in [0, 1).
         save_every (`int`, *optional*, defaults to 200):
             Steps between checkpoints (with `output_dir`).
         seed (`int`, *optional*, defaults to 0):
@@ -233,8 +233,21 @@ def train_eagle_drafter(
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes}.")
     if max_answer_minutes is not None and not max_answer_minutes > 0:
         raise ValueError(f"`max_answer_minutes` must be > 0, got {max_answer_minutes}.")
-    answer_dtype = _as_dtype(answer_dtype, "answer_dtype")
-    feature_dtype = _as_dtype(feature_dtype, "feature_dtype")
+    answer_dtype = as_dtype(answer_dtype, "answer_dtype")
+    feature_dtype = as_dtype(feature_dtype, "feature_dtype")
+    output_dir = check_self_distillation(
+        target,
+        texts=texts,
+        output_dir=output_dir,
+        batch_size=batch_size,
+        warmup_steps=warmup_steps,
+        eval_fraction=eval_fraction,
+        max_answer_tokens=max_answer_tokens,
+        answer_temperature=answer_temperature,
+        generation_batch_size=generation_batch_size,
+        learning_rate=learning_rate,
+        eagle={"draft_vocab_size": draft_vocab_size, "save_every": save_every, "layers": layers},
+    )
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}.")
     if not isinstance(ttt_steps, int) or ttt_steps < 1:
@@ -247,9 +260,8 @@ def train_eagle_drafter(
     accelerator = accelerator if accelerator is not None else Accelerator()
     set_seed(seed)
     show = show_progress and accelerator.is_local_main_process
-    output_dir = Path(output_dir) if output_dir is not None else None
     target = target.eval()
-    checkpoint = _find_checkpoint(resume_from_checkpoint, output_dir)
+    checkpoint = find_checkpoint(resume_from_checkpoint, output_dir)
     copies: dict = {}  # the target in `answer_dtype` / `feature_dtype`, made once
 
     # 1. data: the target's answers (or the texts), tokenized; saved so that a resumed run reuses them
@@ -286,13 +298,13 @@ def train_eagle_drafter(
         raise ValueError(f"train_eagle_drafter got {len(sequences)} usable sequence(s); give more prompts or texts.")
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(sequences), generator=generator).tolist()
-    num_eval = max(1, int(eval_fraction * len(sequences)))
-    eval_ids, train_ids = order[:num_eval], order[num_eval:]
+    eval_ids, train_ids = eval_split(order, eval_fraction, "train_eagle_drafter")
 
     # 2. the draft vocabulary: the most frequent tokens the head is trained to predict
     ranked = draft_vocabulary(target, sequences, train_ids, draft_vocab_size)
     if checkpoint is not None:
         drafter = EagleDrafter.from_pretrained(checkpoint, target)
+        check_resumed(drafter.model.config, checkpoint, layers=layers, draft_vocab_size=draft_vocab_size)
     else:
         drafter = EagleDrafter.from_target(target, ranked, layers=layers, seed=seed)
     model = drafter.model.float()
@@ -355,15 +367,16 @@ def train_eagle_drafter(
         # the head is not wrapped (DDP could not see its `logits` method): its gradients are averaged by hand below
         optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
         if checkpoint is not None:
-            _restore_state(Path(checkpoint) / STATE_NAME, optimizer, state)
+            restore_state(Path(checkpoint) / STATE_NAME, optimizer, state, target, num_steps)
         embeddings_device = next(embeddings.parameters()).device
 
         def embed(tokens):
             return embeddings(tokens.to(embeddings_device)).detach().float().to(accelerator.device)
 
+        fingerprint = target_fingerprint(target) if output_dir is not None else None  # recorded in checkpoints
         log = []
         bar = tqdm(total=num_steps, desc="training EAGLE-3 head", unit="step", disable=not show, initial=state["step"])
-        done = False
+        done = num_steps is not None and state["step"] >= num_steps  # resumed at its last step: nothing to train
         while not done:
             for batch in loader:
                 step_start = time.perf_counter()
@@ -387,7 +400,7 @@ def train_eagle_drafter(
                 log.append({"step": state["step"], "loss": loss.item(), "top1_step0": top1})
                 bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1:.2f}")
                 if output_dir is not None and save_every and state["step"] % save_every == 0:
-                    _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir)
+                    _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir, fingerprint)
                 finished = torch.tensor([float(progress_fraction() >= 1.0)], device=accelerator.device)
                 if accelerator.num_processes > 1:  # every process stops at the same step (wall clocks differ)
                     finished = accelerator.reduce(finished, reduction="sum")
@@ -443,55 +456,17 @@ def eagle_agreement(model, embed, collate, indices, steps: int, batch_size: int 
     return [a / max(c, 1.0) for a, c in zip(agree, counted)]
 
 
-def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: Path) -> None:
+def _save_checkpoint(accelerator, model, drafter, optimizer, state, output_dir: Path, fingerprint) -> None:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
     folder = output_dir / f"checkpoint-{state['step']}"
+    check_checkpoint_folder(folder)  # a link planted there is refused, never written through
     snapshot = EagleDrafter(model, target_name=drafter.target_name)
     snapshot.save_pretrained(folder)
     saved = {
         "optimizer": optimizer.state_dict(),
+        "target_fingerprint": fingerprint,
         **{key: state[key] for key in ("step", "train_seconds", "loss_tokens")},
     }
     replace_file(folder / STATE_NAME, lambda file: torch.save(saved, file))
-
-
-def _restore_state(file: Path, optimizer, state: dict) -> None:
-    """Loads the optimizer and the step counts a checkpoint saved; a file that is not what `_save_checkpoint` wrote
-    fails naming it and the fix."""
-    fix = (
-        f"Resume from an earlier checkpoint-<step> folder (delete {file.parent}), or start over without "
-        "`resume_from_checkpoint` (--resume)."
-    )
-    saved = read_saved(file, fix)
-    try:
-        optimizer.load_state_dict(saved["optimizer"])
-        step, seconds, tokens = int(saved["step"]), float(saved["train_seconds"]), int(saved.get("loss_tokens", 0))
-        state.update(step=step, train_seconds=seconds, loss_tokens=tokens)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise OSError(f"{file} is not the training state `train_eagle_drafter` saves ({error!r}). {fix}") from None
-
-
-def _find_checkpoint(resume, output_dir: Path | None) -> Path | None:
-    if resume in (None, False):
-        return None
-    if resume is True:
-        if output_dir is None:
-            raise ValueError("`resume_from_checkpoint=True` needs `output_dir=` (where the checkpoints are).")
-        folders = sorted(
-            (path for path in output_dir.glob("checkpoint-*") if path.name.removeprefix("checkpoint-").isdigit()),
-            key=lambda path: int(path.name.removeprefix("checkpoint-")),
-        )
-        if not folders:
-            raise ValueError(f"`resume_from_checkpoint=True`, but {output_dir} holds no checkpoint-<step> folder.")
-        if not (folders[-1] / STATE_NAME).is_file():
-            raise ValueError(
-                f"`resume_from_checkpoint=True`: the latest checkpoint {folders[-1]} has no {STATE_NAME} (cut short "
-                "while it was written?); delete that folder to resume from the one before it."
-            )
-        return folders[-1]
-    path = Path(resume)
-    if not (path / STATE_NAME).exists():
-        raise ValueError(f"`resume_from_checkpoint` {str(resume)!r} is not a checkpoint folder (no {STATE_NAME}).")
-    return path

@@ -32,8 +32,8 @@ import torch
 
 from .drafters.mtp_checkpoint import build_mtp_layers, save_mtp_layers
 from .eagle_data import gather_sequences
-from .eagle_training import _as_dtype
 from .file_writes import write_text
+from .training_checks import as_dtype, check_self_distillation, eval_split
 
 __all__ = ["mtp_agreement", "train_mtp_layers"]
 
@@ -330,9 +330,19 @@ def train_mtp_layers(
         raise ValueError(f"`max_minutes` must be > 0, got {max_minutes!r}.")
     if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1):
         raise ValueError(f"`num_steps` must be a positive int, got {num_steps!r}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
-    answer_dtype = _as_dtype(answer_dtype, "answer_dtype")
+    answer_dtype = as_dtype(answer_dtype, "answer_dtype")
+    output_dir = check_self_distillation(
+        target,
+        texts=texts,
+        output_dir=output_dir,
+        batch_size=batch_size,
+        warmup_steps=warmup_steps,
+        eval_fraction=eval_fraction,
+        max_answer_tokens=max_answer_tokens,
+        answer_temperature=answer_temperature,
+        generation_batch_size=generation_batch_size,
+        learning_rate=learning_rate,
+    )
     declared = getattr(target.config.get_text_config(decoder=True), "num_mtp_layers", None)
     count = (
         num_mtp_layers
@@ -366,9 +376,8 @@ def train_mtp_layers(
             raise ValueError(f"train_mtp_layers got {len(sequences)} usable sequence(s); give more prompts or texts.")
         generator = torch.Generator().manual_seed(seed)
         order = torch.randperm(len(sequences), generator=generator).tolist()
-        num_eval = max(1, int(eval_fraction * len(sequences)))
-        eval_sequences = [sequences[i] for i in order[:num_eval]]
-        train_ids = order[num_eval:]
+        eval_ids, train_ids = eval_split(order, eval_fraction, "train_mtp_layers")
+        eval_sequences = [sequences[i] for i in eval_ids]
 
         _initialize(model, target, init_from_target, seed)
         before = mtp_agreement(model, target, eval_sequences)
@@ -440,6 +449,6 @@ def train_mtp_layers(
         logger.info("train_mtp_layers: %d steps, top-1 agreement %s -> %s", step, before, after)
         if output_dir is not None:
             save_mtp_layers(target, model, output_dir)
-            write_text(Path(output_dir) / "training_log.json", json.dumps(summary, indent=2) + "\n")
+            write_text(output_dir / "training_log.json", json.dumps(summary, indent=2) + "\n")
         model.training_summary = {k: v for k, v in summary.items() if k != "log"}
         return model

@@ -13,10 +13,18 @@ from .arguments import add_threads, add_training, non_negative_int, positive_flo
 from .common import CLIError, check_output_dir, one_line, read_text_file, read_texts, set_threads
 
 
+def _check_output(name: str) -> None:
+    """`--output` is a folder or a path where one can be created: not a file, nor a broken link."""
+    check_output_dir("--output", name)
+    path = Path(name).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise CLIError(f"--output {name!r} is a broken link; pass a directory (it is created if missing)")
+
+
 def build_ngram(args: argparse.Namespace) -> int:
     from hf_specdec import NGramDrafter, zoo
 
-    check_output_dir("--output", args.output)
+    _check_output(args.output)
     texts = read_texts(args.files)
     if args.tokenizer is None:
         tokenizer = zoo.load_tokenizer()
@@ -54,7 +62,7 @@ def distill(args: argparse.Namespace) -> int:
     from hf_specdec.distill import distill_drafter
 
     set_threads(args.threads)
-    check_output_dir("--output", args.output)
+    _check_output(args.output)
     texts = read_texts(args.files)
     target, tokenizer = loading.load_target(args.target)
     config = copy.deepcopy(target.config)
@@ -141,7 +149,7 @@ def _self_distillation_inputs(args: argparse.Namespace, command: str, data: str,
     `--output`, the data (`data` says which flags give it; `other_data`: given otherwise) and the budget, the prompts
     and texts, and the target with its tokenizer. Returns `(target, tokenizer, prompts, texts)`."""
     threads = set_threads(args.threads)
-    check_output_dir("--output", args.output)
+    _check_output(args.output)
     if args.prompts is None and not args.texts and not other_data:
         raise CLIError(f"{command} needs data: {data}")
     if args.minutes is None and args.steps is None:

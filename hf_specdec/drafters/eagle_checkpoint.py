@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
+from transformers.activations import ACT2FN
 
 from ..devices import execution_device
 from ..file_writes import replace_file, write_text
@@ -30,6 +31,7 @@ __all__ = ["HUB_OPTIONS", "check_hub_options", "load_head", "model_card", "save_
 
 WEIGHTS_NAME = "model.safetensors"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+INDEX_NAME = "model.safetensors.index.json"
 HUB_OPTIONS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
 
 
@@ -195,6 +197,12 @@ def _config_of(values: dict, config_path: Path, target_layers: int) -> LlamaConf
     eps = values.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"The EAGLE-3 head config's `rms_norm_eps` must be a positive number, got {eps!r}. {fix}")
+    activation = values.get("hidden_act", "silu")
+    if not isinstance(activation, str) or activation not in ACT2FN:
+        raise ValueError(
+            f"The EAGLE-3 head config's `hidden_act` must be the name of an activation transformers knows (for "
+            f"example 'silu'), got {activation!r}. {fix}"
+        )
     heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
     if values.get("head_dim") is None and values["hidden_size"] % heads:
         raise ValueError(
@@ -295,11 +303,18 @@ def _resolve(pretrained: str | Path, hub_kwargs: dict) -> Path:
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The head's tensors: safetensors when present, else `pytorch_model.bin` read with `weights_only=True` (plain
-    tensors only: no code is ever unpickled)."""
+    """The head's tensors, from the files a saved head publishes (as transformers reads them): `model.safetensors`,
+    else the shards `model.safetensors.index.json` lists, else `pytorch_model.bin` read with `weights_only=True`
+    (plain tensors only: no code is ever unpickled). Other files in the folder are never read."""
     from safetensors.torch import load_file
 
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / INDEX_NAME
+    if (directory / WEIGHTS_NAME).is_file():
+        files = [directory / WEIGHTS_NAME]
+    elif index.is_file():
+        files = _shards(directory, index)
+    else:
+        files = []
     if files:
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
@@ -310,14 +325,32 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
         return tensors
     file = directory / PICKLE_WEIGHTS_NAME
     if not file.exists():
-        raise OSError(f"{directory} holds no `{WEIGHTS_NAME}` or `{PICKLE_WEIGHTS_NAME}` with EAGLE-3 weights.")
+        raise OSError(
+            f"{directory} holds no `{WEIGHTS_NAME}`, `{INDEX_NAME}` or `{PICKLE_WEIGHTS_NAME}` with EAGLE-3 weights "
+            "(other weight files are not read). Save the head with `EagleDrafter.save_pretrained`, or name its "
+            f"weights `{WEIGHTS_NAME}`."
+        )
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:
+        # torch's first sentence only: the rest of its message suggests `weights_only=False`, which would run the code
+        reason = " ".join(str(error).split()).split(". ")[0][:200]
         raise OSError(
-            f"Could not read {file} as plain tensors ({type(error).__name__}: {error}). hf_specdec loads `.bin` heads "
+            f"Could not read {file} as plain tensors ({type(error).__name__}: {reason}). hf_specdec loads `.bin` heads "
             "with `weights_only=True` and never unpickles code; convert the head to safetensors."
-        ) from error
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise OSError(f"{file} does not hold a flat dict of tensors.")
     return state
+
+
+def _shards(directory: Path, index: Path) -> list[Path]:
+    """The shard files `index` (a `model.safetensors.index.json`) lists, each a file name inside `directory`."""
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        raise OSError(f"{index} is not a safetensors index ({type(error).__name__}: {error}).") from None
+    for name in shards:
+        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
+            raise OSError(f"{index} lists the shard {name!r}, which is not a file in {directory}.")
+    return [directory / name for name in shards]
