@@ -66,7 +66,14 @@ from .forward import standardize, target_logits
 from .layouts import ChainLayout
 from .modeling import logits_width
 from .proposals import ProposalCheck, checked_proposal, draft_context
-from .recurrent import RecurrentCheckpoints, held_positions, is_recurrent, rolls_back_from_checkpoints, snapshot_layers
+from .recurrent import (
+    RecurrentCheckpoints,
+    clear_padding_rows,
+    held_positions,
+    is_recurrent,
+    rolls_back_from_checkpoints,
+    snapshot_layers,
+)
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_stops
@@ -284,13 +291,13 @@ class PaddedBatchLane(Lane):
                 prefix = {**kwargs, "attention_mask": self.mask[:, :-1], "position_ids": positions[:, : width - 1]}
                 target_logits(self.model, self.ids[:, :-1], 0, prefix, True, cached=0)
                 self.recurrent.fed(width - 1)
+                clear_padding_rows(self.cache, self.mask[:, :-1])  # a one-column prefix gets no padding mask
                 first_round, cached = False, width - 1
             if num_drafted:
                 self.recurrent.save()
         logits = target_logits(self.model, candidate_ids, num_drafted, kwargs, first_round, cached=cached)
         if self.recurrent is not None:
             self.recurrent.fed(candidate_ids.shape[1] - cached)
-        # logits: [rows, k + 1, V]
         scores = logits
         if len(self.logits_processor):
             # each row with its own prefix, laid out as plain generate lays it out

@@ -14,6 +14,7 @@ from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
 from .recurrent import (
     RecurrentCheckpoints,
+    clear_padding_rows,
     forgo_chunk_size,
     pad_conv_windows,
     recurrent_layers,
@@ -114,6 +115,25 @@ def _probe_multi_token_forward(model, input_ids, model_kwargs, generation_config
     is_encoder_decoder = model.config.is_encoder_decoder
     row_kwargs = slice_kwargs(model_kwargs, 0, input_ids.shape[0], model)
     prompt = input_ids[:1]  # [1, prompt_len]
+    mask = row_kwargs.get("attention_mask")
+    if (
+        not is_encoder_decoder
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and mask.shape[1] == prompt.shape[1]
+    ):
+        # the row's left padding is left out: a verdict is the model's, not this input's (a state that saw padding
+        # only is zero, which would make a model that reads its state look as if it ignored it)
+        start = int((mask[0] == 0).cumprod(0).sum())  # one host read, once per model
+        if 0 < start < prompt.shape[1]:
+            length = prompt.shape[1]
+            row_kwargs = {
+                key: value[..., start:]
+                if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == length
+                else value
+                for key, value in row_kwargs.items()
+            }
+            prompt = prompt[:, start:]
     chunk = generation_config.prefill_chunk_size
     if chunk is not None and not is_encoder_decoder and prompt.shape[1] + _PROBE_DRAFTS > chunk:
         # the call bounds its forwards (`prefill_chunk_size`): so does the probe, on the prompt's first tokens
@@ -252,15 +272,10 @@ def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
     cache = kwargs[CACHE_KWARG]
     checkpoints = RecurrentCheckpoints(cache, model=model)
     if prompt_len > 1:
-        target_logits(
-            model,
-            sequence[:, : prompt_len - 1],
-            0,
-            per_token_prefix(kwargs, prompt_len, prompt_len - 1),
-            True,
-            cached=0,
-        )
+        prefix = per_token_prefix(kwargs, prompt_len, prompt_len - 1)
+        target_logits(model, sequence[:, : prompt_len - 1], 0, prefix, True, cached=0)
         checkpoints.fed(prompt_len - 1)
+        clear_padding_rows(cache, prefix.get("attention_mask"))  # as `SequenceLane` does
     checkpoints.save()
     first = target_logits(
         model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), prompt_len == 1, cached=prompt_len - 1

@@ -32,6 +32,7 @@ from .modeling import logits_width
 from .proposals import checked_proposal
 from .recurrent import (
     RecurrentCheckpoints,
+    clear_padding_rows,
     finish_recording,
     held_positions,
     is_recording,
@@ -242,6 +243,8 @@ class SequenceLane(Lane):
                 self.cached = cur_len - 1
             else:
                 self._feed_tail()
+            if self.recurrent is not None and self.first_round:  # a one-token prefix gets no padding mask
+                clear_padding_rows(self.cache, prefill_kwargs.get("attention_mask"))
             cached, prefilled = cur_len - 1, True
         if self.recurrent is not None and num_drafted:  # without drafts every position fed is kept
             self.recurrent.save()

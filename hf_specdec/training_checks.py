@@ -160,8 +160,11 @@ def target_fingerprint(target) -> torch.Tensor:
         if weight is None:
             values += [0.0, 0.0]
             continue
-        weight = weight.detach().double()
-        values += [float(weight.sum()), float(weight.pow(2).sum())]
+        total = squares = 0.0
+        for rows in weight.detach().split(1024):  # in float64 a block at a time: no copy of the whole table
+            rows = rows.double()
+            total, squares = total + float(rows.sum()), squares + float(rows.pow(2).sum())
+        values += [total, squares]
     return torch.tensor(values, dtype=torch.float64)
 
 

@@ -124,6 +124,39 @@ def test_draft_models_and_prompt_lookup_in_lockstep(target):
         assert torch.equal(out, reference), drafter
 
 
+def test_prompts_two_columns_wide_with_a_padded_row(target):
+    """The prompt but its last column goes in a forward of its own before the first round: here one column, padding
+    in one row. transformers gives a one-token forward no padding mask (it is taken for a decode step), so that row's
+    recurrent state is cleared after it (`recurrent.clear_padding_rows`): in a batch (lockstep) and for the padded row
+    alone (the one-sequence loop)."""
+    ids = torch.tensor([[41, 15], [0, 87], [9, 51]])
+    mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
+    kwargs = dict(pad_token_id=0, max_new_tokens=12, do_sample=False)
+    for rows in ([0, 1, 2], [1]):
+        batch = dict(attention_mask=mask[rows], **kwargs)
+        reference = target.generate(ids[rows], **batch)
+        for drafter in ({"assistant_model": target}, {"drafter": "prompt_lookup"}):
+            out = target.generate(
+                ids[rows], speculative_gamma=3, speculative_gamma_policy="constant", **drafter, **batch
+            )
+            assert torch.equal(out, reference), (rows, drafter)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
+def test_a_padded_first_call_probes_the_model_without_its_padding(family):
+    """The capability probe runs on the first call's first row: its left padding is left out (a state that saw only
+    padding is zero, which made a model that reads its state look as if it ignored it, and the refusal was kept for
+    every later call)."""
+    target = hf_specdec.enable(sweep_model(family))  # not probed yet
+    ids, mask = torch.tensor([[0, 87]]), torch.tensor([[0, 1]])
+    kwargs = dict(pad_token_id=0, max_new_tokens=8, do_sample=False)
+    reference = target.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(target.generate(ids, attention_mask=mask, drafter="prompt_lookup", **kwargs), reference)
+    unpadded = torch.tensor([[5, 6, 7, 5, 6]])
+    reference = target.generate(unpadded, **kwargs)
+    assert torch.equal(target.generate(unpadded, drafter="prompt_lookup", **kwargs), reference)
+
+
 def test_rows_that_finish_leave_the_lockstep():
     """An EOS token in one row's output: the row finishes (padded after), the others go on, as plain generate."""
     target = hf_specdec.enable(sweep_model("qwen3_5_text"))
