@@ -27,10 +27,14 @@ flip: where an output differs, the first differing position and the target's top
 in the same process: v(k) (a cached forward over k new tokens / a one-token forward), the drafter's cost c, the
 recurrent state a checkpoint copies (bytes) and the time of one copy, against a one-token forward.
 
+With `--batches 2,4`, left-padded batches of those sizes too (`run_batches`): rows in lockstep against rows decoded
+one at a time.
+
     python benchmarks/bench_hybrid.py                                   # both models, 2 threads
     python benchmarks/bench_hybrid.py --models qwen3_5 --prompts 2 --repeats 2 --max-new-tokens 48
     python benchmarks/bench_hybrid.py --quick --output /tmp/hybrid_quick.json   # small shapes, a smoke run
     python benchmarks/bench_hybrid.py --models qwen3_5 --mtp-steps 30 --mtp-texts 32
+    python benchmarks/bench_hybrid.py --models qwen3_5 --batches 2,4 --mtp-steps 0   # left-padded batches too
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pathlib import Path
 import torch
 import transformers
 from harness import ForwardCounter, divergence, interleaved, merged_stats, time_summary, write_results
-from pairs import random_prompts, trained_mtp_layers
+from pairs import PAD, padded_prompts, random_prompts, trained_mtp_layers
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin
 
 import hf_specdec
@@ -208,6 +212,89 @@ def costs(target, drafter, prompt, repeats: int) -> dict:
     }
 
 
+def run_batches(target, drafter, args) -> dict:
+    """Left-padded batches (`--batches`, rows of `--prompt-length` / 2 to `--prompt-length` tokens, greedy): plain
+    batched `generate` against ours with the rows in lockstep (one verify forward per round for the whole batch,
+    `hf_specdec.batching`) at the defaults and at constant γ, and against ours decoding the rows one at a time (what
+    a batch on a hybrid ran before lockstep: `batching._rolls_back_rows` forced off), interleaved and repeated.
+    Reported per batch and method: speedup over plain, tokens per target call (all rows' new tokens over the target's
+    forwards), the share of target forwards that carried the whole batch, and the rows equal to plain's."""
+    from hf_specdec import batching
+
+    results = {}
+    for batch in args.batches:
+        ids, mask = padded_prompts(
+            batch, target.config.vocab_size, seed=args.seed + batch, shortest=max(2, args.prompt_length // 2),
+            longest=args.prompt_length,
+        )  # fmt: skip
+        common = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=args.max_new_tokens, do_sample=False)
+        constant = dict(speculative_gamma=args.gamma, speculative_gamma_policy="constant")
+
+        def rows_apart(_):
+            original = batching._rolls_back_rows
+            batching._rolls_back_rows = lambda model, cache: False
+            try:
+                return target.generate(ids, assistant_model=drafter, **common)
+            finally:
+                batching._rolls_back_rows = original
+
+        methods = {
+            "plain": lambda _: GenerationMixin.generate(target, ids, **common),
+            "lockstep (defaults)": lambda _: target.generate(ids, assistant_model=drafter, **common),
+            f"lockstep (constant γ {args.gamma})": lambda _: target.generate(
+                ids, assistant_model=drafter, **constant, **common
+            ),
+            "rows one at a time (defaults)": rows_apart,
+        }
+        sizes: list[int] = []
+        hook = target.register_forward_pre_hook(
+            lambda module, positional, named: sizes.append(
+                (named["input_ids"] if named.get("input_ids") is not None else positional[0]).shape[0]
+            ),
+            with_kwargs=True,
+        )
+        seconds, forwards, outputs = {m: [] for m in methods}, {m: [] for m in methods}, {}
+
+        def on_run(run):
+            seconds[run.name].append(run.seconds)
+            forwards[run.name].append(list(sizes))
+            outputs[run.name] = run.output
+
+        def counted(method):
+            def call(item):
+                sizes.clear()  # forwards run between timed calls are not this call's
+                return method(item)
+
+            return call
+
+        try:
+            interleaved(
+                {m: counted(f) for m, f in methods.items()}, args.repeats, warmup=1, inputs=[None], on_run=on_run
+            )
+        finally:
+            hook.remove()
+        plain_s = statistics.median(seconds["plain"])
+        rows = {}
+        for method in methods:
+            calls = forwards[method][-1]
+            rows[method] = {
+                "median_s": statistics.median(seconds[method]),
+                "speedup": plain_s / statistics.median(seconds[method]),
+                "tokens_per_target_call": batch * args.max_new_tokens / max(1, len(calls)),
+                "whole_batch_forwards": sum(size == batch for size in calls) / max(1, len(calls)),
+                "rows_equal_plain": int((outputs[method] == outputs["plain"]).all(-1).sum()),
+            }
+            row = rows[method]
+            print(
+                f"batch {batch} | {method}: {row['speedup']:.2f}x plain, {row['tokens_per_target_call']:.2f} "
+                f"tokens/call, whole-batch forwards {row['whole_batch_forwards']:.2f}, rows equal "
+                f"{row['rows_equal_plain']}/{batch}",
+                flush=True,
+            )
+        results[str(batch)] = {"prompt_lengths": mask.sum(-1).tolist(), "methods": rows}
+    return results
+
+
 def run_model(name: str, args) -> dict:
     dtype = getattr(torch, args.dtype)
     target, drafter = build_pair(name, args.quick, dtype)
@@ -304,6 +391,7 @@ def run_model(name: str, args) -> dict:
         )
     counter.close()
     return {
+        "batches": run_batches(target, drafter, args) if args.batches else None,
         "parameters": parameters,
         "mtp_training": mtp_training,
         "config": target.config.to_dict(),
@@ -328,6 +416,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
     parser.add_argument("--mtp-steps", type=int, default=30, help="training steps of the MTP layer (0: no MTP rows)")
     parser.add_argument("--mtp-texts", type=int, default=32, help="continuations the MTP layer trains on")
+    parser.add_argument(
+        "--batches",
+        type=lambda text: [int(b) for b in text.split(",") if b.strip()],
+        default=[],
+        help="comma-separated sizes of left-padded batches to run too (lockstep against rows one at a time)",
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()

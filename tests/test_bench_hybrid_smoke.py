@@ -26,3 +26,23 @@ def test_the_quick_run_measures_both_hybrids_and_records_transformers_refusal(tm
             assert method["identical_to_plain"] == [True], name  # float32: greedy identity holds
             assert method["tokens_per_target_call"] > 0
     assert results["machine"]
+
+
+def test_the_quick_run_with_batches_compares_lockstep_with_rows_one_at_a_time(tmp_path):
+    output = tmp_path / "hybrid_batches.json"
+    with benchmark_script("bench_hybrid") as bench:
+        bench.main(
+            ["--quick", "--models", "qwen3_5", "--prompts", "1", "--repeats", "1", "--max-new-tokens", "8"]
+            + ["--prompt-length", "12", "--cost-repeats", "1", "--threads", "1", "--dtype", "float32"]
+            + ["--mtp-steps", "0", "--batches", "3", "--gamma", "3", "--output", str(output)]
+        )
+    group = json.loads(output.read_text())["models"]["qwen3_5"]["batches"]["3"]
+    methods = group["methods"]
+    assert set(methods) == {"plain", "lockstep (defaults)", "lockstep (constant γ 3)", "rows one at a time (defaults)"}
+    assert len(set(group["prompt_lengths"])) > 1  # rows of different lengths: left-padded
+    for name, row in methods.items():
+        assert row["rows_equal_plain"] == 3, name  # float32: greedy identity holds, row by row
+    # lockstep verifies every row in each forward; rows one at a time never do (their forwards carry one row)
+    assert methods["lockstep (constant γ 3)"]["whole_batch_forwards"] == 1.0
+    assert methods["rows one at a time (defaults)"]["whole_batch_forwards"] < 0.5
+    assert methods["lockstep (constant γ 3)"]["tokens_per_target_call"] > 3  # drafts accepted: more than plain's 3
