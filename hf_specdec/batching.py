@@ -66,14 +66,7 @@ from .forward import standardize, target_logits
 from .layouts import ChainLayout
 from .modeling import logits_width
 from .proposals import ProposalCheck, checked_proposal, draft_context
-from .recurrent import (
-    RecurrentCheckpoints,
-    clear_padding_rows,
-    held_positions,
-    is_recurrent,
-    rolls_back_from_checkpoints,
-    snapshot_layers,
-)
+from .recurrent import RecurrentCheckpoints, held_positions, is_recurrent, rolls_back_from_checkpoints, snapshot_layers
 from .rounds import Draft, Lane, Round, Scores
 from .stats import SpeculativeStats
 from .verdicts import Verdict, first_stops
@@ -252,6 +245,8 @@ class PaddedBatchLane(Lane):
     def room(self, gamma: int) -> int:
         self.round_rows = list(self.rows)  # rows may leave the batch during the round
         self.lengths = [self.prompt_len + len(self.generated[r]) for r in self.rows]
+        if self.first_round and self.recurrent is not None and self.ids.shape[1] == 2:
+            return 0  # its first column alone would be a one-token forward: no padding mask from transformers
         return max(0, min(gamma, self.max_length - min(self.lengths) - 1))
 
     def draft(self, gamma: int, chosen_gamma: int) -> Draft:
@@ -287,11 +282,10 @@ class PaddedBatchLane(Lane):
             # the prompt goes in a forward of its own, so that a rollback's checkpoint comes after it; kept tokens
             # fed again after a rollback go before the drafts, in the round's forward
             cached, width = self.recurrent.length, self.ids.shape[1]
-            if first_round and width > 1:
+            if first_round and width > 2:  # (a prompt of two columns: a plain step over both, `room`)
                 prefix = {**kwargs, "attention_mask": self.mask[:, :-1], "position_ids": positions[:, : width - 1]}
                 target_logits(self.model, self.ids[:, :-1], 0, prefix, True, cached=0)
                 self.recurrent.fed(width - 1)
-                clear_padding_rows(self.cache, self.mask[:, :-1])  # a one-column prefix gets no padding mask
                 first_round, cached = False, width - 1
             if num_drafted:
                 self.recurrent.save()

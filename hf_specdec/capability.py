@@ -14,7 +14,6 @@ from .forward import per_token_prefix, target_logits
 from .modeling import logits_width
 from .recurrent import (
     RecurrentCheckpoints,
-    clear_padding_rows,
     forgo_chunk_size,
     pad_conv_windows,
     recurrent_layers,
@@ -275,7 +274,6 @@ def _recurrent_rounds(model, sequence, prompt_len: int, fresh, advance):
         prefix = per_token_prefix(kwargs, prompt_len, prompt_len - 1)
         target_logits(model, sequence[:, : prompt_len - 1], 0, prefix, True, cached=0)
         checkpoints.fed(prompt_len - 1)
-        clear_padding_rows(cache, prefix.get("attention_mask"))  # as `SequenceLane` does
     checkpoints.save()
     first = target_logits(
         model, sequence, _PROBE_DRAFTS, advance(kwargs, _PROBE_DRAFTS), prompt_len == 1, cached=prompt_len - 1

@@ -216,8 +216,9 @@ class SpeculativeGenerationConfig(GenerationConfig):
             cuDNN's attention off while the call runs (`torch.backends.cuda.enable_cudnn_sdp(False)`, restored
             when the last speculative call running ends; torch then picks flash or memory-efficient attention).
             The setting is process-wide: a plain `generate` in another thread meanwhile runs without it too. It
-            changes nothing on a CPU, nor for attention implementations other than `"sdpa"`. `True` keeps torch's
-            settings as they are.
+            changes nothing on a CPU, nor for attention implementations other than `"sdpa"`, nor where the target's
+            forwards are compiled (a static cache with `torch.compile`: the graphs are shared with plain `generate`),
+            nor where the caller kept only cuDNN's attention enabled. `True` keeps torch's settings as they are.
         kwargs:
             Any [`~transformers.GenerationConfig`] argument.
 

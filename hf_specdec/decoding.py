@@ -61,8 +61,14 @@ def speculative_decode(
     """`stats`: accumulate into this object (one per `generate` call, which may decode several times: Whisper's
     long-form segments); `attach_stats=False` leaves `speculative_stats` out of the output, for callers that attach
     it to their own (classes whose `generate` splits and restacks outputs by row). On a CUDA device the call runs
-    without cuDNN's attention unless `speculative_cudnn_attention` (`devices.cudnn_attention_off`)."""
-    with cudnn_attention_off(execution_device(model), not options.speculative_cudnn_attention):
+    without cuDNN's attention unless `speculative_cudnn_attention` (`devices.cudnn_attention_off`), or unless its
+    target forwards are compiled (a static cache with `torch.compile`): compiled graphs are shared with plain
+    `generate` and fix their attention kernel when traced, so the switch would not reach the graphs plain calls traced
+    and would leak into plain calls through the graphs this one traced."""
+    compiled = is_static(model_kwargs.get(CACHE_KWARG)) and model._valid_auto_compile_criteria(
+        model_kwargs, generation_config
+    )
+    with cudnn_attention_off(execution_device(model), not (options.speculative_cudnn_attention or compiled)):
         return _decode(
             model,
             input_ids,

@@ -21,23 +21,30 @@ def cudnn_attention_off(device: torch.device | str, off: bool = True) -> Iterato
     new pair of query and key lengths (30-55 ms for an 8B model on an H200), and speculative rounds meet many more
     such pairs than plain steps do; flash and memory-efficient attention need no set-up. The flag is process-wide,
     so concurrent calls share one switch: the first to enter turns it off (if it was on) and the last to leave
-    turns it back on."""
+    turns it back on. Where neither flash nor memory-efficient attention is enabled (`sdpa_kernel` limited to cuDNN's
+    by the caller), nothing changes: turning cuDNN's off would leave no kernel, or the slow math one."""
+    backends = torch.backends.cuda
     if not off or torch.device(device).type != "cuda":
         yield
         return
-    with _CUDNN_LOCK:
-        if _cudnn_off["holders"] == 0:
-            _cudnn_off["restore"] = torch.backends.cuda.cudnn_sdp_enabled()
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        _cudnn_off["holders"] += 1
+    entered = False
     try:
+        with _CUDNN_LOCK:
+            if _cudnn_off["holders"] == 0:
+                others = backends.flash_sdp_enabled() or backends.mem_efficient_sdp_enabled()
+                _cudnn_off["restore"] = backends.cudnn_sdp_enabled() and others
+                if _cudnn_off["restore"]:
+                    backends.enable_cudnn_sdp(False)
+            _cudnn_off["holders"] += 1
+            entered = True
         yield
     finally:
-        with _CUDNN_LOCK:
-            _cudnn_off["holders"] -= 1
-            if _cudnn_off["holders"] == 0 and _cudnn_off["restore"]:
-                torch.backends.cuda.enable_cudnn_sdp(True)
-                _cudnn_off["restore"] = False
+        if entered:
+            with _CUDNN_LOCK:
+                _cudnn_off["holders"] -= 1
+                if _cudnn_off["holders"] == 0 and _cudnn_off["restore"]:
+                    backends.enable_cudnn_sdp(True)
+                    _cudnn_off["restore"] = False
 
 
 def execution_device(model: torch.nn.Module) -> torch.device:

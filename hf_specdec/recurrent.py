@@ -311,31 +311,6 @@ def pad_conv_windows(cache) -> None:
                 layer.conv_states[index] = torch.nn.functional.pad(window, (size - window.shape[-1], 0))
 
 
-def clear_padding_rows(cache, prefix_mask: torch.Tensor | None) -> None:
-    """Leaves the recurrent states and convolution windows of the rows whose `prefix_mask` (the attention mask of
-    every position `cache` holds, [batch, positions]) is padding only as a forward over padding alone leaves them in
-    plain `generate`: zeros (transformers zeroes padded positions' inputs, so a state that saw only padding stays at
-    its zero start). A forward over one token gets no padding mask from transformers (it is taken for a decode step),
-    so a prompt's first column fed on its own, padding in some rows, would otherwise leave the pad token in their
-    state. Masked in place, without a host read."""
-    if prefix_mask is None or prefix_mask.dim() != 2:
-        return
-    padding_only = ~prefix_mask.bool().any(-1)  # [batch]
-    for layer in recurrent_layers(cache):
-        tensors = [
-            state
-            for index, state in layer.recurrent_states.items()
-            if state is not None and layer.has_previous_state[index]
-        ] + [
-            window
-            for index, window in layer.conv_states.items()
-            if window is not None and layer.is_conv_states_initialized[index]
-        ]
-        for tensor in tensors:
-            if tensor.shape[0] == padding_only.shape[0]:
-                tensor.masked_fill_(padding_only.view(-1, *[1] * (tensor.dim() - 1)).to(tensor.device), 0)
-
-
 def _attributes(layer) -> dict:
     """What a `snapshot_layers` layer (or such a copy) holds: its attributes, its dicts and lists copied (their
     tensors are replaced by the layer's forwards, not written in place)."""

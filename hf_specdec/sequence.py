@@ -32,7 +32,6 @@ from .modeling import logits_width
 from .proposals import checked_proposal
 from .recurrent import (
     RecurrentCheckpoints,
-    clear_padding_rows,
     finish_recording,
     held_positions,
     is_recording,
@@ -179,6 +178,10 @@ class SequenceLane(Lane):
         self.stats.compiled_rounds += self.forward.compiled_rounds
 
     def room(self, gamma: int) -> int:
+        if self.first_round and self.recurrent is not None and self.input_ids.shape[1] - self.recurrent.length == 2:
+            # a prompt of two: fed whole in a plain step (the first token alone would be a one-token forward, which
+            # transformers gives no padding mask, and it may be padding)
+            return 0
         return max(0, min(gamma, self.max_length - self.input_ids.shape[1] - 1))
 
     def draft(self, gamma: int, chosen_gamma: int) -> Draft:
@@ -227,7 +230,7 @@ class SequenceLane(Lane):
         # a recurrent cache rolls back to a checkpoint taken before the round's forward: the prompt, and a tail of
         # kept tokens longer than `FOLDED_TAIL`, go in a forward of their own first, so that the checkpoint comes
         # after them
-        tail_apart = self.recurrent is not None and cur_len - cached > (1 if self.first_round else FOLDED_TAIL)
+        tail_apart = self.recurrent is not None and cur_len - cached > (2 if self.first_round else FOLDED_TAIL)
         if (layout.prefills_context or self.chunked_prefill or tail_apart) and cur_len - cached > 1:
             # the prompt is prefilled apart (a tree: with the model's own causal mask; `prefill_chunk_size`: in
             # chunks, as plain generate's `_prefill`); the round's forward then carries the newest token and the
@@ -243,8 +246,6 @@ class SequenceLane(Lane):
                 self.cached = cur_len - 1
             else:
                 self._feed_tail()
-            if self.recurrent is not None and self.first_round:  # a one-token prefix gets no padding mask
-                clear_padding_rows(self.cache, prefill_kwargs.get("attention_mask"))
             cached, prefilled = cur_len - 1, True
         if self.recurrent is not None and num_drafted:  # without drafts every position fed is kept
             self.recurrent.save()

@@ -15,9 +15,13 @@ from hf_specdec.devices import cudnn_attention_off
 
 @pytest.fixture(autouse=True)
 def cudnn_flag_restored():
-    before = torch.backends.cuda.cudnn_sdp_enabled()
+    backends = torch.backends.cuda
+    before = backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled()
     yield
-    torch.backends.cuda.enable_cudnn_sdp(before)
+    for enable, value in zip(
+        (backends.enable_cudnn_sdp, backends.enable_flash_sdp, backends.enable_mem_efficient_sdp), before
+    ):
+        enable(value)
 
 
 def flag() -> bool:
@@ -43,6 +47,21 @@ def test_the_guard_leaves_it_off_when_it_was_off_and_restores_after_an_error():
     torch.backends.cuda.enable_cudnn_sdp(True)
     with pytest.raises(RuntimeError, match="inside"), cudnn_attention_off("cuda"):
         raise RuntimeError("inside")
+    assert flag()
+
+
+def test_a_caller_limited_to_cudnn_attention_keeps_it():
+    """Under `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)` (flash and memory-efficient attention off) turning cuDNN's off
+    would leave no fast kernel: the guard changes nothing."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    with cudnn_attention_off("cuda"):
+        assert flag()
+    assert flag()
+    torch.backends.cuda.enable_mem_efficient_sdp(True)  # one other fast kernel is enough
+    with cudnn_attention_off("cuda"):
+        assert not flag()
     assert flag()
 
 

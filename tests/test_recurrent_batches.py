@@ -125,13 +125,40 @@ def test_draft_models_and_prompt_lookup_in_lockstep(target):
 
 
 def test_prompts_two_columns_wide_with_a_padded_row(target):
-    """The prompt but its last column goes in a forward of its own before the first round: here one column, padding
-    in one row. transformers gives a one-token forward no padding mask (it is taken for a decode step), so that row's
-    recurrent state is cleared after it (`recurrent.clear_padding_rows`): in a batch (lockstep) and for the padded row
-    alone (the one-sequence loop)."""
+    """The prompt but its last column goes in a forward of its own before the first round, except here: it would be
+    one column, padding in one row, and transformers gives a one-token forward no padding mask (it is taken for a
+    decode step), so the pad token would enter that row's recurrent state. The first round is a plain step over both
+    columns instead: in a batch (lockstep) and for the padded row alone (the one-sequence loop)."""
     ids = torch.tensor([[41, 15], [0, 87], [9, 51]])
     mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
     kwargs = dict(pad_token_id=0, max_new_tokens=12, do_sample=False)
+    for rows in ([0, 1, 2], [1]):
+        batch = dict(attention_mask=mask[rows], **kwargs)
+        reference = target.generate(ids[rows], **batch)
+        for drafter in ({"assistant_model": target}, {"drafter": "prompt_lookup"}):
+            out = target.generate(
+                ids[rows], speculative_gamma=3, speculative_gamma_policy="constant", **drafter, **batch
+            )
+            assert torch.equal(out, reference), (rows, drafter)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_a_row_padded_up_to_its_last_column_with_biases_before_the_state(width):
+    """A row that is padding in every column but the last, on a model whose in-projection has a bias and whose pad
+    embedding is not zero: plain generate's masked prefill leaves the bias (not zeros) in the convolution window, so
+    the padding must go through the model's own masked forward, never be emulated (two columns: a plain step over
+    both; wider: the prefix in a forward of its own, masked by transformers)."""
+    target = hf_specdec.enable(sweep_model("granitemoehybrid", mamba_proj_bias=True))
+    generator = torch.Generator().manual_seed(width)
+    with torch.no_grad():
+        target.get_input_embeddings().weight[0] = torch.randn(target.config.hidden_size, generator=generator)
+        for name, parameter in target.named_parameters():
+            if name.endswith("in_proj.bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    ids = torch.randint(4, VOCAB, (3, width), generator=generator)
+    ids[1, :-1] = 0
+    mask = (ids != 0).long()
+    kwargs = dict(pad_token_id=0, max_new_tokens=10, do_sample=False)
     for rows in ([0, 1, 2], [1]):
         batch = dict(attention_mask=mask[rows], **kwargs)
         reference = target.generate(ids[rows], **batch)
