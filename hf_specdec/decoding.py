@@ -69,103 +69,76 @@ def speculative_decode(
         model_kwargs, generation_config
     )
     with cudnn_attention_off(execution_device(model), not (options.speculative_cudnn_attention or compiled)):
-        return _decode(
-            model,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            drafter=drafter,
-            options=options,
-            streamer=streamer,
-            inputs_tensor=inputs_tensor,
-            stats=stats,
-            attach_stats=attach_stats,
-            **model_kwargs,
-        )
-
-
-def _decode(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    *,
-    drafter,
-    options,
-    streamer,
-    inputs_tensor,
-    stats,
-    attach_stats,
-    **model_kwargs,
-):
-    if generation_config.num_beams > 1:  # the paper's Appendix A.4: `beam.py`
-        return speculative_beam_search(
-            model,
-            input_ids,
-            logits_processor,
-            stopping_criteria,
-            generation_config,
-            drafter=drafter,
-            options=options,
-            streamer=streamer,
-            inputs_tensor=inputs_tensor,
-            stats=stats,
-            attach_stats=attach_stats,
-            **model_kwargs,
-        )
-    _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
-    if options.speculative_tree_budget is not None:
-        _check_trees_supported(model, input_ids, generation_config, model_kwargs, options.speculative_tree_budget)
-    if stats is None:
-        stats = SpeculativeStats(lenience=options.speculative_lenience)
-    policy = get_gamma_policy_class(options.speculative_gamma_policy)(
-        options.speculative_gamma, options.speculative_max_gamma
-    )
-    policy.free_drafts = bool(getattr(drafter, "free_drafts", False))
-    run = dict(
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        generation_config=generation_config,
-        options=options,
-        policy=policy,
-        stats=stats,
-    )
-    check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
-    scores = raw_logits = None
-    if input_ids.shape[0] == 1:
-        drafter = drafter.for_call(
-            draft_context(
+        if generation_config.num_beams > 1:  # the paper's Appendix A.4: `beam.py`
+            return speculative_beam_search(
                 model,
                 input_ids,
                 logits_processor,
+                stopping_criteria,
                 generation_config,
-                model_kwargs,
-                inputs_tensor,
-                options.speculative_tree_budget,
+                drafter=drafter,
+                options=options,
+                streamer=streamer,
+                inputs_tensor=inputs_tensor,
+                stats=stats,
+                attach_stats=attach_stats,
+                **model_kwargs,
             )
+        _check_supported(model, input_ids, generation_config, model_kwargs, streamer)
+        if options.speculative_tree_budget is not None:
+            _check_trees_supported(model, input_ids, generation_config, model_kwargs, options.speculative_tree_budget)
+        if stats is None:
+            stats = SpeculativeStats(lenience=options.speculative_lenience)
+        policy = get_gamma_policy_class(options.speculative_gamma_policy)(
+            options.speculative_gamma, options.speculative_max_gamma
         )
-        input_ids, scores, raw_logits = decode_sequence(
-            model, input_ids, drafter=drafter, streamer=streamer, **run, **model_kwargs
+        policy.free_drafts = bool(getattr(drafter, "free_drafts", False))
+        run = dict(
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            generation_config=generation_config,
+            options=options,
+            policy=policy,
+            stats=stats,
         )
-        cache = model_kwargs[CACHE_KWARG]
-    else:
-        # no cache comes back for a batch (`decode_batch`): `past_key_values` is None
-        input_ids = decode_batch(model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor, **run)
-        cache = None
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return input_ids
-    output_class = SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
-    return output_class(
-        sequences=input_ids,
-        scores=scores,
-        logits=raw_logits,
-        **{CACHE_KWARG: cache},
-        speculative_stats=stats if attach_stats else None,
-    )
+        check_multi_token_forward(model, input_ids, model_kwargs, generation_config)
+        scores = raw_logits = None
+        if input_ids.shape[0] == 1:
+            drafter = drafter.for_call(
+                draft_context(
+                    model,
+                    input_ids,
+                    logits_processor,
+                    generation_config,
+                    model_kwargs,
+                    inputs_tensor,
+                    options.speculative_tree_budget,
+                )
+            )
+            input_ids, scores, raw_logits = decode_sequence(
+                model, input_ids, drafter=drafter, streamer=streamer, **run, **model_kwargs
+            )
+            cache = model_kwargs[CACHE_KWARG]
+        else:
+            # no cache comes back for a batch (`decode_batch`): `past_key_values` is None
+            input_ids = decode_batch(
+                model, input_ids, model_kwargs, drafter=drafter, inputs_tensor=inputs_tensor, **run
+            )
+            cache = None
+        if streamer is not None:
+            streamer.end()
+        if not generation_config.return_dict_in_generate:
+            return input_ids
+        output_class = (
+            SpeculativeEncoderDecoderOutput if model.config.is_encoder_decoder else SpeculativeDecoderOnlyOutput
+        )
+        return output_class(
+            sequences=input_ids,
+            scores=scores,
+            logits=raw_logits,
+            **{CACHE_KWARG: cache},
+            speculative_stats=stats if attach_stats else None,
+        )
 
 
 # transformers' decoding methods selected by a setting, which the loop would ignore -> (settings, name)

@@ -124,22 +124,27 @@ def test_draft_models_and_prompt_lookup_in_lockstep(target):
         assert torch.equal(out, reference), drafter
 
 
-def test_prompts_two_columns_wide_with_a_padded_row(target):
-    """The prompt but its last column goes in a forward of its own before the first round, except here: it would be
-    one column, padding in one row, and transformers gives a one-token forward no padding mask (it is taken for a
-    decode step), so the pad token would enter that row's recurrent state. The first round is a plain step over both
-    columns instead: in a batch (lockstep) and for the padded row alone (the one-sequence loop)."""
-    ids = torch.tensor([[41, 15], [0, 87], [9, 51]])
-    mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
-    kwargs = dict(pad_token_id=0, max_new_tokens=12, do_sample=False)
-    for rows in ([0, 1, 2], [1]):
-        batch = dict(attention_mask=mask[rows], **kwargs)
+def assert_batch_and_padded_row_equal_plain(target, ids, padded_row: int, max_new_tokens: int) -> None:
+    """Greedy identity with plain `generate` (pad 0) for the batch `ids` and for its row `padded_row` alone, drafted by
+    the target itself and by prompt lookup."""
+    mask = (ids != 0).long()
+    for rows in (list(range(ids.shape[0])), [padded_row]):
+        batch = dict(attention_mask=mask[rows], pad_token_id=0, max_new_tokens=max_new_tokens, do_sample=False)
         reference = target.generate(ids[rows], **batch)
         for drafter in ({"assistant_model": target}, {"drafter": "prompt_lookup"}):
             out = target.generate(
                 ids[rows], speculative_gamma=3, speculative_gamma_policy="constant", **drafter, **batch
             )
             assert torch.equal(out, reference), (rows, drafter)
+
+
+def test_prompts_two_columns_wide_with_a_padded_row(target):
+    """The prompt but its last column goes in a forward of its own before the first round, except here: it would be
+    one column, padding in one row, and transformers gives a one-token forward no padding mask (it is taken for a
+    decode step), so the pad token would enter that row's recurrent state. The first round is a plain step over both
+    columns instead: in a batch (lockstep) and for the padded row alone (the one-sequence loop)."""
+    ids = torch.tensor([[41, 15], [0, 87], [9, 51]])
+    assert_batch_and_padded_row_equal_plain(target, ids, padded_row=1, max_new_tokens=12)
 
 
 @pytest.mark.parametrize("width", [2, 4])
@@ -157,16 +162,7 @@ def test_a_row_padded_up_to_its_last_column_with_biases_before_the_state(width):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator))
     ids = torch.randint(4, VOCAB, (3, width), generator=generator)
     ids[1, :-1] = 0
-    mask = (ids != 0).long()
-    kwargs = dict(pad_token_id=0, max_new_tokens=10, do_sample=False)
-    for rows in ([0, 1, 2], [1]):
-        batch = dict(attention_mask=mask[rows], **kwargs)
-        reference = target.generate(ids[rows], **batch)
-        for drafter in ({"assistant_model": target}, {"drafter": "prompt_lookup"}):
-            out = target.generate(
-                ids[rows], speculative_gamma=3, speculative_gamma_policy="constant", **drafter, **batch
-            )
-            assert torch.equal(out, reference), (rows, drafter)
+    assert_batch_and_padded_row_equal_plain(target, ids, padded_row=1, max_new_tokens=10)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
